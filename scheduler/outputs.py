@@ -1,0 +1,103 @@
+"""Wire types between the scheduler and the workers: the step plan and the step result.
+
+Plain ``@dataclass(slots=True)`` with stdlib types only, cheap to pickle. No tensors,
+no live objects. The plan carries a request in full the first time it is scheduled
+(``NewRequestData``) and only diffs afterwards (``CachedRequestData``); the worker keeps
+per-request state (token ids, block table) and updates it from those diffs.
+
+    step k     scheduler ──StepPlan──▶ workers (all ranks)
+               scheduler ◀─StepResult── rank 0 only
+
+Token accounting for one request in one step (``num_computed_tokens`` = c, scheduled = s):
+
+    tokens:   [0 ........ c) [c ...... c+s) [c+s ...... num_tokens)
+               cached K/V     computed now    not yet (next steps)
+
+A row samples a token only when ``c + s`` reaches the request's current token count
+(prompt + outputs so far); a partial prefill chunk samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request's first appearance in a plan (or re-appearance after preemption,
+    when the worker already dropped it). Carries everything the worker needs."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Tokens generated before a preemption; recomputed together with the prompt.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Diffs for requests the worker already knows, as parallel lists (one entry per request)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True: the request was preempted and is back; ``new_block_ids`` is then its whole
+    # block table (replace, don't append) and ``num_computed_tokens`` restarts (usually 0
+    # or a prefix-cache hit).
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Blocks appended to the table this step (may be empty).
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The step plan."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # req_id -> number of tokens to compute this step (>= 1 for every scheduled request).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests that ended (finished or aborted) since the previous plan: workers drop them.
+    finished_req_ids: list[str] = field(default_factory=list)
+    # Requests preempted by this plan: workers keep their token ids but drop their blocks.
+    preempted_req_ids: list[str] = field(default_factory=list)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Logprobs of one sampled token: the sampled token first, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int = 1  # 1-based rank of the sampled token in the full distribution
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The step result, returned by rank 0 only. Parallel lists, one entry per request
+    that was scheduled; ``sampled_token_ids[i]`` is empty for a partial prefill chunk."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # None unless some request asked for logprobs; then one list per request (empty
+    # when that request did not ask, or sampled nothing).
+    logprobs: list[list[Logprobs]] | None = None
+    step_id: int = 0
+
+
+# Short aliases with the names the design card uses.
+StepPlan = SchedulerOutput
+StepResult = ModelRunnerOutput

@@ -1,0 +1,104 @@
+"""Sampling parameters with the OpenAI / vLLM field names.
+
+A plain dataclass (it crosses the scheduler -> worker boundary inside the step
+plan), validated in ``__post_init__`` so that every user mistake becomes one
+``ValueError`` with a message that names the field and the allowed range. The
+HTTP layer turns that ``ValueError`` into an OpenAI-style 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Below this temperature sampling is treated as greedy (argmax), as in vLLM.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per sampled token (0: only the sampled one)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n must be an integer >= 1, got {self.n!r}.")
+        if self.n > 128:
+            bad(f"n must be <= 128, got {self.n}.")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            bad(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad(f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad(f"min_tokens must be >= 0, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad(f"logprobs must be in [0, 20], got {self.logprobs}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}.")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop must be a string or a list of non-empty strings.")
+        if len(self.stop) > 16:
+            bad(f"at most 16 stop strings are allowed, got {len(self.stop)}.")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids must be a list of non-negative integers.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed (used to fork ``n > 1`` into samples)."""
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values["stop"] = list(self.stop)
+        values["stop_token_ids"] = list(self.stop_token_ids)
+        values.update(changes)
+        return SamplingParams(**values)
