@@ -1,0 +1,24 @@
+"""Per-step attention metadata: the tensors that describe one mixed batch.
+
+Built once per step by the model runner and shared by every layer. Tensors live on
+the model's device; the ``*_cpu`` lists are host copies so CPU code paths never sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token (-1: skip)
+    block_table: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length incl. this step's tokens
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: row offsets of each sequence in q
+    max_seqlen_q: int
+    max_seq_len: int
+    num_decode_tokens: int = 0  # rows of sequences with query length 1 (they come first)
+    seq_lens_cpu: list[int] | None = None
+    query_lens_cpu: list[int] | None = None
