@@ -1,0 +1,230 @@
+"""KV cache sizing: how much cache one token and one sequence take, and how many
+sequences fit on a set of GPUs once the weights are loaded.
+
+Only ``config.json`` is read (a directory holding nothing else is enough), so the
+calculator runs on a laptop for a 70B model. Units are the ones people quote:
+KiB per token, GiB per sequence (binary units, 1 GiB = 2**30 bytes).
+
+    bytes/token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes
+
+With tensor parallelism each GPU holds ``ceil(num_kv_heads / tp)`` KV heads (KV heads
+are replicated, not split, when there are fewer of them than GPUs) and ``1/tp`` of the
+weights. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+KiB = 1 << 10
+
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "float": 4, "fp16": 2, "float16": 2, "half": 2,
+               "bf16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+
+@dataclass(slots=True)
+class KVSizeReport:
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int
+    weight_dtype: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int  # whole model, all ranks together
+    kv_bytes_per_seq: int  # at max_model_len
+    max_model_len: int
+    num_gpus: int
+    tensor_parallel_size: int
+    gpu_memory_gib: float
+    gpu_memory_utilization: float
+    weight_bytes: int  # whole model
+    weight_bytes_per_gpu: int
+    kv_budget_bytes_per_gpu: int  # after weights, at the utilisation cap (0 if weights don't fit)
+    num_replicas: int  # num_gpus // tensor_parallel_size engine copies
+    max_num_seqs_per_replica: int
+    max_num_seqs: int  # across every replica
+
+    @property
+    def kib_per_token(self) -> float:
+        return self.kv_bytes_per_token / KiB
+
+    @property
+    def gib_per_seq(self) -> float:
+        return self.kv_bytes_per_seq / GiB
+
+
+def load_hf_config(model: str | Path) -> dict:
+    """``model`` is a directory holding ``config.json`` or the path of a JSON file."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path} (give a model directory or a config file)")
+    cfg = json.loads(path.read_text())
+    # Multimodal wrappers keep the language model's shape under text_config.
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        cfg = {**cfg, **cfg["text_config"]}
+    return cfg
+
+
+def _dims(cfg: dict) -> tuple[int, int, int, int, int]:
+    hidden = int(cfg["hidden_size"])
+    layers = int(cfg["num_hidden_layers"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    return hidden, layers, heads, kv_heads, head_dim
+
+
+def count_params(cfg: dict) -> int:
+    """Parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Mixtral-style MoE),
+    computed from the config: embeddings, attention, gated MLP, RMSNorms, LM head."""
+    hidden, layers, heads, kv_heads, head_dim = _dims(cfg)
+    vocab = int(cfg["vocab_size"])
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attn = hidden * q + 2 * hidden * kv + q * hidden
+    if cfg.get("attention_bias") or cfg.get("model_type") in ("qwen2",):
+        attn += q + 2 * kv  # q/k/v biases (Qwen2 always has them)
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if num_experts:
+        moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+        mlp = num_experts * 3 * hidden * moe_inter + hidden * num_experts  # experts + router
+    else:
+        mlp = 3 * hidden * inter  # gate, up, down
+    per_layer = attn + mlp + 2 * hidden  # input and post-attention RMSNorm
+    embed = vocab * hidden
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    return embed + layers * per_layer + hidden + lm_head
+
+
+def _config_dtype(cfg: dict) -> str:
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
+    return name if name in DTYPE_BYTES else "bfloat16"
+
+
+def _canon(dtype: str) -> str:
+    return {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+            "bfloat16": "bf16"}.get(dtype, dtype)
+
+
+def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_gpus: int = 1,
+            tensor_parallel_size: int | None = None, dtype: str = "auto",
+            kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.9) -> KVSizeReport:
+    _, layers, heads, kv_heads, head_dim = _dims(cfg)
+    tp = tensor_parallel_size or num_gpus
+    if tp < 1 or num_gpus < 1 or num_gpus % tp:
+        raise ValueError(f"num_gpus ({num_gpus}) must be a positive multiple of tensor_parallel_size ({tp})")
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    weight_dtype = _canon(_config_dtype(cfg) if dtype == "auto" else dtype)
+    kv_dtype = weight_dtype if kv_cache_dtype == "auto" else _canon(kv_cache_dtype)
+    for name in (weight_dtype, kv_dtype):
+        if name not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16, fp8")
+    kv_elt, w_elt = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[weight_dtype]
+
+    per_token = 2 * layers * kv_heads * head_dim * kv_elt
+    kv_heads_per_gpu = math.ceil(kv_heads / tp)  # replicated when kv_heads < tp
+    per_token_per_gpu = 2 * layers * kv_heads_per_gpu * head_dim * kv_elt
+    num_params = count_params(cfg)
+    weight_bytes = num_params * w_elt
+    weight_per_gpu = math.ceil(weight_bytes / tp)
+    usable = int(gpu_memory_gib * GiB * gpu_memory_utilization)
+    budget = max(0, usable - weight_per_gpu)
+    seqs_per_replica = budget // (per_token_per_gpu * max_model_len)
+    replicas = num_gpus // tp
+    return KVSizeReport(
+        model_type=str(cfg.get("model_type", "unknown")), num_layers=layers,
+        num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        num_params=num_params, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
+        kv_bytes_per_token=per_token, kv_bytes_per_seq=per_token * max_model_len,
+        max_model_len=max_model_len, num_gpus=num_gpus, tensor_parallel_size=tp,
+        gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
+        weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_per_gpu,
+        kv_budget_bytes_per_gpu=budget, num_replicas=replicas,
+        max_num_seqs_per_replica=seqs_per_replica, max_num_seqs=seqs_per_replica * replicas)
+
+
+def _num(x: float) -> str:
+    """320.0 -> '320', 1.25 -> '1.25', 0.625 -> '0.625' (no trailing zeros, at most 3 decimals)."""
+    return f"{x:,.3f}".rstrip("0").rstrip(".")
+
+
+def format_report(r: KVSizeReport) -> str:
+    lines = [
+        f"model: {r.model_type}, {r.num_layers} layers, {r.num_attention_heads} heads, "
+        f"{r.num_kv_heads} KV heads, head_dim {r.head_dim}, {r.num_params / 1e9:,.2f} B parameters",
+        f"dtypes: weights {r.weight_dtype}, KV cache {r.kv_cache_dtype}",
+        f"KV cache per token: {r.kv_bytes_per_token:,} bytes = {_num(r.kib_per_token)} KiB per token",
+        f"KV cache per sequence: {_num(r.gib_per_seq)} GiB per {r.max_model_len:,}-token sequence",
+        f"GPUs: {r.num_gpus} x {_num(r.gpu_memory_gib)} GiB, tensor parallel {r.tensor_parallel_size}, "
+        f"{r.num_replicas} replica(s), gpu_memory_utilization {r.gpu_memory_utilization:g}",
+        f"weights: {_num(r.weight_bytes / GiB)} GiB total, {_num(r.weight_bytes_per_gpu / GiB)} GiB per GPU",
+    ]
+    if r.kv_budget_bytes_per_gpu == 0:
+        lines.append("does not fit: the weights alone exceed the usable GPU memory "
+                     "(add GPUs, raise --tensor-parallel-size, or use a smaller dtype)")
+    else:
+        lines.append(f"KV cache budget: {_num(r.kv_budget_bytes_per_gpu / GiB)} GiB per GPU")
+    lines.append(f"fits: {r.max_num_seqs:,} sequences of {r.max_model_len:,} tokens "
+                 f"({r.max_num_seqs * r.max_model_len:,} tokens; "
+                 f"{r.max_num_seqs_per_replica:,} per replica)")
+    return "\n".join(lines)
+
+
+def add_kv_size_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``kv-size`` on the ``pagedserve`` CLI; the handler is ``args.func``."""
+    p = subparsers.add_parser("kv-size", help="KV cache bytes per token / sequence and how many fit",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="model directory (config.json is enough) or config file")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--num-gpus", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="GPUs per replica (default: all of --num-gpus)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="sequence length to size for (default: the config's max_position_embeddings)")
+    p.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), fp32, fp16, bf16")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run_kv_size)
+    return p
+
+
+def run_kv_size(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_hf_config(args.model)
+        max_len = args.max_model_len or int(cfg.get("max_position_embeddings", 4096))
+        report = kv_size(cfg, max_model_len=max_len, gpu_memory_gib=args.gpu_memory_gib,
+                         num_gpus=args.num_gpus, tensor_parallel_size=args.tensor_parallel_size,
+                         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"kv-size: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**asdict(report), "kib_per_token": report.kib_per_token,
+                          "gib_per_seq": report.gib_per_seq}, indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedserve")
+    add_kv_size_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["kv-size", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
