@@ -1,0 +1,68 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is split into ``tp`` contiguous shards of ``ceil(vocab / tp)`` rows
+(the last one zero-padded):
+
+    rank 0: ids [0, S)    rank 1: ids [S, 2S)   ...   S = ceil(vocab_size / tp)
+
+Embedding: each rank looks up the ids it owns, writes zeros for the others, and an
+all-reduce sums the shards. LM head: each rank computes logits for its shard, an
+all-gather concatenates them and the padding columns are cut off, so every rank ends
+with the full ``[n, vocab_size]`` logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.layers.linear import copy_checked, loaded_shape, read_shard
+from worker.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
+                                   tensor_model_parallel_all_reduce)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim, dtype=params_dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        rows = loaded_shape(loaded)[0]
+        if rows != self.num_embeddings:
+            raise ValueError(f"embedding has {rows} rows in the checkpoint, config says vocab_size "
+                             f"{self.num_embeddings}.")
+        n = self.vocab_end - self.vocab_start
+        copy_checked(param.data[:n], read_shard(loaded, 0, self.vocab_start, n), "vocab shard")
+        param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = h W^T over this rank's vocab shard, gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.num_embeddings]
+        return logits
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding lookup; call compute_logits.")

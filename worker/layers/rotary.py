@@ -1,0 +1,61 @@
+"""Rotary position embedding (RoPE), default and Llama 3.1 frequency scaling.
+
+cos/sin are precomputed for every position up to ``max_position`` exactly as transformers
+computes them (fp32 ``position * inv_freq``, ``cat(freqs, freqs)``, then cast), and the
+model gathers the rows for this step's ``positions`` once per forward, shared by all
+layers. Layout is the "rotate half" (NeoX) convention HF Llama checkpoints use:
+
+    x = [x1 | x2]  ->  [x1*cos - x2*sin | x2*cos + x1*sin]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_scaling is None:
+        return inv_freq
+    if rope_scaling.get("rope_type") != "llama3":
+        raise ValueError(f"unsupported rope scaling {rope_scaling!r}")
+    # Llama 3.1: low frequencies (long wavelengths) slowed by ``factor``, high ones kept,
+    # a smooth blend in between. Mirrors transformers' _compute_llama3_parameters.
+    factor = rope_scaling["factor"]
+    low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    old_ctx = rope_scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 rope_scaling: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        # Not parameters: rebuilt from the config, never loaded, moved with the module.
+        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` [n] as [n, 1, head_dim] (broadcast over heads)."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [n, heads, head_dim]; same op order as HF (x*cos + rotate_half(x)*sin)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos).add_(rotated.mul_(sin))

@@ -1,0 +1,87 @@
+"""Load a Hugging Face checkpoint directory into our model: safetensors only, never pickle.
+
+    DIR/model.safetensors                          one file
+    DIR/model.safetensors.index.json + shards      sharded ({"weight_map": {name: file}})
+
+Every tensor is handed to the model as a lazy ``safe_open(...).get_slice(name)``; each
+parameter's weight loader reads only this rank's rows/columns, so a TP rank never reads
+(or even pages in) the other ranks' shards. At the end every parameter must have been
+written, or loading fails: an uninitialised weight would silently produce garbage.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import defaultdict
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from worker.model_config import ModelConfig
+from worker.models import get_model_class
+
+_PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(model_path, f))]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}.")
+        return [os.path.join(model_path, f) for f in files]
+    if os.path.isfile(single):
+        return [single]
+    pickles = [os.path.basename(p) for pat in _PICKLE_PATTERNS for p in glob.glob(os.path.join(model_path, pat))]
+    if pickles:
+        raise ValueError(f"{model_path!r} has only pickle checkpoints ({', '.join(sorted(pickles))}); "
+                         "pagedserve loads safetensors only, since unpickling can run arbitrary code. "
+                         "Convert with transformers: model.save_pretrained(dir, safe_serialization=True).")
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_path!r}.")
+
+
+def iter_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) for every tensor of the checkpoint; a name seen twice is an error."""
+    seen: dict[str, str] = {}
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears in both {seen[name]} and {path}.")
+                seen[name] = path
+                yield name, f.get_slice(name)
+
+
+def load_weights_into(model: nn.Module, model_path: str) -> None:
+    loaded = model.load_weights(iter_weight_slices(model_path))
+    missing = model.expected_weight_keys() - loaded
+    if missing:
+        by_param: dict[str, list[str]] = defaultdict(list)
+        for key in sorted(missing):
+            name, _, shard = key.partition("#")
+            by_param[name].append(shard)
+        shown = [f"{n}{' ' + str(s) if s != [''] else ''}" for n, s in sorted(by_param.items())]
+        raise ValueError(f"checkpoint {model_path!r} is missing {len(missing)} tensor(s) for: "
+                         f"{', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}.")
+
+
+def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
+               attention_backend: str | None = None) -> nn.Module:
+    """Build the model for ``model_config`` on ``device`` (this process's TP rank) and fill it
+    from the checkpoint. Returns it in eval mode, parameters in ``model_config.dtype``."""
+    device = torch.device(device)
+    if attention_backend is None:
+        attention_backend = "torch" if device.type == "cpu" else "triton"
+    cls = get_model_class(model_config.architecture)
+    with torch.device(device):
+        model = cls(model_config, attention_backend=attention_backend)
+    load_weights_into(model, model_config.model_path)
+    return model.eval()

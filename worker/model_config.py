@@ -1,0 +1,191 @@
+"""The model's shape and numerics, parsed from a Hugging Face ``config.json``.
+
+Only what the Llama family needs. Both config dialects are accepted: the old one
+(``rope_theta`` + ``rope_scaling``, transformers 4) and the new one (``rope_parameters``,
+transformers 5). Anything we cannot run exactly is refused here with a clear
+``ValueError`` rather than producing wrong tokens later.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Architecture name in config.json -> the family members we implement (worker/models).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16.")
+        return dtype
+    key = str(dtype).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use 'auto', 'float32', 'bfloat16' or 'float16'.")
+    return _DTYPES[key]
+
+
+@dataclass
+class ModelConfig:
+    model_path: str
+    architecture: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None or a dict with "rope_type" (only "llama3" besides default) and its factors.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    hidden_act: str
+    dtype: torch.dtype
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto",
+                        max_model_len: int | None = None) -> "ModelConfig":
+        path = os.fspath(path)
+        cfg_file = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_file):
+            raise ValueError(f"{path!r} is not a model directory: no config.json there.")
+        with open(cfg_file) as f:
+            hf = json.load(f)
+        return cls.from_dict(hf, path, dtype=dtype, max_model_len=max_model_len)
+
+    @classmethod
+    def from_dict(cls, hf: dict[str, Any], path: str = "", dtype: str | torch.dtype = "auto",
+                  max_model_len: int | None = None) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported model architecture {archs or hf.get('model_type')!r} in "
+                             f"{path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+
+        def need(key: str) -> Any:
+            if hf.get(key) is None:
+                raise ValueError(f"config.json of {path or 'model'} lacks required field {key!r}.")
+            return hf[key]
+
+        hidden = int(need("hidden_size"))
+        num_heads = int(need("num_attention_heads"))
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden % num_heads:
+                raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {num_heads} "
+                                 "and config.json gives no head_dim.")
+            head_dim = hidden // num_heads
+        head_dim = int(head_dim)
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({num_kv_heads}).")
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}.")
+        for key, value in (("hidden_size", hidden), ("num_hidden_layers", need("num_hidden_layers")),
+                           ("intermediate_size", need("intermediate_size")), ("vocab_size", need("vocab_size"))):
+            if int(value) < 1:
+                raise ValueError(f"config.json field {key} must be >= 1, got {value}.")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu', SwiGLU).")
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported.")
+
+        rope_theta, rope_scaling = _parse_rope(hf)
+        max_pos = int(hf.get("max_position_embeddings") or 2048)
+        # A sliding window we do not implement: stay exact by never exceeding it.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        limit = min(max_pos, int(window)) if window else max_pos
+        if max_model_len is None:
+            max_model_len = limit
+        elif not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] "
+                             f"(max_position_embeddings{' / sliding_window' if window else ''}).")
+
+        if dtype == "auto":
+            torch_dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+        else:
+            torch_dtype = parse_dtype(dtype)
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(e) for e in eos] if isinstance(eos, list) else [int(eos)])
+        return cls(
+            model_path=path, architecture=arch, hidden_size=hidden,
+            num_hidden_layers=int(hf["num_hidden_layers"]), num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads, head_dim=head_dim,
+            intermediate_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+            rope_scaling=rope_scaling, max_position_embeddings=max_pos, max_model_len=int(max_model_len),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias (hard-wired in HF, no config field).
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+            hidden_act=act, dtype=torch_dtype, bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids, hf_config=hf)
+
+    # ---- sizes per tensor-parallel rank -------------------------------------------------
+    def verify_tensor_parallel(self, tp_size: int) -> None:
+        for what, n in (("num_attention_heads", self.num_attention_heads),
+                        ("num_key_value_heads", self.num_key_value_heads)):
+            if n % tp_size:
+                raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({tp_size}).")
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"intermediate_size ({self.intermediate_size}) must be divisible by "
+                             f"tensor_parallel_size ({tp_size}).")
+
+    def get_num_kv_heads(self, tp_size: int = 1) -> int:
+        self.verify_tensor_parallel(tp_size)
+        return self.num_key_value_heads // tp_size
+
+    def kv_cache_bytes_per_token(self, tp_size: int = 1, cache_dtype: torch.dtype | str | None = None) -> int:
+        """Bytes of K and V one token occupies on one rank, all layers together."""
+        dt = self.dtype if cache_dtype in (None, "auto") else parse_dtype(cache_dtype)
+        elem = torch.empty((), dtype=dt).element_size()
+        return 2 * self.num_hidden_layers * self.get_num_kv_heads(tp_size) * self.head_dim * elem
+
+
+def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported.")
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    scaling = {**legacy, **params}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0 or scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported.")
+    if rope_type == "default":
+        return theta, None
+    out = {"rope_type": "llama3"}
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key not in scaling:
+            raise ValueError(f"llama3 rope scaling needs {key!r}.")
+        out[key] = float(scaling[key])
+    out["original_max_position_embeddings"] = int(
+        scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
+    return theta, out

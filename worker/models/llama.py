@@ -1,0 +1,222 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) over a paged KV cache, tensor-parallel ready.
+
+Reads like gpt-fast: embedding -> N x (RMSNorm, attention, RMSNorm, SwiGLU MLP) -> RMSNorm.
+One step's tokens come flattened, ``[num_tokens]``, for a mixed batch of prefill chunks
+and decode rows described by ``AttentionMetadata``; the numerics follow transformers'
+``LlamaForCausalLM`` so fp32 greedy decoding is token-identical to ``generate()``.
+
+Parameter names match the HF checkpoint except for the fused projections:
+
+    qkv_proj      <- q_proj, k_proj, v_proj   (shard ids "q", "k", "v")
+    gate_up_proj  <- gate_proj, up_proj       (shard ids 0, 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from kernels.metadata import AttentionMetadata
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                  copy_checked, read_full)
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding, apply_rotary
+from worker.model_config import ModelConfig
+from worker.parallel_state import get_tp_size
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def _write_kv(k, v, k_cache, v_cache, md: AttentionMetadata, backend: str) -> None:
+    # Shim until kernels/ exports its dispatching write_kv_cache (then this uses it).
+    fn = getattr(kernels, "write_kv_cache", None)
+    if fn is None:
+        write_kv_cache_ref(k, v, k_cache, v_cache, md.slot_mapping)
+    else:
+        fn(k, v, k_cache, v_cache, md.slot_mapping, backend=backend)
+
+
+def _paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float, backend: str):
+    fn = getattr(kernels, "paged_attention", None)
+    if fn is None:
+        return paged_attention_ref(q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, scale)
+    return fn(q, k_cache, v_cache, md, scale, backend=backend)
+
+
+def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float) -> torch.Tensor:
+    """Causal attention inside each sequence's chunk only (profile runs, tests)."""
+    if md is None:
+        bounds = [0, q.shape[0]]
+    elif md.query_lens_cpu is not None:
+        bounds = [0]
+        for n in md.query_lens_cpu:
+            bounds.append(bounds[-1] + n)
+    else:
+        bounds = md.cu_seqlens_q.tolist()
+    out = torch.empty_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, len, d]
+            out[start:end] = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.backend = backend
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias=cfg.attention_bias,
+                                          params_dtype=cfg.dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        # Qwen2 has q/k/v bias but none on o_proj; Llama's attention_bias covers both.
+        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=o_bias, params_dtype=cfg.dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache | None, md: AttentionMetadata | None) -> torch.Tensor:
+        n = h.shape[0]
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if kv_cache is None:
+            o = _attention_no_cache(q, k, v, md, self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            _write_kv(k, v, k_cache, v_cache, md, self.backend)
+            o = _paged_attention(q, k_cache, v_cache, md, self.scale, self.backend)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       params_dtype=cfg.dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, params_dtype=cfg.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+    def forward(self, h, residual, cos, sin, kv_cache, md):
+        # residual carries the stream; h is the previous sublayer's output, added in the norm.
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our parameter fragment, shard id)
+    stacked_params_mapping = (
+        (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        cfg.verify_tensor_parallel(get_tp_size())
+        self.config = cfg
+        self.attention_backend = attention_backend
+        self.model = LlamaModel(cfg, attention_backend)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling, cfg.dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)  # once per step, shared by every layer
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer(h, residual, cos, sin, None if kv_caches is None else kv_caches[i], attn_metadata)
+        h, _ = self.model.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] fp32, the full vocabulary on every rank."""
+        return self.lm_head.compute_logits(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy (HF name, tensor or safetensors slice) pairs into this rank's parameters.
+        Returns the names of the parameters that were written."""
+        params = dict(self.named_parameters())  # tied lm_head.weight is listed once, as embed
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints store this buffer; we recompute it
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still ship a copy of the embedding
+            for hf_part, our_part, shard_id in self.stacked_params_mapping:
+                if hf_part in name:
+                    target = name.replace(hf_part, our_part)
+                    break
+            else:
+                target, shard_id = name, None
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                copy_checked(param.data, read_full(tensor), name)
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(target if shard_id is None else f"{target}#{shard_id}")
+        return loaded
+
+    def expected_weight_keys(self) -> set[str]:
+        """What ``load_weights`` must report for the model to be fully loaded."""
+        keys: set[str] = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                keys.update(f"{name}#{s}" for s in ("q", "k", "v"))
+            elif ".gate_up_proj." in name:
+                keys.update(f"{name}#{s}" for s in (0, 1))
+            else:
+                keys.add(name)
+        return keys
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,60 @@
+"""Tensor-parallel process state: this rank, the group size, and the two collectives.
+
+One process per rank; ``init_tensor_parallel`` joins the group through torch.distributed
+(gloo on CPU, nccl on CUDA). At world size 1 nothing is initialised and the collectives
+return their input untouched, so a single-process engine pays nothing for TP-readiness.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str,
+                         backend: str | None = None) -> None:
+    """Join the TP group. ``init_method`` is a torch.distributed URL
+    (``tcp://127.0.0.1:PORT`` or ``file:///tmp/...``) shared by all ranks."""
+    global _TP_RANK, _TP_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}.")
+    if world_size > 1 and not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def destroy_tensor_parallel() -> None:
+    global _TP_RANK, _TP_SIZE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE = 0, 1
+
+
+def get_tp_rank() -> int:
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    return _TP_SIZE
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over ranks, in place; the identity at world size 1."""
+    if _TP_SIZE == 1:
+        return x
+    dist.all_reduce(x)
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order); the identity at world size 1."""
+    if _TP_SIZE == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
