@@ -1,0 +1,173 @@
+"""Prometheus metrics with vLLM's names under a ``pagedserve:`` prefix.
+
+Where each number comes from:
+
+    engine replica k ──stats snapshot (after steps, >= 1/s when idle)──▶ StatsAggregator
+                                                                      (one Serve replica)
+    ingress: per-request latencies from RequestOutput.metrics ──▶ histograms
+    GET /metrics  = histograms (ingress) + gauges/counters summed over live replicas
+
+Counters of a replica that went away (downscaling) are folded into a "retired" base, so
+the summed counters never go backwards. Gauges of a replica that stopped reporting for
+``stale_after_s`` are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "pagedserve:"
+
+# Snapshot keys summed across replicas. Counters are monotonic per replica.
+GAUGE_KEYS = ("running", "waiting", "num_free_blocks", "num_blocks", "num_used_blocks")
+COUNTER_KEYS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                "num_prompt_tokens", "num_generation_tokens")
+
+
+def stats_snapshot(stats: Any) -> dict[str, Any]:
+    """A plain dict from the engine's SchedulerStats (a dataclass or any object with the
+    contract's attribute names); cheap to send between actors."""
+    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    snap = {k: raw.get(k, 0) or 0 for k in GAUGE_KEYS + COUNTER_KEYS if k != "num_used_blocks"}
+    snap["num_used_blocks"] = max(0, int(snap["num_blocks"]) - int(snap["num_free_blocks"]))
+    snap["kv_cache_usage"] = float(raw.get("kv_cache_usage", 0.0) or 0.0)
+    snap["waiting_by_reason"] = dict(raw.get("waiting_by_reason") or {})
+    return snap
+
+
+class StatsAggregator:
+    """Latest snapshot per replica, summed on demand (plain class: unit-testable without
+    Ray; ``serve_app`` wraps it in a one-replica deployment)."""
+
+    def __init__(self, stale_after_s: float = 10.0) -> None:
+        self.stale_after_s = stale_after_s
+        self._latest: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._retired = {k: 0 for k in COUNTER_KEYS}
+
+    def report(self, replica_id: str, snapshot: dict[str, Any], now: float | None = None) -> None:
+        self._latest[replica_id] = (time.monotonic() if now is None else now, snapshot)
+
+    def remove(self, replica_id: str) -> None:
+        entry = self._latest.pop(replica_id, None)
+        if entry is not None:
+            for k in COUNTER_KEYS:
+                self._retired[k] += entry[1].get(k, 0)
+
+    def merged(self, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
+        for rid, (t, _) in list(self._latest.items()):
+            if now - t > self.stale_after_s:
+                self.remove(rid)
+        snaps = [s for _, s in self._latest.values()]
+        out: dict[str, Any] = {k: sum(s.get(k, 0) for s in snaps) for k in GAUGE_KEYS}
+        for k in COUNTER_KEYS:
+            out[k] = self._retired[k] + sum(s.get(k, 0) for s in snaps)
+        reasons: dict[str, int] = {}
+        for s in snaps:
+            for r, c in s.get("waiting_by_reason", {}).items():
+                reasons[r] = reasons.get(r, 0) + c
+        out["waiting_by_reason"] = reasons
+        # Pool-weighted usage: used blocks over all blocks of all live replicas.
+        out["kv_cache_usage"] = (out["num_used_blocks"] / out["num_blocks"]) if out["num_blocks"] else 0.0
+        out["num_replicas"] = len(snaps)
+        out["replica_ids"] = sorted(self._latest)
+        return out
+
+
+# Buckets as vLLM's (seconds), trimmed to what a CPU box and a GPU cluster both hit.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 10.0, 20.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class _EngineCollector:
+    """Yields the summed replica snapshot as gauge/counter families at scrape time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.merged: dict[str, Any] = StatsAggregator().merged()
+
+    def collect(self):
+        m, labels = self.merged, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", m["running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", m["waiting"])
+        by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
+                                      "Waiting requests by reason.", labels=["model_name", "reason"])
+        for reason, count in sorted(m["waiting_by_reason"].items()):
+            by_reason.add_metric([self.model_name, str(reason)], count)
+        yield by_reason
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                    m["kv_cache_usage"])
+        yield gauge("num_gpu_blocks", "KV-cache blocks over all replicas.", m["num_blocks"])
+        yield gauge("num_replicas", "Engine replicas reporting stats.", m["num_replicas"])
+        yield counter("num_preemptions", "Preemptions (recompute).", m["num_preemptions"])
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      m["prefix_cache_queries"])
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      m["prefix_cache_hits"])
+        yield counter("prompt_tokens", "Prefill tokens processed.", m["num_prompt_tokens"])
+        yield counter("generation_tokens", "Tokens generated.", m["num_generation_tokens"])
+
+
+class ServeMetrics:
+    """The ingress's registry: latency histograms it observes itself plus the replicas'
+    summed stats. A private registry, so two apps in one process never collide."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.engine = _EngineCollector(model_name)
+        self.registry.register(self.engine)
+        self.model_name = model_name
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.",
+                         _TPOT_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
+                          _LATENCY_BUCKETS)
+
+    def observe_finished(self, metrics: Any, num_output_tokens: int) -> None:
+        """Record one finished request from its RequestMetrics (engine-process clock:
+        only differences of its own timestamps are used)."""
+        arrival = getattr(metrics, "arrival_time", None)
+        if arrival is None:
+            return
+        first_sched = getattr(metrics, "first_scheduled_time", None)
+        first_tok = getattr(metrics, "first_token_time", None)
+        last_tok = getattr(metrics, "last_token_time", None)
+        finished = getattr(metrics, "finished_time", None)
+        if first_sched is not None:
+            self.queue.observe(max(0.0, first_sched - arrival))
+        if first_tok is not None:
+            self.ttft.observe(max(0.0, first_tok - arrival))
+            if last_tok is not None and num_output_tokens > 1:
+                self.tpot.observe(max(0.0, (last_tok - first_tok) / (num_output_tokens - 1)))
+        if finished is not None:
+            self.e2e.observe(max(0.0, finished - arrival))
+
+    def render(self, merged: dict[str, Any]) -> bytes:
+        self.engine.merged = merged
+        return generate_latest(self.registry)
