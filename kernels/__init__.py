@@ -1,0 +1,86 @@
+"""Paged attention and KV-cache writes: Triton on CUDA, fast torch elsewhere.
+
+The model calls exactly two functions per layer and step, in this order:
+
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, backend)
+    out = paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend)
+
+``backend`` comes from ``resolve_attention_backend("auto", device)`` once, at start-up.
+Triton is imported lazily, so this package imports on a machine without triton or CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from kernels.attention_torch import paged_attention_torch
+from kernels.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionMetadata",
+    "paged_attention",
+    "paged_attention_ref",
+    "paged_attention_torch",
+    "resolve_attention_backend",
+    "triton_available",
+    "write_kv_cache",
+    "write_kv_cache_ref",
+]
+
+BACKENDS = ("torch", "triton", "ref")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
+    """"auto" -> "triton" on CUDA when triton is importable, else "torch"."""
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be 'auto' or one of {BACKENDS}, got {backend!r}.")
+    return backend
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0: skip
+    backend: str = "torch",
+) -> None:
+    if backend == "triton":
+        from kernels.triton_cache_write import write_kv_cache_triton
+
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif backend in ("torch", "ref"):
+        write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}.")
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    backend: str = "torch",
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Attention of this step's rows over their cached context (written beforehand)."""
+    md = attn_metadata
+    if backend == "triton":
+        from kernels.triton_paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, md, scale, out=out)
+    if backend == "torch":
+        return paged_attention_torch(q, k_cache, v_cache, md, scale, out=out)
+    if backend == "ref":
+        return paged_attention_ref(q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, scale, out=out)
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}.")

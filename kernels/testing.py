@@ -1,0 +1,104 @@
+"""Random paged batches for kernel tests, benchmarks and the GPU check.
+
+A batch is what the model runner hands a layer after ``write_kv_cache``: q rows for this
+step, K/V caches holding every sequence's context (including this step's tokens), and
+AttentionMetadata. Block ids are a random permutation, so no sequence owns contiguous
+blocks; with ``high_block_ids`` they come from the end of the pool, so an int32
+``block_id * stride`` overflows (a ≥ 32,768-block pool of 16 x 8 x 128 blocks is 2^31
+elements). Unused cache memory is NaN: reading a block or slot the batch does not own
+poisons the output instead of passing silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.metadata import AttentionMetadata
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    attn_metadata: AttentionMetadata
+    scale: float
+
+
+def make_paged_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    num_blocks: int | None = None,
+    high_block_ids: bool = False,
+    seed: int = 0,
+    fill: str = "randn",  # "randn": random K/V; "empty": leave the used blocks unwritten
+) -> PagedBatch:
+    assert len(query_lens) == len(seq_lens)
+    assert all(0 <= ql <= sl for ql, sl in zip(query_lens, seq_lens))
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-sl // block_size) for sl in seq_lens]
+    needed = sum(blocks_per_seq)
+    if num_blocks is None:
+        num_blocks = needed + 4
+    assert num_blocks >= needed
+    # Ids from the pool's tail when asked, shuffled either way.
+    first = num_blocks - needed if high_block_ids else 0
+    pool = first + torch.randperm(num_blocks - first, generator=gen)[:needed]
+    max_blocks = max(blocks_per_seq, default=1)
+    # Padding columns hold the last valid block id: in range, but not this sequence's.
+    block_table = torch.full((len(seq_lens), max(max_blocks, 1)), num_blocks - 1, dtype=torch.int32)
+    off = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_table[i, :n] = pool[off:off + n].to(torch.int32)
+        off += n
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if fill == "randn":
+        # Only the slots a sequence owns get data; the tail of its last block stays NaN.
+        slots = torch.cat([
+            (block_table[i, (p := torch.arange(sl)) // block_size].long() * block_size + p % block_size)
+            for i, sl in enumerate(seq_lens)
+        ]) if seq_lens else torch.empty(0, dtype=torch.long)
+        n = slots.numel()
+        k_vals = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v_vals = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        slots_d = slots.to(device)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, k_vals.to(device))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, v_vals.to(device))
+
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(device)
+    cu = [0]
+    for ql in query_lens:
+        cu.append(cu[-1] + ql)
+    slot_mapping = []
+    for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        for p in range(sl - ql, sl):
+            slot_mapping.append(int(block_table[i, p // block_size]) * block_size + p % block_size)
+    num_decode = 0
+    for ql in query_lens:
+        if ql != 1:
+            break
+        num_decode += 1
+    md = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        block_table=block_table.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        max_seqlen_q=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        num_decode_tokens=num_decode,
+        seq_lens_cpu=list(seq_lens),
+        query_lens_cpu=list(query_lens),
+    )
+    return PagedBatch(q, k_cache, v_cache, md, head_dim ** -0.5)
