@@ -1,0 +1,23 @@
+"""pagedserve's scheduler: requests, the paged KV block pool, the prefix cache and the
+continuous-batching scheduler, plus the wire types of the step plan and step result.
+
+Pure Python (no torch, no ray), so it is unit-tested alone and imported by workers
+for the wire types only.
+"""
+
+from scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput, StepPlan, StepResult)
+from scheduler.request import FinishReason, Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import QueueFullError, Scheduler
+from scheduler.stats import SchedulerStats
+
+__all__ = [
+    "BlockPool", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "FinishReason",
+    "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager", "Logprobs", "ModelRunnerOutput",
+    "NewRequestData", "QueueFullError", "Request", "RequestStatus", "SamplingParams", "Scheduler",
+    "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepPlan", "StepResult",
+]

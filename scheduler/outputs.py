@@ -98,6 +98,25 @@ class ModelRunnerOutput:
     step_id: int = 0
 
 
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What the scheduler hands the engine for one request after one step: the tokens
+    appended this step and, once it ended, why. One per request that got new tokens or
+    finished in that update; the engine detokenizes and streams these."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None: still running
+    # The stop token id that ended the request (None for EOS), or the stop string.
+    stop_reason: int | str | None = None
+    new_logprobs: list[Logprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 # Short aliases with the names the design card uses.
 StepPlan = SchedulerOutput
 StepResult = ModelRunnerOutput

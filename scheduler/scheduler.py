@@ -1,0 +1,359 @@
+"""The continuous-batching scheduler: who runs this step, with how many tokens, where.
+
+One progress model (vLLM V1): every request's ``num_computed_tokens`` catches up with
+its ``num_tokens`` under a per-step token budget. Prefill, chunked prefill, decode,
+prefix hits and recompute after preemption are all that one rule:
+
+    step k:  running first (admission order)        then waiting (FCFS / priority)
+             r1 decode 1 | r2 decode 1 | r3 chunk 510 | r4 prefill 12 (prefix hit 32)
+             └──────────── <= max_num_batched_tokens, <= max_num_seqs ───────────┘
+
+``schedule()`` advances each scheduled request's ``num_computed_tokens`` right away,
+so ``update_from_output()`` only appends sampled tokens, checks stop conditions,
+retires finished requests and caches newly full blocks.
+"""
+
+from __future__ import annotations
+
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput)
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from scheduler.stats import WAITING_REASONS, SchedulerStats
+
+_RUNNING = RequestStatus.RUNNING
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests`` (the HTTP layer answers 429)."""
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.scheduling_policy
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
+        # No sequence may outgrow the whole pool: alone it could never get its next
+        # block and would preempt itself forever. Such a request ends with "length".
+        self.max_seq_len = min(self.max_model_len, cache_config.num_blocks * cache_config.block_size)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
+        self.running: list[Request] = []  # in admission order
+        self.finished_req_ids: list[str] = []  # ended since the previous plan
+        self.static_batch: set[str] = set()  # policy "static": members of the batch in flight
+        self.step_id = 0
+        self._waiting_reason: str | None = None
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid, n = request.req_id, request.num_prompt_tokens
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} already exists.")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                f"and at least one token must be left for the output (prompt <= {self.max_model_len - 1}).")
+        if n >= self.max_seq_len:
+            num_blocks = self.cache_config.num_blocks
+            raise ValueError(
+                f"request {rid!r}: the prompt has {n} tokens and with one output token needs "
+                f"{-(-(n + 1) // self.block_size)} KV cache blocks, but the whole pool holds "
+                f"{num_blocks} blocks of {self.block_size} tokens ({num_blocks * self.block_size} tokens).")
+        limit = self.scheduler_config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later.")
+        room = self.max_seq_len - n
+        user_max = request.sampling_params.max_tokens
+        request.max_tokens = room if user_max is None else min(user_max, room)
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.add_request(request)
+
+    def abort_requests(self, req_ids: str | list[str]) -> None:
+        """Abort in any state; unknown or finished ids are a no-op."""
+        self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: str | list[str], finished_status: RequestStatus,
+                        stop_reason: int | str | None = None) -> None:
+        """End requests from outside (abort, or a stop string the engine found)."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status!r} is not a finished status.")
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == _RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove_request(req)
+            req.status = finished_status
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._free_request(req)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        del self.requests[req.req_id]
+        self.finished_req_ids.append(req.req_id)
+        self.static_batch.discard(req.req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- the step plan ---------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        blocks_of = kv.req_to_blocks
+        bs = self.block_size
+        budget = self.max_num_batched_tokens
+        running = self.running
+        # Scheduled running requests as parallel lists (cheaper than dicts per step).
+        sched_reqs: list[Request] = []
+        sched_nums: list[int] = []
+        sched_new_block_ids: list[list[int]] = []  # blocks added this step
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order, each as far as the budget allows.
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_computed = req.num_computed_tokens
+            num_new = len(req.all_token_ids) - num_computed
+            if num_new <= 0:  # its last sampled token has not come back yet
+                i += 1
+                continue
+            if num_new > budget:
+                num_new = budget
+            # Hot path, same rule as allocate_slots: the new tokens fit the last block.
+            if (num_computed + num_new + bs - 1) // bs <= len(blocks_of[req.req_id]):
+                new_block_ids = []
+            else:
+                new_blocks = kv.allocate_slots(req, num_new)
+                while new_blocks is None:
+                    victim_index = self._pick_victim()
+                    victim = running[victim_index]
+                    if victim in sched_reqs:  # already scheduled this step: take it back
+                        j = sched_reqs.index(victim)
+                        budget += sched_nums[j]
+                        del sched_reqs[j], sched_nums[j], sched_new_block_ids[j]
+                    if victim_index < i:
+                        i -= 1
+                    self._preempt(victim_index)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                    new_blocks = kv.allocate_slots(req, num_new)
+                if new_blocks is None:  # ``req`` preempted itself: nothing more fits
+                    break
+                new_block_ids = [b.block_id for b in new_blocks]
+            sched_reqs.append(req)
+            sched_nums.append(num_new)
+            sched_new_block_ids.append(new_block_ids)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests (head of line), unless this step had to preempt.
+        new_reqs: list[NewRequestData] = []
+        resumed: list[Request] = []
+        if preempted:
+            reason = "no_blocks"
+        else:
+            reason = self._admit(sched_reqs, sched_nums, new_reqs, resumed, budget)
+        self._waiting_reason = reason if len(self.waiting) else None
+
+        # 3. The plan (num_computed_tokens as before this step), then advance the counts.
+        num_running = len(sched_new_block_ids)
+        running_reqs = sched_reqs[:num_running]
+        cached = CachedRequestData(
+            req_ids=[r.req_id for r in running_reqs],
+            resumed_from_preemption=[False] * num_running,
+            new_block_ids=sched_new_block_ids,
+            num_computed_tokens=[r.num_computed_tokens for r in running_reqs])
+        block_ids_of = kv.req_to_block_ids
+        for req in resumed:  # its whole new table: the worker dropped the old one
+            cached.req_ids.append(req.req_id)
+            cached.resumed_from_preemption.append(True)
+            cached.new_block_ids.append(list(block_ids_of[req.req_id]))
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+        for req, n in zip(sched_reqs, sched_nums):
+            req.num_computed_tokens += n
+        self.step_id += 1
+        plan = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(zip([r.req_id for r in sched_reqs], sched_nums)),
+            total_num_scheduled_tokens=sum(sched_nums),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=[r.req_id for r in preempted],
+            step_id=self.step_id,
+        )
+        self.finished_req_ids = []
+        return plan
+
+    def _admit(self, sched_reqs: list[Request], sched_nums: list[int], new_reqs: list[NewRequestData],
+               resumed: list[Request], budget: int) -> str | None:
+        """Admit waiting requests while they fit (appending them to ``sched_reqs`` /
+        ``sched_nums``); return why admission stopped, None if the queue emptied."""
+        kv = self.kv_cache_manager
+        running = self.running
+        waiting = self.waiting
+        static = self.policy == "static"
+        batch_open = not self.static_batch  # static: a batch forms only when idle
+        while len(waiting):
+            if budget <= 0:
+                return "no_budget"
+            if len(running) >= self.max_num_seqs:
+                return "max_seqs"
+            req = waiting.peek_request()
+            is_resumed = req.status == RequestStatus.PREEMPTED
+            if static and not batch_open and req.req_id not in self.static_batch:
+                return "static_batch"
+            hit_blocks, num_hit = kv.get_computed_blocks(req)
+            num_new = len(req.all_token_ids) - num_hit
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    return "no_budget"
+                num_new = budget
+            # The watermark protects running requests; with none running there is no
+            # one to protect, and skipping it keeps a pool-sized request admissible.
+            if kv.allocate_slots(req, num_new, hit_blocks, num_hit, check_watermark=bool(running)) is None:
+                return "no_blocks"
+            waiting.pop_request()
+            if req.num_preemptions == 0:  # recompute after preemption is not a hit
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_hit
+                req.num_cached_tokens = num_hit
+            req.status = _RUNNING
+            req.num_computed_tokens = num_hit
+            running.append(req)
+            if static:
+                self.static_batch.add(req.req_id)
+            sched_reqs.append(req)
+            sched_nums.append(num_new)
+            budget -= num_new
+            if is_resumed:
+                resumed.append(req)
+            else:
+                new_reqs.append(NewRequestData(
+                    req_id=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=list(kv.req_to_block_ids[req.req_id]), num_computed_tokens=num_hit))
+        return None
+
+    def _pick_victim(self) -> int:
+        """Index in ``running`` of the request to preempt: the lowest priority (largest
+        value; "priority" policy only), then the most recently arrived."""
+        running = self.running
+        if self.policy == "priority":
+            key = lambda j: (running[j].priority, running[j].arrival_time)  # noqa: E731
+        else:
+            key = lambda j: running[j].arrival_time  # noqa: E731
+        return max(range(len(running)), key=key)
+
+    def _preempt(self, index: int) -> None:
+        """Preempt by recompute: free the blocks, restart from token 0 (maybe a prefix
+        hit), back to the front of the waiting queue."""
+        req = self.running.pop(index)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(req)
+
+    # ---- the step result ----------------------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, stop finished requests (their blocks go back at once),
+        cache newly full blocks. Rows of requests that ended meanwhile are ignored."""
+        kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        node_ids_of = kv.req_to_node_ids
+        bs = self.block_size
+        max_model_len = self.max_model_len
+        get_request = self.requests.get
+        all_sampled = result.sampled_token_ids
+        all_logprobs = result.logprobs
+        outputs: list[EngineCoreOutput] = []
+        num_finished = 0
+        num_generated = 0
+        for idx, rid in enumerate(result.req_ids):
+            req = get_request(rid)
+            if req is None or req.status is not _RUNNING:
+                continue
+            if caching and req.num_computed_tokens // bs > len(node_ids_of[rid]):
+                kv.cache_full_blocks(req)
+            sampled = all_sampled[idx]
+            if not sampled:  # a partial prefill chunk
+                continue
+            output_ids = req.output_token_ids
+            if not output_ids:
+                self.num_prompt_tokens += req.num_prompt_tokens
+            all_ids = req.all_token_ids
+            new_token_ids = sampled
+            for j, token in enumerate(sampled):
+                output_ids.append(token)
+                all_ids.append(token)
+                num_output = len(output_ids)
+                # Order: min_tokens gates EOS / stop tokens; then the length caps.
+                if num_output >= req.min_tokens and (
+                        (token == req.eos_token_id and not req.ignore_eos)
+                        or (req.stop_token_ids and token in req.stop_token_ids)):
+                    req.status = _STOPPED
+                    if token != req.eos_token_id or req.ignore_eos:
+                        req.stop_reason = token
+                elif num_output >= req.max_tokens or len(all_ids) >= max_model_len:
+                    req.status = _LENGTH
+                else:
+                    continue
+                new_token_ids = sampled[:j + 1]  # drop tokens past the stop
+                break
+            num_generated += len(new_token_ids)
+            logprobs = all_logprobs[idx] if all_logprobs is not None else None
+            if logprobs is not None:
+                logprobs = logprobs[:len(new_token_ids)] or None
+            finish_reason = None
+            if req.status is not _RUNNING:
+                finish_reason = req.finish_reason
+                self._free_request(req)
+                num_finished += 1
+            outputs.append(EngineCoreOutput(rid, new_token_ids, finish_reason, req.stop_reason,
+                                            logprobs, req.num_cached_tokens))
+        self.num_generation_tokens += num_generated
+        if num_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    # ---- stats ------------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        by_reason = dict.fromkeys(WAITING_REASONS, 0)
+        if self._waiting_reason is not None:
+            by_reason[self._waiting_reason] = len(self.waiting)
+        return SchedulerStats(
+            running=len(self.running), waiting=len(self.waiting), waiting_by_reason=by_reason,
+            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens, step_id=self.step_id)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)

@@ -1,0 +1,46 @@
+"""A snapshot of the scheduler for metrics (Prometheus gauges and counters later)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Why the head of the waiting queue was not admitted in the last schedule():
+# no_blocks  - the KV pool (minus the watermark) could not hold its next chunk, or a
+#              running request was preempted this step (nobody is admitted then);
+# no_budget  - the step's token budget was used up (or, without chunked prefill, too
+#              small for its whole prompt);
+# max_seqs   - max_num_seqs requests were already running;
+# static_batch - scheduling_policy="static" and a batch is still running.
+WAITING_REASONS = ("no_blocks", "no_budget", "max_seqs", "static_batch")
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests waiting (new or preempted)
+    # Requests waiting, by the reason admission stopped in the last step (FCFS admission
+    # is head-of-line, so every request behind the head shares the head's reason).
+    waiting_by_reason: dict[str, int] = field(default_factory=dict)
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests, 0..1
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    # Cumulative, in tokens, counted once per request at its first admission.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # cumulative, counted when a request samples its first token
+    num_generation_tokens: int = 0  # cumulative sampled tokens kept
+    step_id: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    # vLLM's metric names.
+    @property
+    def num_running_reqs(self) -> int:
+        return self.running
+
+    @property
+    def num_waiting_reqs(self) -> int:
+        return self.waiting
