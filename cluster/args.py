@@ -1,0 +1,52 @@
+"""Engine flags shared by every CLI subcommand, spelled as ``vllm serve`` spells them."""
+
+from __future__ import annotations
+
+import argparse
+
+from worker.config import EngineConfig
+
+
+def _memory(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G', or a number of bytes."""
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if t and t[-1] in scale:
+        return int(float(t[:-1]) * scale[t[-1]])
+    return int(float(t))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d.enable_prefix_caching)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_memory, default=None,
+                   help="KV cache size on CPU, e.g. 2GiB")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                   choices=["fcfs", "priority", "static"])
+    g.add_argument("--kv-allocation", default=d.kv_allocation, choices=["paged", "contiguous"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+    g.add_argument("--max-waiting-requests", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads per worker")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = EngineConfig.field_names()
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})

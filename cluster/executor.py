@@ -1,0 +1,63 @@
+"""Executors: how the engine reaches its workers.
+
+``UniProcExecutor`` runs the single worker in the engine's own process (offline LLM at
+tensor_parallel_size 1, and the unit of everything the Ray executor does per rank).
+``cluster.ray_executor.RayExecutor`` drives a tensor-parallel group of worker actors.
+"""
+
+from __future__ import annotations
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from worker.config import EngineConfig
+
+
+class Executor:
+    def __init__(self, engine_config: EngineConfig) -> None:
+        # engine_config.model is a resolved local directory by now (LLMEngine resolves
+        # the demo model before building the executor).
+        self.engine_config = engine_config
+
+    def determine_num_available_blocks(self) -> int:
+        raise NotImplementedError
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, engine_config: EngineConfig) -> None:
+        super().__init__(engine_config)
+        from worker.worker import Worker
+
+        if engine_config.tensor_parallel_size != 1:
+            raise ValueError("UniProcExecutor runs tensor_parallel_size 1 only; "
+                             "use cluster.ray_executor.RayExecutor for more ranks.")
+        self.worker = Worker(engine_config)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_available_blocks(self) -> int:
+        return self.worker.determine_num_available_blocks()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_cache(num_blocks)
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(plan)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def default_executor_class(engine_config: EngineConfig) -> type[Executor]:
+    if engine_config.tensor_parallel_size == 1:
+        return UniProcExecutor
+    from cluster.ray_executor import RayExecutor  # imports ray
+
+    return RayExecutor

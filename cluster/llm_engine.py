@@ -1,0 +1,266 @@
+"""LLMEngine: the step loop around the scheduler and the executor, plus the text side
+(tokenize, detokenize, stop strings, ``n > 1`` fan-out). No ray in here: the offline
+``LLM`` runs it in-process and the Serve scheduler actor runs it inside an actor.
+
+One ``step()``:
+
+    scheduler.schedule() ─plan─▶ executor.execute_model() ─result─▶ scheduler.update_from_output()
+                                                                         │ EngineCoreOutput per request
+                                                                         ▼
+                                              detokenize, stop strings, group samples ─▶ RequestOutput
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+
+from cluster.detokenizer import IncrementalDetokenizer
+from cluster.executor import Executor, default_executor_class
+from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from scheduler import Request, RequestStatus, Scheduler
+from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
+from scheduler.sampling_params import SamplingParams
+from worker.config import EngineConfig
+from worker.model_config import ModelConfig
+
+logger = logging.getLogger("pagedserve")
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One of the ``n`` samples of a user request (a scheduler Request of its own)."""
+
+    index: int
+    req_id: str
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    # Siblings 1..n-1 join once sample 0 has prefilled, so they hit its prompt blocks
+    # in the prefix cache instead of computing the same prompt n times.
+    pending: list[Request] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_finished: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples)
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from worker.demo import demo_model_path
+
+        return demo_model_path()
+    return model
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class LLMEngine:
+    def __init__(self, engine_config: EngineConfig,
+                 executor_class: type[Executor] | None = None) -> None:
+        path = resolve_model_path(engine_config.model)
+        self.config = dataclasses.replace(engine_config, model=path)
+        self.model_config = ModelConfig.from_pretrained(
+            path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
+        self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
+        self.max_model_len = self.model_config.max_model_len
+        self.config.max_model_len = self.max_model_len
+        self.served_model_name = self.config.served_model_name or (
+            "pagedserve-demo" if engine_config.model is None else path.rstrip("/").split("/")[-1])
+        self.tokenizer = load_tokenizer(self.config.tokenizer or path)
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+
+        executor_class = executor_class or default_executor_class(self.config)
+        self.executor = executor_class(self.config)
+        self.num_gpu_blocks = self.executor.determine_num_available_blocks()
+        self.executor.initialize_cache(self.num_gpu_blocks)
+        self.scheduler = Scheduler(self.config.scheduler_config(self.max_model_len),
+                                   self.config.cache_config(self.num_gpu_blocks))
+        self.kv_sizing = self._log_kv_sizing()
+        self._groups: dict[str, _Group] = {}
+        self._samples: dict[str, tuple[_Group, _Sample]] = {}
+
+    def _log_kv_sizing(self) -> dict:
+        tp = self.config.tensor_parallel_size
+        per_token = self.model_config.kv_cache_bytes_per_token(tp)
+        tokens = self.num_gpu_blocks * self.config.block_size
+        info = {
+            "kv_bytes_per_token_per_rank": per_token,
+            "num_blocks": self.num_gpu_blocks,
+            "block_size": self.config.block_size,
+            "num_tokens": tokens,
+            "kv_gib_per_rank": per_token * tokens / 2**30,
+            "max_model_len": self.max_model_len,
+            "max_concurrency_at_max_model_len": tokens / self.max_model_len,
+        }
+        logger.info(
+            "KV cache: %d B/token/rank, %d blocks x %d tokens = %d tokens (%.3f GiB/rank); "
+            "%.1f sequences of max_model_len=%d fit", per_token, self.num_gpu_blocks,
+            self.config.block_size, tokens, info["kv_gib_per_rank"],
+            info["max_concurrency_at_max_model_len"], self.max_model_len)
+        return info
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}).")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        prompt_ids = self.tokenize(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty.")
+        n_prompt = len(prompt_ids)
+        if n_prompt >= self.max_model_len or (
+                params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len):
+            requested = n_prompt + (params.max_tokens or 1)
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {requested} tokens ({n_prompt} in the prompt, "
+                f"{params.max_tokens or 1} for the completion). Please reduce the prompt or max_tokens.")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        group = _Group(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [],
+                       RequestMetrics(arrival_time=time.time()))
+        requests = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            if len(self.eos_token_ids) > 1 and not child.ignore_eos:
+                extra = [t for t in self.eos_token_ids[1:] if t not in child.stop_token_ids]
+                child = child.clone(stop_token_ids=child.stop_token_ids + extra)
+            req_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, child)
+                     if child.detokenize else None)
+            sample = _Sample(i, req_id, detok, logprobs=[] if child.logprobs is not None else None)
+            group.samples.append(sample)
+            requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
+                                    priority=priority, cache_salt=cache_salt))
+        self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
+        group.pending = requests[1:]
+        self._groups[request_id] = group
+        for sample in group.samples:
+            self._samples[sample.req_id] = (group, sample)
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            group.pending = []
+            self.scheduler.abort_requests([s.req_id for s in group.samples])
+            for s in group.samples:
+                self._samples.pop(s.req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def get_stats(self):
+        return self.scheduler.get_stats()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids:
+            result = self.executor.execute_model(plan)
+        else:
+            result = ModelRunnerOutput(step_id=plan.step_id)
+        now = time.time()
+        for new in plan.scheduled_new_reqs:
+            entry = self._samples.get(new.req_id)
+            if entry and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = now
+        touched: dict[str, _Group] = {}
+        deltas: dict[str, tuple[str, list[int], list | None]] = {}
+        for out in self.scheduler.update_from_output(plan, result):
+            entry = self._samples.get(out.req_id)
+            if entry is None:
+                continue  # aborted while the step ran
+            group, sample = entry
+            deltas[out.req_id] = self._process(group, sample, out, now)
+            touched[group.request_id] = group
+        outputs = [self._make_output(g, deltas) for g in touched.values()]
+        for g in touched.values():
+            if g.finished:
+                self._groups.pop(g.request_id, None)
+                for s in g.samples:
+                    self._samples.pop(s.req_id, None)
+        return outputs
+
+    def _process(self, group: _Group, sample: _Sample, out: EngineCoreOutput, now: float):
+        new_ids = out.new_token_ids
+        if new_ids:
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+                group.num_cached_tokens = out.num_cached_tokens
+            group.metrics.last_token_time = now
+            sample.token_ids.extend(new_ids)
+            if sample.logprobs is not None and out.new_logprobs:
+                sample.logprobs.extend(out.new_logprobs)
+        delta_text = ""
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if sample.detok is not None:
+            delta_text = sample.detok.update(new_ids) if new_ids else ""
+            if sample.detok.stop_reason is not None:
+                if finish_reason is None:
+                    self.scheduler.finish_requests([sample.req_id], RequestStatus.FINISHED_STOPPED,
+                                                   stop_reason=sample.detok.stop_reason)
+                finish_reason, stop_reason = "stop", sample.detok.stop_reason
+            if finish_reason is not None:
+                delta_text += sample.detok.flush()
+        if finish_reason is not None and sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
+            group.num_finished += 1
+            group.metrics.finished_time = now
+        if group.pending and sample.index == 0:
+            for req in group.pending:
+                self.scheduler.add_request(req)
+            group.pending = []
+        return delta_text, new_ids, out.new_logprobs
+
+    def _make_output(self, group: _Group, deltas: dict) -> RequestOutput:
+        completions = []
+        for s in group.samples:
+            d_text, d_ids, d_lp = deltas.get(s.req_id, ("", [], None))
+            completions.append(CompletionOutput(
+                index=s.index, text=s.detok.output_text if s.detok else "", token_ids=s.token_ids,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=s.logprobs,
+                delta_text=d_text, delta_token_ids=d_ids, delta_logprobs=d_lp))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             finished=group.finished, num_cached_tokens=group.num_cached_tokens,
+                             metrics=group.metrics)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,87 @@
+"""EngineConfig: the one typed object every entry point (LLM, CLI, Serve) builds.
+
+Field names are vLLM's, so ``LLM(model=..., max_num_seqs=...)`` and
+``pagedserve serve --max-num-seqs`` mean what a vLLM user expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from scheduler.config import CacheConfig, SchedulerConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF directory; None: the built-in demo model
+    tokenizer: str | None = None  # defaults to ``model``
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + activations + KV
+    kv_cache_memory_bytes: int | None = None  # CPU: bytes of KV cache (default 2 GiB, capped by RAM)
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    kv_allocation: str = "paged"
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
+    max_waiting_requests: int | None = None
+    num_threads: int | None = None  # CPU intra-op threads per worker (None: torch's default)
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching and self.kv_allocation == "paged",
+            kv_allocation=self.kv_allocation,
+            watermark=self.watermark,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

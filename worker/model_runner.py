@@ -1,0 +1,186 @@
+"""ModelRunner: turns one step plan into tensors, runs the model, samples.
+
+It never decides anything: batch membership and block allocation come in the plan.
+Per-request state lives in ``self.requests`` and changes only through plan diffs and
+the tokens this runner samples itself (every TP rank samples the same token: logits
+are all-gathered and generators are seeded identically on every rank).
+
+Batch layout of one step (decode rows first so attention can batch them):
+
+    rows:     [ d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]
+               query len 1   prefill chunk  chunk
+    logits:   one row per request that samples (last row of a request whose
+              computed tokens reach its token count); partial chunks sample nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from kernels import AttentionMetadata
+from scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from worker.input_batch import CachedRequestState
+from worker.model_config import ModelConfig
+from worker.sampler import Sampler
+from worker.sampling_metadata import SamplingMetadata, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, block_size: int,
+                 device: torch.device, seed: int = 0) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = list(model_config.eos_token_ids)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        self.sampler = Sampler(generator=gen)
+
+    # ------------------------------------------------------------------ state
+    def _update_states(self, plan: SchedulerOutput) -> None:
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in plan.preempted_req_ids:
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.block_ids = []
+                state.num_computed_tokens = 0
+        for new in plan.scheduled_new_reqs:
+            params = new.sampling_params
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids.update(self.eos_token_ids)
+            gen = make_generator(params.seed, self.device) if params.seed is not None else None
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
+                generator=gen,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                stop_token_ids=stop_ids,
+            )
+            self.requests[new.req_id] = state
+        cached = plan.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare_inputs(self, plan: SchedulerOutput):
+        num_scheduled = plan.num_scheduled_tokens
+        # Decode rows (query length 1) first, then chunks; stable within each group.
+        order = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
+        num_decode = sum(1 for r in order if num_scheduled[r] == 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        cu = [0]
+        sample_rows: list[int] = []  # row in hidden_states of each sampling request
+        sample_reqs: list[CachedRequestState] = []
+        tables: list[list[int]] = []
+        for req_id in order:
+            st = self.requests[req_id]
+            n = num_scheduled[req_id]
+            start = st.num_computed_tokens
+            end = start + n
+            input_ids.extend(st.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = st.block_ids
+            if n == 1:
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
+            seq_lens.append(end)
+            query_lens.append(n)
+            cu.append(cu[-1] + n)
+            tables.append(blocks)
+            if end >= st.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_reqs.append(st)
+        max_blocks = max(len(t) for t in tables)
+        table = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=torch.from_numpy(table).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(query_lens),
+            max_seq_len=max(seq_lens),
+            num_decode_tokens=num_decode,
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        return ids, pos_t, md, sample_rows, sample_reqs
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(plan)
+        if plan.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(step_id=plan.step_id)
+        ids, positions, md, sample_rows, sample_reqs = self._prepare_inputs(plan)
+        hidden = self.model(ids, positions, self.kv_caches, md)
+        sampled_by_req: dict[str, int] = {}
+        logprobs_by_req: dict[str, Logprobs] = {}
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            smd = SamplingMetadata.build(
+                [st.sampling_params for st in sample_reqs],
+                [st.generator for st in sample_reqs],
+                [st.prompt_token_ids for st in sample_reqs],
+                [st.output_token_ids for st in sample_reqs],
+                [st.stop_token_ids for st in sample_reqs],
+                self.vocab_size, self.device)
+            out = self.sampler(logits, smd)
+            tokens = out.sampled_token_ids.tolist()
+            for st, tok in zip(sample_reqs, tokens):
+                st.append_output(tok)
+                sampled_by_req[st.req_id] = tok
+            if out.logprobs is not None:
+                for st, lp in zip(sample_reqs, out.logprobs):
+                    if lp is not None:
+                        logprobs_by_req[st.req_id] = lp
+        req_ids = list(plan.num_scheduled_tokens)
+        sampled = [[sampled_by_req[r]] if r in sampled_by_req else [] for r in req_ids]
+        logprobs = None
+        if logprobs_by_req:
+            logprobs = [[logprobs_by_req[r]] if r in logprobs_by_req else [] for r in req_ids]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
+                                 logprobs=logprobs, step_id=plan.step_id)
+
+    # ------------------------------------------------------------------ cache
+    def initialize_cache(self, num_blocks: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+        shape = (num_blocks, self.block_size, num_kv_heads, self.model_config.head_dim)
+        # zeros, not empty: padded rows of a batched decode multiply probability 0 by
+        # whatever the unused slots hold, and 0 * NaN would poison the row.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device),
+             torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.model_config.num_hidden_layers)
+        ]

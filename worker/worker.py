@@ -1,0 +1,144 @@
+"""Worker: one per tensor-parallel rank. Owns a weight shard, a KV-cache shard and a
+ModelRunner; executes the plans it is sent. No ray in here: cluster/ wraps it in an
+actor (or runs it in-process at tensor_parallel_size 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kernels import AttentionMetadata
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from worker import parallel_state
+from worker.config import EngineConfig
+from worker.loader import load_model
+from worker.model_config import ModelConfig
+from worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# CPU KV budget when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given
+# (vLLM's CPU backend defaults to 4 GiB as well); capped to a quarter of free RAM.
+DEFAULT_CPU_KV_BYTES = 4 << 30
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 << 30
+
+
+class Worker:
+    def __init__(self, engine_config: EngineConfig, rank: int = 0, world_size: int = 1,
+                 distributed_init_method: str | None = None) -> None:
+        if engine_config.model is None:
+            raise ValueError("Worker needs a resolved model directory (engine_config.model).")
+        self.config = engine_config
+        self.model_path = engine_config.model
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.device = torch.device(engine_config.resolve_device())
+        self.model_config: ModelConfig | None = None
+        self.runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        if self.device.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.world_size > 1:
+            if not self.distributed_init_method:
+                raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method.")
+            parallel_state.init_tensor_parallel(self.rank, self.world_size,
+                                                self.distributed_init_method)
+        torch.manual_seed(self.config.seed)
+
+    def load_model(self) -> None:
+        self.model_config = ModelConfig.from_pretrained(
+            self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
+        backend = self.config.attention_backend
+        if backend == "auto":
+            from kernels import resolve_attention_backend
+
+            backend = resolve_attention_backend("auto", self.device)
+        model = load_model(self.model_config, self.device, attention_backend=backend)
+        self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
+                                  device=self.device, seed=self.config.seed)
+
+    # ---------------------------------------------------------------- KV sizing
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.model_config.dtype
+
+    def kv_bytes_per_block(self) -> int:
+        per_token = self.model_config.kv_cache_bytes_per_token(self.world_size, self.kv_cache_dtype)
+        return per_token * self.config.block_size
+
+    def determine_num_available_blocks(self) -> int:
+        """Blocks this rank can hold. The engine takes the minimum over ranks."""
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        per_block = self.kv_bytes_per_block()
+        if self.device.type == "cuda":
+            return self._profile_cuda_blocks(per_block)
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = min(DEFAULT_CPU_KV_BYTES, _available_ram_bytes() // 4)
+        return max(1, budget // per_block)
+
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        """Run the largest step the scheduler may send without a cache, see the peak,
+        and give the rest of ``gpu_memory_utilization`` to KV blocks."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = self.config.max_num_batched_tokens or 2048
+        dev = self.device
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        pos = torch.arange(num_tokens, dtype=torch.int64, device=dev)
+        # One sequence of num_tokens rows, no cache: attention stays inside the chunk.
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            block_table=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            max_seqlen_q=num_tokens, max_seq_len=num_tokens,
+            seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens])
+        with torch.inference_mode():
+            hidden = self.runner.model(ids, pos, None, md)
+            self.runner.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(used_by_others, 0)
+        del hidden
+        torch.cuda.empty_cache()
+        if budget <= per_block:
+            raise RuntimeError(
+                f"no memory left for the KV cache: weights + activations peak at {peak / 2**30:.2f} GiB "
+                f"of {total / 2**30:.2f} GiB at gpu_memory_utilization={self.config.gpu_memory_utilization}.")
+        return budget // per_block
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        heads = self.model_config.get_num_kv_heads(self.world_size)
+        self.runner.initialize_cache(num_blocks, heads, self.kv_cache_dtype)
+
+    # ---------------------------------------------------------------- step
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
+        out = self.runner.execute_model(plan)
+        return out if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        if self.world_size > 1:
+            parallel_state.destroy_tensor_parallel()
