@@ -34,8 +34,9 @@ def stats_snapshot(stats: Any) -> dict[str, Any]:
     contract's attribute names); cheap to send between actors."""
     raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
     snap = {k: raw.get(k, 0) or 0 for k in GAUGE_KEYS + COUNTER_KEYS if k != "num_used_blocks"}
-    snap["num_used_blocks"] = max(0, int(snap["num_blocks"]) - int(snap["num_free_blocks"]))
     snap["kv_cache_usage"] = float(raw.get("kv_cache_usage", 0.0) or 0.0)
+    # Blocks held by requests (cached-but-free prefix blocks are not "used").
+    snap["num_used_blocks"] = round(snap["kv_cache_usage"] * int(snap["num_blocks"]))
     snap["waiting_by_reason"] = dict(raw.get("waiting_by_reason") or {})
     return snap
 

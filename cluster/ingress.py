@@ -1,0 +1,198 @@
+"""OpenAI-compatible HTTP ingress (FastAPI under ``serve.ingress``).
+
+It validates (pydantic -> 400), checks the model name (404), forwards the request to an
+engine replica through a streaming Serve handle, and turns the stream into a JSON body
+or SSE. The engine's first item is its admission decision, so a 400/429 is known before
+any 200 header is sent. Leaving early (client disconnect -> Serve cancels this handler,
+or the SSE generator is closed) cancels the engine call, which aborts the request there.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see real classes on the
+# methods that serve.ingress rewrites, or bodies turn into query parameters.
+import asyncio
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from cluster import openai_format as fmt
+from cluster.metrics import ServeMetrics
+from cluster.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                              TokenizeResponse, error_body, random_id)
+
+logger = logging.getLogger("pagedserve")
+REPLICA_HEADER = "x-pagedserve-replica"
+
+app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
+
+
+def error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # OpenAI answers 400 (not FastAPI's 422) for a malformed body.
+    parts = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg"))
+             for e in exc.errors()]
+    return error(400, "; ".join(parts) or "invalid request")
+
+
+@serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine, stats) -> None:
+        self.engine = engine
+        self.stats = stats
+        self._info: dict | None = None
+        self._metrics: ServeMetrics | None = None
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.engine.info.remote()
+            self._metrics = ServeMetrics(self._info["served_model_name"])
+        return self._info
+
+    async def _check_model(self, model: str | None) -> JSONResponse | None:
+        info = await self.info()
+        if model is not None and model != info["served_model_name"]:
+            return error(404, f"The model `{model}` does not exist. "
+                              f"Available: `{info['served_model_name']}`.")
+        return None
+
+    # ------------------------------------------------------------ generation
+    async def _start(self, rid: str, prompt, params, body, messages=None):
+        """Open the engine stream; return (stream, admission) or (None, error response)."""
+        stream = self.engine.options(stream=True).generate.remote(
+            rid, prompt, params, body.priority, body.cache_salt, messages,
+            getattr(body, "add_generation_prompt", True))
+        try:
+            adm = await stream.__anext__()
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        if not adm.accepted:
+            return None, error(adm.status, adm.message, adm.retry_after_s)
+        return stream, adm
+
+    async def _generate(self, body, chat: bool):
+        bad = await self._check_model(body.model)
+        if bad is not None:
+            return bad
+        try:
+            params = body.to_sampling_params()
+            if chat:
+                prompt, messages = None, [dict(role=m.role, content=m.text()) for m in body.messages]
+            else:
+                prompt, messages = body.single_prompt(), None
+        except ValueError as e:
+            return error(400, str(e))
+        info = await self.info()
+        model = info["served_model_name"]
+        rid = random_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())
+        stream, adm = await self._start(rid, prompt, params, body, messages)
+        if stream is None:
+            return adm
+        headers = {REPLICA_HEADER: adm.replica_id}
+        if body.stream:
+            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids)
+            return StreamingResponse(self._sse(stream, state, body.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        final, token_text = None, {}
+        try:
+            async for out, tt in stream:
+                final = out
+                token_text.update(tt or {})
+        except asyncio.CancelledError:  # client went away: the engine aborts the request
+            stream.cancel()
+            raise
+        self._observe(final)
+        if chat:
+            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids)
+        else:
+            echo = prompt if body.echo and isinstance(prompt, str) else None
+            resp = fmt.completion_response(rid, created, model, final, token_text,
+                                           body.return_token_ids, echo)
+        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+    async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):
+        final = None
+        try:
+            async for out, tt in stream:
+                final = out
+                for line in state.chunks(out, tt or {}):
+                    yield line
+            if include_usage and final is not None:
+                yield state.usage_chunk(final)
+            yield fmt.SSE_DONE
+            self._observe(final)
+        finally:
+            if final is None or not final.finished:
+                stream.cancel()  # disconnect mid-stream: abort in the engine
+
+    def _observe(self, final) -> None:
+        if final is not None and final.metrics is not None and self._metrics is not None:
+            self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs))
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        return await self._generate(body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest):
+        return await self._generate(body, chat=True)
+
+    # ------------------------------------------------------------ the rest
+    @app.get("/v1/models")
+    async def models(self):
+        info = await self.info()
+        card = ModelCard(id=info["served_model_name"], root=info.get("model"),
+                         max_model_len=info["max_model_len"])
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/health")
+    async def health(self):
+        await self.info()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self):
+        await self.info()
+        merged = await self.stats.merged.remote()
+        return Response(self._metrics.render(merged),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        bad = await self._check_model(body.model)
+        if bad is not None:
+            return bad
+        if (body.prompt is None) == (body.messages is None):
+            return error(400, "give exactly one of `prompt` or `messages`.")
+        messages = None if body.messages is None else [dict(role=m.role, content=m.text())
+                                                         for m in body.messages]
+        ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
+                                                body.add_generation_prompt)
+        info = await self.info()
+        return TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        bad = await self._check_model(body.model)
+        if bad is not None:
+            return bad
+        try:
+            text = await self.engine.detokenize.remote(body.tokens)
+        except Exception as e:  # ValueError raised in the replica arrives wrapped
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError) or "ValueError" in str(e):
+                return error(400, str(cause).splitlines()[-1])
+            raise
+        return DetokenizeResponse(prompt=text)

@@ -1,0 +1,166 @@
+"""The Ray Serve application: OpenAI ingress -> engine replicas (autoscaled) + stats.
+
+    HTTP ─▶ OpenAIIngress (FastAPI, 1 replica) ──handle──▶ EngineDeployment × N replicas
+                 │ /metrics                                 (scheduler actor + TP workers,
+                 └──────────▶ StatsAggregator (1 replica) ◀── stats pushes)
+
+``build_app(engine_config, ...)`` returns the bound application; ``app_builder(args)`` is
+the import path for ``serve run`` / ``serve deploy`` config files (deploy/serve_config.yaml).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from ray import serve
+
+from cluster.engine_actor import AsyncEngine
+from cluster.metrics import StatsAggregator
+from cluster.ray_utils import tp_bundles
+from worker.config import EngineConfig
+
+logger = logging.getLogger("pagedserve")
+
+# Serve-side options a config file or the CLI may set next to the engine fields.
+SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
+    min_replicas=1, max_replicas=1, target_ongoing_requests=16.0,
+    upscale_delay_s=30.0, downscale_delay_s=600.0, look_back_period_s=30.0,
+    metrics_interval_s=10.0, max_ongoing_requests=1024, engine_num_cpus=1.0)
+
+
+@serve.deployment(name="StatsAggregator", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class StatsAggregatorDeployment:
+    def __init__(self) -> None:
+        self.agg = StatsAggregator()
+
+    def report(self, replica_id: str, snapshot: dict) -> None:
+        self.agg.report(replica_id, snapshot)
+
+    def remove(self, replica_id: str) -> None:
+        self.agg.remove(replica_id)
+
+    def merged(self) -> dict:
+        return self.agg.merged()
+
+
+@serve.deployment(name="EngineDeployment")
+class EngineDeployment:
+    """One engine replica. This Serve replica actor IS the scheduler actor."""
+
+    def __init__(self, engine_config: EngineConfig, stats=None) -> None:
+        try:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            replica_id = None
+        self._stats = stats
+        sink = None if stats is None else (lambda rid, snap: stats.report.remote(rid, snap))
+        self.core = AsyncEngine(engine_config, stats_sink=sink, replica_id=replica_id)
+        info = self.core.info()
+        logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
+
+    async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
+                       messages=None, add_generation_prompt=True):
+        async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
+                                             messages, add_generation_prompt):
+            yield item
+
+    def info(self) -> dict:
+        return self.core.info()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
+                 add_generation_prompt=True) -> list[int]:
+        return self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return self.core.detokenize(tokens)
+
+    async def __del__(self) -> None:
+        # Serve calls this on graceful replica shutdown (downscaling, serve.shutdown).
+        if self._stats is not None:
+            try:
+                await self._stats.remove.remote(self.core.replica_id)
+            except Exception:
+                pass
+        self.core.shutdown()
+
+
+def _use_gpu(engine_config: EngineConfig) -> bool:
+    if engine_config.device != "auto":
+        return engine_config.device == "cuda"
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) -> dict:
+    o = {**SERVE_OPTION_DEFAULTS, **{k: v for k, v in serve_opts.items() if v is not None}}
+    tp = engine_config.tensor_parallel_size
+    use_gpu = _use_gpu(engine_config)
+    opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
+                                graceful_shutdown_timeout_s=5, health_check_period_s=10)
+    if o["min_replicas"] == o["max_replicas"]:
+        opts["num_replicas"] = int(o["min_replicas"])
+    else:
+        opts["autoscaling_config"] = dict(
+            min_replicas=int(o["min_replicas"]), max_replicas=int(o["max_replicas"]),
+            initial_replicas=int(o["min_replicas"]),
+            target_ongoing_requests=float(o["target_ongoing_requests"]),
+            upscale_delay_s=float(o["upscale_delay_s"]), downscale_delay_s=float(o["downscale_delay_s"]),
+            look_back_period_s=float(o["look_back_period_s"]),
+            metrics_interval_s=float(o["metrics_interval_s"]))
+    if tp > 1:
+        # Bundle 0 is this replica (the scheduler actor); 1..tp the worker actors, which
+        # RayExecutor places into the replica's own group (cluster.ray_utils).
+        opts["placement_group_bundles"] = tp_bundles(tp, use_gpu, driver_cpus=float(o["engine_num_cpus"]))
+        opts["placement_group_strategy"] = "PACK"
+        opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"])}
+    else:
+        # tp=1: the worker runs inside the scheduler actor (no dispatch hop at all; see
+        # loadtest/bench_dispatch.py for what a worker actor would add).
+        opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"]),
+                                     "num_gpus": 1 if use_gpu else 0}
+    env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_DEMO_DIR")
+           if k in os.environ}
+    if env:
+        opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+    return opts
+
+
+def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: Any):
+    """The bound Serve application for ``serve.run``. ``serve_opts``: keys of
+    SERVE_OPTION_DEFAULTS (min/max replicas, target ongoing requests, delays...)."""
+    from cluster.ingress import OpenAIIngress
+
+    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator").bind()
+    engine = EngineDeployment.options(
+        name=name_prefix + "EngineDeployment",
+        **engine_deployment_options(engine_config, **serve_opts)).bind(engine_config, stats)
+    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress").bind(engine, stats)
+
+
+def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
+    """Config-file ``args`` (vLLM field names, '-' or '_') -> (EngineConfig, serve options)."""
+    args = {k.replace("-", "_"): v for k, v in (args or {}).items()}
+    engine_fields = EngineConfig.field_names()
+    unknown = set(args) - engine_fields - set(SERVE_OPTION_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown args {sorted(unknown)}; engine fields: {sorted(engine_fields)}, "
+                         f"serve options: {sorted(SERVE_OPTION_DEFAULTS)}.")
+    cfg = EngineConfig(**{k: v for k, v in args.items() if k in engine_fields})
+    return cfg, {k: v for k, v in args.items() if k in SERVE_OPTION_DEFAULTS}
+
+
+def app_builder(args: dict[str, Any]):
+    """``import_path: cluster.serve_app:app_builder`` in a Serve config file."""
+    cfg, opts = split_args(args)
+    return build_app(cfg, **opts)
+
+
+def engine_config_dict(cfg: EngineConfig) -> dict:
+    return dataclasses.asdict(cfg)
