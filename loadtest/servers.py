@@ -1,0 +1,121 @@
+"""Start and stop OpenAI-compatible servers as subprocesses on 127.0.0.1.
+
+Each server runs in its own process group (``start_new_session``), so stopping it
+reaches the children it spawned (Ray workers, vLLM's engine core) and nothing else:
+
+    start ──▶ poll GET /health until 200 (or the process dies / time runs out)
+    stop  ──▶ SIGTERM to the group, wait ``grace`` s, then SIGKILL to the group
+
+Logs go to a file per server so a failed start can show its tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, name: str, cmd: list[str], port: int, *, env: dict | None = None,
+                 log_dir: str | Path | None = None, cwd: str | Path = ROOT) -> None:
+        self.name, self.cmd, self.port = name, cmd, port
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        log_dir = Path(log_dir or "/tmp/loadtest-logs")
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}-{port}.log"
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> "ServerProcess":
+        t0 = time.perf_counter()
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=self.cwd, start_new_session=True)
+        log.close()
+        deadline = t0 + timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    self.startup_s = time.perf_counter() - t0
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # children (Ray workers, engine cores) may outlive the leader
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def pagedserve_command(model: str, port: int, python: str | None = None, **engine_args) -> list[str]:
+    """``pagedserve serve`` with vLLM-style flags: ``enable_prefix_caching=False`` becomes
+    ``--no-enable-prefix-caching``, ``max_num_seqs=8`` becomes ``--max-num-seqs 8``."""
+    cmd = [python or sys.executable, "-m", "cluster.cli", "serve", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port)]
+    for key, value in engine_args.items():
+        if value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + flag[2:])
+        else:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def pagedserve_server(model: str, *, log_dir=None, port: int | None = None, **engine_args) -> ServerProcess:
+    port = port or free_port()
+    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    return ServerProcess("pagedserve", pagedserve_command(model, port, **engine_args), port,
+                         env=env, log_dir=log_dir)

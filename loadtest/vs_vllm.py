@@ -1,0 +1,109 @@
+"""pagedserve vs vLLM itself, one after the other on the same cores, same model
+directory, same dtype (fp32), same token-id prompts:
+
+    offline   LLM.generate in a fresh subprocess each (pagedserve: ``from cluster import
+              LLM`` in the project venv; vLLM: its own venv), start-up excluded, one
+              warm-up request first, then every prompt at once (ignore_eos, fixed length)
+    http      the same chat workload against both OpenAI servers at a fixed concurrency
+
+Ratios are pagedserve/vLLM for throughput (> 1: ours faster) and vLLM/pagedserve for
+TTFT and TPOT (> 1: ours lower), so every ratio reads "> 1 = pagedserve better".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from loadtest.peers import vllm_available, vllm_offline
+from loadtest.scenarios import Row, Run, Scenario, _pair_row
+from loadtest.servers import ROOT
+from loadtest.workloads import FIRST_ID, generate_workload
+
+_PAGEDSERVE_OFFLINE = r"""
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+from cluster import LLM
+from scheduler.sampling_params import SamplingParams
+llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0)
+params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+llm.generate(spec["prompts"][:1], params, use_tqdm=False)  # warm-up
+t0 = time.perf_counter()
+outs = llm.generate(spec["prompts"], params, use_tqdm=False)
+dt = time.perf_counter() - t0
+print("RESULT " + json.dumps({"elapsed": dt, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+      "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}), flush=True)
+llm.shutdown()
+"""
+
+
+def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
+                       dtype: str = "float32", timeout: float = 900.0) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        spec_path, script = Path(d) / "spec.json", Path(d) / "run.py"
+        spec_path.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
+                                         "max_model_len": max_model_len, "dtype": dtype}))
+        script.write_text(_PAGEDSERVE_OFFLINE)
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        proc = subprocess.run([sys.executable, str(script), str(spec_path)], capture_output=True, text=True,
+                              env=env, timeout=timeout, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[7:])
+            out["output_throughput"] = out["num_output_tokens"] / out["elapsed"]
+            return out
+    raise RuntimeError(f"pagedserve offline run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def offline_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(FIRST_ID, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def vs_vllm(ctx) -> Scenario:
+    specs = generate_workload("chat", ctx.n(48, 12), max_model_len=ctx.max_model_len,
+                              vocab_size=ctx.vocab_size, seed=ctx.seed + 6)
+    num, plen, out = ctx.n(32, 8), 32, ctx.n(64, 16)
+
+    def http(server):
+        return ctx.bench(server, specs, label="vs-vllm-http", max_concurrency=16)
+
+    def offline(_server):
+        model = ctx.offline_model_dir
+        prompts = offline_prompts(num, plen, ctx.offline_vocab_size, ctx.seed)
+        res = {"pagedserve": pagedserve_offline(model, prompts, out, max_model_len=ctx.max_model_len)}
+        res["vllm"] = vllm_offline(model, prompts, out, max_model_len=ctx.max_model_len)
+        res["same_first_tokens"] = res["pagedserve"]["first_tokens"] == res["vllm"]["first_tokens"]
+        return res
+
+    def rows(_, res):
+        out_rows = []
+        if "offline" in res:
+            o = res["offline"]
+            out_rows.append(_pair_row("vs-vllm", f"offline output throughput (tok/s, {num}x{plen} in, {out} out, "
+                                      f"{ctx.offline_model_desc})", "vLLM", o["vllm"]["output_throughput"],
+                                      "pagedserve", o["pagedserve"]["output_throughput"], 1.0,
+                                      note=f"greedy first tokens equal: {o['same_first_tokens']}"))
+        if "http-pagedserve" in res and "http-vllm" in res:
+            a, b = res["http-pagedserve"].metrics, res["http-vllm"].metrics
+            out_rows += [
+                _pair_row("vs-vllm", "HTTP output throughput (tok/s, 16 concurrent)", "vLLM",
+                          b["output_throughput"], "pagedserve", a["output_throughput"], 0),
+                _pair_row("vs-vllm", "HTTP mean TTFT (ms)", "vLLM", b["mean_ttft_ms"], "pagedserve",
+                          a["mean_ttft_ms"], 0, higher=False),
+                _pair_row("vs-vllm", "HTTP mean TPOT (ms)", "vLLM", b["mean_tpot_ms"], "pagedserve",
+                          a["mean_tpot_ms"], 0, higher=False)]
+        return out_rows
+
+    if not vllm_available():
+        def missing(_, __):
+            return [Row("vs-vllm", "peer not installed", "vLLM", float("nan"), "pagedserve", float("nan"), None,
+                        "reported", None, "run without --no-setup-peers to create .venv-vllm (PEERS.md)")]
+        return Scenario("vs-vllm", [], missing)
+    return Scenario("vs-vllm", [Run("default", "http-pagedserve", http), Run("vllm", "http-vllm", http),
+                                Run("none", "offline", offline)], rows)

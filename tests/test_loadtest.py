@@ -1,0 +1,200 @@
+"""loadtest/: arrivals, workloads, metrics, the /metrics scraper, the report, and the
+``compare --quick`` smoke run against real pagedserve servers."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadtest.arrivals import arrival_times, parse_rate
+from loadtest.client import RequestResult
+from loadtest.metrics import compute_metrics, parse_goodput, parse_prometheus, percentile, server_view
+from loadtest.report import find_knee, format_table, plot_latency_cdfs, plot_rate_sweep
+from loadtest.workloads import FIRST_ID, WORKLOADS, generate_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ arrivals
+def test_gamma_arrivals_keep_the_rate_and_burstiness_sets_the_spread():
+    for burst in (0.25, 1.0, 4.0):
+        t = arrival_times(20000, request_rate=5.0, burstiness=burst, seed=1)
+        gaps = np.diff([0.0] + t)
+        assert all(b >= a for a, b in zip(t, t[1:]))
+        assert gaps.mean() == pytest.approx(0.2, rel=0.03)  # mean gap is 1/rate whatever the shape
+        # Gamma(k, theta): coefficient of variation 1/sqrt(k): Poisson 1, bursty > 1, regular < 1.
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burst), rel=0.05)
+    assert arrival_times(5, math.inf) == [0.0] * 5
+    assert arrival_times(50, 3.0, seed=7) == arrival_times(50, 3.0, seed=7) != arrival_times(50, 3.0, seed=8)
+    assert parse_rate("inf") == math.inf and parse_rate("2.5") == 2.5
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0)
+
+
+# ------------------------------------------------------------------ workloads
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_every_workload_fits_max_model_len_and_is_seeded(name):
+    for max_len in (256, 2048):
+        specs = generate_workload(name, 200, max_model_len=max_len, vocab_size=1000, seed=3)
+        assert len(specs) == 200
+        for s in specs:
+            assert len(s.prompt) == s.prompt_len >= 1
+            assert s.prompt_len + s.max_tokens <= max_len
+            assert all(FIRST_ID <= t < 1000 for t in s.prompt)
+        again = generate_workload(name, 200, max_model_len=max_len, vocab_size=1000, seed=3)
+        assert [s.prompt for s in again] == [s.prompt for s in specs]
+
+
+def test_workload_shapes_match_their_descriptions():
+    chat = generate_workload("chat", 4000, max_model_len=2048, vocab_size=500, seed=0)
+    assert statistics.fmean(s.prompt_len for s in chat) == pytest.approx(200, rel=0.1)
+    assert statistics.fmean(s.max_tokens for s in chat) == pytest.approx(180, rel=0.1)
+    short = generate_workload("short", 2000, max_model_len=2048, vocab_size=500, seed=0)
+    assert statistics.fmean(s.prompt_len for s in short) == pytest.approx(20, rel=0.15)
+    assert statistics.fmean(s.max_tokens for s in short) == pytest.approx(60, rel=0.15)
+    # Lengths scale with the context: at 512 tokens chat prompts are a quarter as long.
+    small = generate_workload("chat", 4000, max_model_len=512, vocab_size=500, seed=0)
+    assert statistics.fmean(s.prompt_len for s in small) == pytest.approx(50, rel=0.15)
+    docs = generate_workload("long-doc", 300, max_model_len=1000, vocab_size=500, seed=0)
+    assert all(0.5 * 1000 - 32 <= s.prompt_len <= 1000 for s in docs)
+    fixed = generate_workload("chat", 50, max_model_len=2048, vocab_size=500, seed=0, output_len=64)
+    assert {s.max_tokens for s in fixed} == {64} and all(s.ignore_eos for s in fixed)
+    text = generate_workload("short", 5, max_model_len=2048, vocab_size=500, seed=0, text=True)
+    assert all(isinstance(s.prompt, str) and len(s.prompt.split()) == s.prompt_len for s in text)
+
+
+def test_shared_prefix_and_multi_turn_reuse_tokens():
+    specs = generate_workload("shared-prefix", 400, max_model_len=2048, vocab_size=5000, seed=0)
+    heads = [tuple(s.prompt[:64]) for s in specs]
+    top4 = sorted((heads.count(h) for h in set(heads)), reverse=True)[:4]
+    assert sum(top4) / len(specs) == pytest.approx(0.9, abs=0.05)  # ~90% share one of 4 prefixes
+    turns = generate_workload("multi-turn", 60, max_model_len=2048, vocab_size=5000, seed=0)
+    children = [s for s in turns if s.parent is not None]
+    assert children
+    for c in children:  # a follow-up carries its parent's prompt and a reply, then a new message
+        p = turns[c.parent]
+        assert c.prompt[:p.prompt_len] == p.prompt and c.prompt_len > p.prompt_len + p.max_tokens - 1
+
+
+def test_mixed_has_forks_and_cancellations_never_on_a_parent():
+    specs = generate_workload("mixed", 2000, max_model_len=1024, vocab_size=800, seed=0)
+    kinds = {s.kind for s in specs}
+    assert kinds == {"chat", "short", "long-doc", "shared-prefix", "multi-turn"}
+    assert sum(s.n == 2 for s in specs) / len(specs) == pytest.approx(0.05, abs=0.02)
+    cancelled = [s for s in specs if s.cancel_after is not None]
+    assert len(cancelled) / len(specs) == pytest.approx(0.05, abs=0.02)
+    parents = {s.parent for s in specs if s.parent is not None}
+    assert not any(i in parents for i, s in enumerate(specs) if s.cancel_after is not None)
+    assert all(1 <= s.cancel_after < s.max_tokens for s in cancelled)
+
+
+# ------------------------------------------------------------------ metrics
+def _res(i, ttft, itl, out, start, n=1, ok=True, cancelled=False, prompt=10):
+    lat = ttft + sum(itl)
+    return RequestResult(f"r{i}", success=ok, cancelled=cancelled, prompt_len=prompt, output_len=out, n=n,
+                         ttft=ttft, itl=list(itl), latency=lat, start_time=start, end_time=start + lat)
+
+
+def test_metrics_have_vllm_names_and_exact_values():
+    results = [_res(0, 0.1, [0.02, 0.02, 0.02], 4, 0.0),  # tpot = 0.06 / 3 = 20 ms
+               _res(1, 0.3, [0.05, 0.05], 3, 0.05),  # tpot = 50 ms
+               _res(2, 0.2, [0.01], 0, 0.1, ok=False, cancelled=True),
+               _res(3, 0.0, [], 0, 0.2, ok=False)]
+    m = compute_metrics(results, duration=2.0, goodput_slos=parse_goodput(["ttft:200", "tpot:30"]))
+    assert (m["completed"], m["cancelled"], m["failed"]) == (2, 1, 1)
+    assert m["total_input_tokens"] == 20 and m["total_output_tokens"] == 7
+    assert m["request_throughput"] == 1.0 and m["output_throughput"] == 3.5
+    assert m["total_token_throughput"] == 13.5
+    assert m["mean_ttft_ms"] == pytest.approx(200.0) and m["median_ttft_ms"] == pytest.approx(200.0)
+    assert m["mean_tpot_ms"] == pytest.approx(35.0)
+    assert m["mean_itl_ms"] == pytest.approx((3 * 20 + 2 * 50) / 5)
+    assert m["p99_e2el_ms"] == pytest.approx(percentile([160.0, 400.0], 99))
+    assert m["request_goodput"] == 0.5  # only r0 meets ttft <= 200 ms and tpot <= 30 ms
+    assert m["max_concurrent_requests"] == 3  # r0, r1, r2 overlap on [0.10, 0.16) s
+    data = np.random.default_rng(0).exponential(size=999).tolist()
+    for p in (50, 90, 99):
+        assert percentile(data, p) == pytest.approx(float(np.percentile(data, p)))
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+
+
+def test_scraper_reads_pagedserve_exposition_and_vllm_names():
+    from cluster.metrics import ServeMetrics, StatsAggregator
+
+    def snap(running, waiting, free, queries, hits, preempt):
+        return {"running": running, "waiting": waiting, "num_free_blocks": free, "num_blocks": 100,
+                "num_used_blocks": 100 - free, "num_preemptions": preempt, "prefix_cache_queries": queries,
+                "prefix_cache_hits": hits, "num_prompt_tokens": queries, "num_generation_tokens": 7,
+                "kv_cache_usage": (100 - free) / 100, "waiting_by_reason": {"capacity": waiting}}
+
+    sm, agg = ServeMetrics("m"), StatsAggregator()
+    agg.report("a", snap(0, 0, 100, 100, 10, 0))
+    before = parse_prometheus(sm.render(agg.merged()).decode())
+    agg.report("a", snap(5, 2, 60, 300, 110, 3))
+    during = parse_prometheus(sm.render(agg.merged()).decode())
+    agg.report("a", snap(0, 0, 100, 300, 110, 3))
+    after = parse_prometheus(sm.render(agg.merged()).decode())
+    assert during.prefix == "pagedserve:"
+    assert during.gauges["kv_cache_usage_perc"] == pytest.approx(0.4)
+    assert during.waiting_by_reason == {"capacity": 2.0}
+    v = server_view(before, [before, during, after], after)
+    assert v["peak_kv_cache_usage_perc"] == pytest.approx(0.4) and v["peak_num_requests_running"] == 5
+    assert v["num_preemptions"] == 3 and v["prefix_cache_hit_rate"] == pytest.approx(0.5)
+    assert v["leaked_blocks"] == 0 and v["peak_waiting_by_reason"] == {"capacity": 2.0}
+    vllm_text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="x"} 3\n'
+                 '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="x"} 0.25\n'
+                 '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0",model_name="x"} 64\n')
+    s = parse_prometheus(vllm_text)
+    assert s.prefix == "vllm:" and s.gauges["num_requests_running"] == 3 and s.counters["prefix_cache_hits"] == 64
+
+
+# ------------------------------------------------------------------ report
+def test_knee_table_and_plots(tmp_path):
+    def pt(thr, ttft):
+        return {"request_throughput": thr, "mean_ttft_ms": ttft, "output_throughput": thr * 100, "p99_tpot_ms": ttft / 10}
+    sweep = [(1.0, pt(0.98, 50)), (2.0, pt(1.95, 60)), (4.0, pt(3.0, 900)), (8.0, pt(3.1, 4000)),
+             (math.inf, pt(3.1, 9000))]
+    assert find_knee(sweep) == 2.0  # at 4 req/s it serves 3: the queue grows from there
+    assert find_knee([(1.0, pt(0.5, 50))]) is None
+    results = [_res(0, 0.1, [0.02, 0.02], 3, 0.0), _res(1, 0.2, [0.03], 2, 0.0)]
+    m = compute_metrics(results, 1.0)
+    table = format_table("demo", m, {"peak_kv_cache_usage_perc": 0.5, "leaked_blocks": 0})
+    assert "Successful requests:" in table and "P99 ITL (ms):" in table and "leaked_blocks:" in table
+    cdf = plot_latency_cdfs({"a": {"ttft": [0.1, 0.2], "itl": [0.01]}}, tmp_path / "cdf.png")
+    sw = plot_rate_sweep({"pagedserve": sweep}, tmp_path / "sweep.png")
+    for p in (cdf, sw):
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ compare --quick (real servers)
+@pytest.mark.slow
+def test_compare_quick_smoke(tmp_path):
+    """Starts real pagedserve servers; asserts the report's structure and that every
+    request of every run was accounted for (not the speed of this machine)."""
+    pytest.importorskip("cluster.serve_cli", reason="`pagedserve serve` not in this checkout yet")
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "loadtest", "compare", "--quick", "--no-peers", "--result-dir", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "compare.json").read_text())
+    assert report["errors"] == []
+    scenarios = {r["scenario"] for r in report["rows"]}
+    assert scenarios == {"continuous-batching", "paged-kv", "chunked-prefill", "prefix-caching",
+                         "mixed-saturation", "rate-sweep"}
+    for r in report["rows"]:
+        assert set(r) >= {"metric", "baseline_value", "ours_value", "ratio", "goal", "met"}
+    assert report["requests"]
+    for name, acc in report["requests"].items():
+        assert acc["completed"] + acc["cancelled"] + acc["failed"] == acc["num_requests"], name
+        assert acc["failed"] == 0, name
+    mixed = next(r for r in report["rows"] if r["metric"].startswith("requests accounted"))
+    assert mixed["met"] is True
+    assert (out / "summary.md").read_text().count("| ") > 10
+    assert (out / "latency_cdf.png").exists() and (out / "rate_sweep.png").exists()
