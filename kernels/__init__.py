@@ -11,8 +11,6 @@ Triton is imported lazily, so this package imports on a machine without triton o
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
@@ -34,7 +32,11 @@ BACKENDS = ("torch", "triton", "ref")
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def resolve_attention_backend(backend: str, device: torch.device | str) -> str:

@@ -3,10 +3,10 @@
 A batch is what the model runner hands a layer after ``write_kv_cache``: q rows for this
 step, K/V caches holding every sequence's context (including this step's tokens), and
 AttentionMetadata. Block ids are a random permutation, so no sequence owns contiguous
-blocks; with ``high_block_ids`` they come from the end of the pool, so an int32
-``block_id * stride`` overflows (a ≥ 32,768-block pool of 16 x 8 x 128 blocks is 2^31
-elements). Unused cache memory is NaN: reading a block or slot the batch does not own
-poisons the output instead of passing silently.
+blocks; with ``high_block_ids`` they come from the end of the pool, where an int32
+``block_id * stride_blk`` overflows once the pool passes 2^31 elements. Unused cache
+memory is NaN (``poison``): reading a block or slot the batch does not own poisons the
+output instead of passing silently.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def make_paged_batch(
     num_blocks: int | None = None,
     high_block_ids: bool = False,
     seed: int = 0,
-    fill: str = "randn",  # "randn": random K/V; "empty": leave the used blocks unwritten
+    poison: bool = True,  # False: torch.empty pool, so a multi-GB pool costs only the pages written
 ) -> PagedBatch:
     assert len(query_lens) == len(seq_lens)
     assert all(0 <= ql <= sl for ql, sl in zip(query_lens, seq_lens))
@@ -61,20 +61,23 @@ def make_paged_batch(
         off += n
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    if fill == "randn":
-        # Only the slots a sequence owns get data; the tail of its last block stays NaN.
-        slots = torch.cat([
-            (block_table[i, (p := torch.arange(sl)) // block_size].long() * block_size + p % block_size)
-            for i, sl in enumerate(seq_lens)
-        ]) if seq_lens else torch.empty(0, dtype=torch.long)
-        n = slots.numel()
-        k_vals = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        v_vals = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
-        slots_d = slots.to(device)
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, k_vals.to(device))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, v_vals.to(device))
+    if poison:
+        k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    else:
+        k_cache = torch.empty(shape, dtype=dtype, device=device)
+        v_cache = torch.empty(shape, dtype=dtype, device=device)
+    # Only the slots a sequence owns get data; the tail of its last block stays NaN.
+    slots = torch.cat([
+        (block_table[i, (p := torch.arange(sl)) // block_size].long() * block_size + p % block_size)
+        for i, sl in enumerate(seq_lens)
+    ]) if seq_lens else torch.empty(0, dtype=torch.long)
+    n = slots.numel()
+    k_vals = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_vals = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots_d = slots.to(device)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, k_vals.to(device))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, v_vals.to(device))
 
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(device)
