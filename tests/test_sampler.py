@@ -13,7 +13,7 @@ import torch
 
 from scheduler.sampling_params import SamplingParams
 from worker.sampler import (Sampler, SamplingMetadata, apply_penalties, apply_top_k, apply_top_p,
-                            make_generator)
+                            make_generator, sample_inverse_cdf)
 
 CPU = torch.device("cpu")
 
@@ -112,6 +112,16 @@ def test_top_p_on_top_k_candidates_equals_full_sort():
     assert kept[3] == 1 and kept[2] == 200 and all(1 <= n <= k for n, k in zip(kept, ks))
 
 
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    # Zeros at the start, the middle and the end; u at both ends of [0, 1) and at a
+    # cdf step. x = (1 - u) * total: u -> 1 is the first positive token, u = 0 the last.
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    u = torch.tensor([[0.0], [1 - 2**-24], [0.5], [0.5 - 2**-23]])
+    assert sample_inverse_cdf(probs, u).tolist() == [3, 1, 1, 3]
+    unnormalised = torch.tensor([[0.0, 0.0, 2e-3, 0.0]])  # min_p leaves rows unnormalised
+    assert sample_inverse_cdf(unnormalised, torch.tensor([[0.0]])).tolist() == [2]
+
+
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     return float(((counts - expected) ** 2 / expected).sum())
@@ -156,6 +166,21 @@ def test_penalised_row_does_not_leak_into_others():
     md = build(params, outputs=[[top[0]] * 5, [top[1]] * 5, [top[2]] * 5], logits=logits)
     out = Sampler()(logits, md).sampled_token_ids.tolist()
     assert out[0] == top[0] and out[2] == top[2] and out[1] != top[1]
+
+
+def test_bf16_logits_and_input_untouched_on_every_path():
+    logits = randn(8, 64, seed=6).to(torch.bfloat16)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
+              SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=1),
+              SamplingParams(temperature=1.0, top_k=3, min_tokens=2)] * 2
+    md = build(params, outputs=[[1]] * 8, prompts=[[3]] * 8, stops=[{0}] * 8, logits=logits)
+    assert md.min_tokens_rows.tolist() == [3, 7] and md.penalty_rows.tolist() == [2, 6]
+    out = Sampler(torch.Generator().manual_seed(0))(logits, md)
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids[0].item() == logits[0].float().argmax().item()
+    assert out.logprobs[2].logprobs[0] == pytest.approx(
+        logits[2].float().log_softmax(-1)[out.sampled_token_ids[2]].item(), abs=1e-5)
 
 
 def test_min_tokens_masks_stop_tokens_until_reached():
