@@ -68,7 +68,7 @@ def load_weights_into(model: nn.Module, model_path: str) -> None:
         for key in sorted(missing):
             name, _, shard = key.partition("#")
             by_param[name].append(shard)
-        shown = [f"{n}{' ' + str(s) if s != [''] else ''}" for n, s in sorted(by_param.items())]
+        shown = [n if s == [""] else f"{n} (shard {', '.join(s)})" for n, s in sorted(by_param.items())]
         raise ValueError(f"checkpoint {model_path!r} is missing {len(missing)} tensor(s) for: "
                          f"{', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}.")
 

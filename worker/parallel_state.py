@@ -7,6 +7,9 @@ return their input untouched, so a single-process engine pays nothing for TP-rea
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -58,3 +61,16 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+@contextmanager
+def tp_rank_override(rank: int, world_size: int) -> Iterator[None]:
+    """Build one rank's shard of a model in this process without a process group
+    (loading and inspecting weights only; running a TP>1 forward needs the real group)."""
+    global _TP_RANK, _TP_SIZE
+    saved = _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = rank, world_size
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE = saved

@@ -2,9 +2,13 @@
 
 ``make_random_llama`` uses transformers' own model classes (so our loader reads exactly
 what HF writes), seeded weights, ``save_pretrained(safe_serialization=True)`` and the
-offline BPE tokenizer. Weights are drawn wider than HF's default (std 0.02 makes logits
-nearly uniform, and greedy near-ties would make a token-exact oracle flaky): with
-``initializer_range`` ~0.2-0.3 the top-1/top-2 logit gaps are typically >= 1e-3.
+offline BPE tokenizer. HF's default init (std 0.02) gives near-uniform logits, and greedy
+near-ties would make a token-exact oracle flaky. What matters is the top-1/top-2 gap
+relative to the float error between two correct implementations; measured on the test
+shapes (8 prompts x 64 greedy tokens), that error grows much faster than the gaps with the
+weight scale (init 0.25: error ~3e-4, median gap ~0.8; init 0.05: error ~2e-6, median gap
+~0.1). So: std 0.05 inside, the output layer scaled by ``logit_scale`` (4x) to spread the
+logits, random (not zero/one) biases and norm weights.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,10 +25,12 @@ from worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 _BASE: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6,
-    initializer_range=0.25, tie_word_embeddings=False,
+    initializer_range=0.05, tie_word_embeddings=False,
 )
 
 # name -> (arch, config overrides). The acceptance shapes: qwen2-tied, llama-gqa4-hd128, llama-mha.
+TIED_LAYER_GAIN = 6.0  # measured: 3 still mostly repeats, 12 gave a 5e-5 near-tie
+
 TEST_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True)),  # qkv bias + tied embeddings
     "llama-gqa4-hd128": ("llama", dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2,
@@ -49,7 +55,7 @@ def _hf_classes(arch: str):
 
 
 def make_random_llama(path: str | os.PathLike, arch: str = "llama", seed: int = 0,
-                      **config_overrides: Any) -> str:
+                      logit_scale: float = 4.0, **config_overrides: Any) -> str:
     """Write a random HF checkpoint + tokenizer to ``path`` (overwritten) and return it."""
     cfg_cls, model_cls = _hf_classes(arch)
     kwargs = {**_BASE, **config_overrides}
@@ -57,6 +63,24 @@ def make_random_llama(path: str | os.PathLike, arch: str = "llama", seed: int = 
     config = cfg_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
+    # HF initialises biases to 0 and norm weights to 1; randomise both so a loader that
+    # drops a bias or swaps two norms cannot pass the HF comparison by accident.
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * config.initializer_range)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+        # Small weights inside (float error grows fast with weight scale), logits spread
+        # out by the final norm's gain so greedy is decisive (see the module docstring).
+        model.model.norm.weight.mul_(logit_scale)
+        if config.tie_word_embeddings:
+            # Tied, the residual stream ~ the input token's embedding = its own output row,
+            # so the model would just repeat its last token. Louder layers break that.
+            for name, p in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(TIED_LAYER_GAIN)
     path = os.fspath(path)
     model.save_pretrained(path, safe_serialization=True)
     if model.generation_config is not None:  # plain greedy unless a test asks otherwise
@@ -65,18 +89,18 @@ def make_random_llama(path: str | os.PathLike, arch: str = "llama", seed: int = 
     return path
 
 
-def make_test_model(name: str, root: str | os.PathLike) -> str:
-    """``TEST_SHAPES[name]`` under ``root/name``, built once and reused (atomic rename)."""
-    if name not in TEST_SHAPES:
-        raise KeyError(f"unknown test shape {name!r}; known: {sorted(TEST_SHAPES)}.")
-    final = os.path.join(os.fspath(root), name)
+def build_once(final: str | os.PathLike, build: Callable[[str], Any]) -> str:
+    """Return ``final``, first running ``build(tmp_dir)`` and renaming it into place if it
+    does not exist yet. The rename is atomic, so readers never see a half-written model
+    and concurrent builders (tests, several processes) need no lock: the loser discards."""
+    final = os.fspath(final)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final
-    os.makedirs(os.fspath(root), exist_ok=True)
-    arch, overrides = TEST_SHAPES[name]
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.fspath(root))
+    parent = os.path.dirname(final) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}-", dir=parent)
     try:
-        make_random_llama(tmp, arch, **overrides)
+        build(tmp)
         try:
             os.rename(tmp, final)
         except OSError:  # another process won the race; its copy is identical
@@ -85,3 +109,11 @@ def make_test_model(name: str, root: str | os.PathLike) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def make_test_model(name: str, root: str | os.PathLike) -> str:
+    """``TEST_SHAPES[name]`` under ``root/name``, built once and reused."""
+    if name not in TEST_SHAPES:
+        raise KeyError(f"unknown test shape {name!r}; known: {sorted(TEST_SHAPES)}.")
+    arch, overrides = TEST_SHAPES[name]
+    return build_once(os.path.join(os.fspath(root), name), lambda tmp: make_random_llama(tmp, arch, **overrides))
