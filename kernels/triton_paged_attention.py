@@ -17,7 +17,7 @@ multiplying by the block stride: a 32,768-block pool of 16 x 8 x 128 fp16 passes
 elements), with an online softmax in fp32 (exp2, scale folded with log2 e).
 
 Split-KV (flash-decoding, ``SPLIT_KV``): for decode-only batches with few sequences
-the context of each row is cut into NUM_SPLITS ranges handled by separate programs,
+the context of each row is cut into num_splits ranges handled by separate programs,
 each writing a normalised partial output and its log2-sum-exp; the reduce kernel in
 triton_split_kv_reduce.py merges them.
 """
@@ -41,8 +41,9 @@ if triton is not None:
 
     @triton.jit
     def _find_seq_idx(cu_seqlens_q_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
-        lo = 0
-        hi = num_seqs
+        # Annotated: loop-carried variables must keep one type (a bare 0 is a constexpr).
+        lo: tl.int32 = 0
+        hi: tl.int32 = num_seqs
         while lo < hi:
             mid = (lo + hi) // 2
             first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
@@ -52,7 +53,9 @@ if triton is not None:
                 hi = mid
         return lo - 1
 
-    @triton.jit
+    # num_seqs / num_splits vary per step: no specialisation (a value of 1 would
+    # otherwise become a constexpr and compile a second variant).
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
     def _paged_attention_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -61,8 +64,8 @@ if triton is not None:
         block_table_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
         seq_lens_ptr,  # [num_seqs] int32
         cu_seqlens_q_ptr,  # [num_seqs + 1] int32
-        part_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (SPLIT_KV only)
-        part_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] fp32, log2 units (SPLIT_KV only)
+        part_out_ptr,  # [num_tokens, num_heads, num_splits, HEAD_DIM_PAD] fp32 (SPLIT_KV only)
+        part_lse_ptr,  # [num_tokens, num_heads, num_splits] fp32, log2 units (SPLIT_KV only)
         scale_log2,  # softmax scale * log2(e)
         num_seqs,
         stride_q_tok, stride_q_head,
@@ -70,6 +73,7 @@ if triton is not None:
         stride_k_blk, stride_k_tok, stride_k_head,
         stride_v_blk, stride_v_tok, stride_v_head,
         stride_bt_seq,
+        num_splits,  # runtime, not constexpr: a new split count must not recompile
         NUM_QUERIES_PER_KV: tl.constexpr,
         GROUP_PAD: tl.constexpr,  # next power of 2 of NUM_QUERIES_PER_KV
         HEAD_DIM: tl.constexpr,
@@ -79,7 +83,6 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD
         SPLIT_KV: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
         FP32_DOT: tl.constexpr,  # fp32 inputs: exact ("ieee") dots, not tf32
     ):
         tile_idx = tl.program_id(0)
@@ -110,7 +113,7 @@ if triton is not None:
         kv_end = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         num_tiles = tl.cdiv(kv_end, TILE_N)
         if SPLIT_KV:
-            per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+            per_split = tl.cdiv(num_tiles, num_splits)
             tile_lo = split * per_split
             tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
         else:
@@ -154,7 +157,7 @@ if triton is not None:
         acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
         if SPLIT_KV:
             lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-            part_row = (tok * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * NUM_SPLITS + split
+            part_row = (tok * tl.num_programs(1) * NUM_QUERIES_PER_KV + head) * num_splits + split
             tl.store(part_lse_ptr + part_row, lse, mask=row_ok)
             tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
         else:
@@ -206,7 +209,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n
     programs = max(1, num_seqs * num_kv_heads)
     want = -(-4 * num_sms // programs)
     tiles = -(-max_seq_len // tile_n)
-    return max(1, min(want, tiles // 4, MAX_SPLITS))
+    n = max(1, min(want, tiles // 4, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)  # a power of 2: few variants of the reduce kernel
 
 
 def paged_attention_triton(
@@ -257,10 +261,10 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        md.block_table.stride(0),
+        md.block_table.stride(0), num_splits,
         NUM_QUERIES_PER_KV=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
-        SPLIT_KV=split, NUM_SPLITS=num_splits, FP32_DOT=q.dtype == torch.float32,
+        SPLIT_KV=split, FP32_DOT=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
