@@ -175,7 +175,7 @@ def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,
     tok = sampled if len(rows) == md.num_rows else sampled[rows]
     tok_lp = logprobs.gather(1, tok.unsqueeze(1))  # [R, 1]
     ranks = (logprobs > tok_lp).sum(dim=-1) + 1
-    n = md.max_num_logprobs
+    n = min(md.max_num_logprobs, logprobs.shape[1])
     if n > 0:
         top_lp, top_ids = logprobs.topk(n, dim=-1)
         ids = torch.cat([tok.unsqueeze(1), top_ids], dim=1)
