@@ -21,6 +21,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kernels import resolve_attention_backend
+
 from worker.model_config import ModelConfig
 from worker.models import get_model_class
 
@@ -78,8 +80,7 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     """Build the model for ``model_config`` on ``device`` (this process's TP rank) and fill it
     from the checkpoint. Returns it in eval mode, parameters in ``model_config.dtype``."""
     device = torch.device(device)
-    if attention_backend is None:
-        attention_backend = "torch" if device.type == "cpu" else "triton"
+    attention_backend = resolve_attention_backend(attention_backend or "auto", device)
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
         model = cls(model_config, attention_backend=attention_backend)

@@ -19,9 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
-from kernels.metadata import AttentionMetadata
+from kernels import AttentionMetadata, paged_attention, write_kv_cache
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                   copy_checked, read_full)
@@ -31,22 +29,6 @@ from worker.model_config import ModelConfig
 from worker.parallel_state import get_tp_size
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
-
-
-def _write_kv(k, v, k_cache, v_cache, md: AttentionMetadata, backend: str) -> None:
-    # Shim until kernels/ exports its dispatching write_kv_cache (then this uses it).
-    fn = getattr(kernels, "write_kv_cache", None)
-    if fn is None:
-        write_kv_cache_ref(k, v, k_cache, v_cache, md.slot_mapping)
-    else:
-        fn(k, v, k_cache, v_cache, md.slot_mapping, backend=backend)
-
-
-def _paged_attention(q, k_cache, v_cache, md: AttentionMetadata, scale: float, backend: str):
-    fn = getattr(kernels, "paged_attention", None)
-    if fn is None:
-        return paged_attention_ref(q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, scale)
-    return fn(q, k_cache, v_cache, md, scale, backend=backend)
 
 
 def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float) -> torch.Tensor:
@@ -95,8 +77,8 @@ class LlamaAttention(nn.Module):
             o = _attention_no_cache(q, k, v, md, self.scale)
         else:
             k_cache, v_cache = kv_cache
-            _write_kv(k, v, k_cache, v_cache, md, self.backend)
-            o = _paged_attention(q, k_cache, v_cache, md, self.scale, self.backend)
+            write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping, backend=self.backend)
+            o = paged_attention(q, k_cache, v_cache, md, self.scale, backend=self.backend)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
