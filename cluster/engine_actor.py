@@ -21,6 +21,7 @@ If the caller goes away (cancellation), the request is aborted in the engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -74,7 +75,10 @@ class AsyncEngine:
             from cluster.ray_executor import RayExecutor
 
             executor_class = RayExecutor
-        self.engine = LLMEngine(engine_config, executor_class=executor_class)
+        # The replica enforces max_waiting_requests itself (see _admit); the scheduler's
+        # own bound counts a burst that arrived between two steps as waiting.
+        self.engine = LLMEngine(dataclasses.replace(engine_config, max_waiting_requests=None),
+                                executor_class=executor_class)
         self.replica_id = replica_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.max_waiting = engine_config.max_waiting_requests
         # stats_sink(replica_id, snapshot) -> anything; e.g. a Serve handle's .remote.
@@ -187,23 +191,37 @@ class AsyncEngine:
             logger.debug("stats push failed", exc_info=True)
 
     # ---------------------------------------------------------------- requests
-    def _admit(self, prompt_ids_estimate: int) -> Admission | None:
-        """429 when the waiting queue is full: by count (max_waiting_requests) or by
-        projected KV demand (the waiting prompts alone would not fit the whole pool)."""
-        waiting = max(len(self._pending_blocks), int(self._stats.get("waiting", 0)))
-        if self.max_waiting is not None and waiting >= self.max_waiting:
-            return Admission(False, self.replica_id, 429,
-                             f"The server is overloaded: {waiting} requests are waiting "
-                             f"(max_waiting_requests={self.max_waiting}). Retry later.",
-                             retry_after_s=RETRY_AFTER_S)
-        bs = self.config.block_size
-        demand = sum(self._pending_blocks.values()) + -(-prompt_ids_estimate // bs)
+    def _admit(self, num_prompt_tokens: int) -> Admission | None:
+        """Engine thread, right before add_request. 429 when the waiting queue is full:
+
+        - by count: the requests that would wait behind a full running batch, this one
+          included, exceed ``max_waiting_requests`` (a burst that still fits the batch is
+          not "waiting", even though it sits in the scheduler's queue until next step);
+        - by projected KV demand: the prompts of the not-yet-started requests plus this
+          one need more blocks than this replica's whole pool.
+        """
+        stats = self.engine.get_stats()
+        if self.max_waiting is not None:
+            would_wait = stats.running + stats.waiting + 1 - self.config.max_num_seqs
+            if would_wait > self.max_waiting:
+                return Admission(False, self.replica_id, 429,
+                                 f"The server is overloaded: {stats.waiting} requests are waiting "
+                                 f"(max_waiting_requests={self.max_waiting}). Retry later.",
+                                 retry_after_s=RETRY_AFTER_S)
+        demand = sum(list(self._pending_blocks.values())) + -(-num_prompt_tokens // self.config.block_size)
         if self._pending_blocks and demand > self.engine.num_gpu_blocks:
             return Admission(False, self.replica_id, 429,
                              f"The server is overloaded: waiting requests need {demand} KV blocks, "
                              f"more than the {self.engine.num_gpu_blocks} this replica holds. "
                              "Retry later.", retry_after_s=RETRY_AFTER_S)
         return None
+
+    def _admit_and_add(self, request_id, prompt_ids, params, priority, cache_salt) -> Admission | None:
+        rejected = self._admit(len(prompt_ids))
+        if rejected is None:
+            self.engine.add_request(request_id, prompt_ids, params, None, priority, cache_salt)
+            self._pending_blocks[request_id] = -(-len(prompt_ids) // self.config.block_size)
+        return rejected
 
     def _prepare(self, prompt, messages, add_generation_prompt) -> list[int]:
         """Engine thread: the tokenizer is shared with detokenization in the step."""
@@ -220,17 +238,17 @@ class AsyncEngine:
         except ValueError as e:
             yield Admission(False, self.replica_id, 400, str(e))
             return
-        rejected = self._admit(len(prompt_ids))
-        if rejected is not None:
-            yield rejected
-            return
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
         try:
             try:
-                await self._call(self.engine.add_request, request_id, prompt_ids, params,
-                                 None, priority, cache_salt)
+                rejected = await self._call(self._admit_and_add, request_id, prompt_ids, params,
+                                            priority, cache_salt)
+                if rejected is not None:
+                    finished = True
+                    yield rejected
+                    return
             except ValueError as e:
                 finished = True
                 yield Admission(False, self.replica_id, 400, str(e))
@@ -240,7 +258,6 @@ class AsyncEngine:
                 yield Admission(False, self.replica_id, 429, f"The server is overloaded: {e}",
                                 retry_after_s=RETRY_AFTER_S)
                 return
-            self._pending_blocks[request_id] = -(-len(prompt_ids) // self.config.block_size)
             self._wakeup.set()
             yield Admission(True, self.replica_id, prompt_token_ids=prompt_ids)
             while True:

@@ -1,0 +1,62 @@
+"""Shared fixtures. Ray and Serve start once per session, lazily (only tests that ask for
+them pay the ~6 s Ray start-up and ~10 s Serve start-up), and are shut down at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    from cluster.ray_utils import init_ray
+    import ray
+
+    init_ray()
+    yield ray
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_url(ray_session):
+    """Base URL of one Serve HTTP proxy on 127.0.0.1 shared by all Serve tests; each
+    test module deploys its own application under its own route prefix."""
+    from ray import serve
+
+    from cluster.ray_utils import get_open_port
+
+    port = get_open_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+# The engine every Serve test talks to: a tiny random Llama (GQA 2:1), fp32, a small KV
+# pool, at most 4 running and 2 waiting requests (so 429 is reachable in a test).
+SERVE_ENGINE = dict(max_model_len=1024, num_gpu_blocks_override=256, max_num_seqs=4,
+                    max_waiting_requests=2, dtype="float32", seed=0)
+
+
+@pytest.fixture(scope="session")
+def serve_model(tmp_path_factory):
+    from worker.testing import make_test_model
+
+    return make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "serve-models")
+
+
+@pytest.fixture(scope="session")
+def openai_app(serve_url, serve_model):
+    """The OpenAI app deployed once at route prefix "/" (shared by the API and cancel tests)."""
+    from ray import serve
+
+    from cluster.serve_app import build_app
+    from worker.config import EngineConfig
+
+    cfg = EngineConfig(model=serve_model, **SERVE_ENGINE)
+    serve.run(build_app(cfg), name="openai-test", route_prefix="/")
+    yield serve_url
+    serve.delete("openai-test")
