@@ -41,7 +41,8 @@ if triton is not None:
 
     @triton.jit
     def _find_seq_idx(cu_seqlens_q_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
-        # Annotated: loop-carried variables must keep one type (a bare 0 is a constexpr).
+        # Annotated (as vLLM does): older Triton rejects a loop-carried variable that
+        # starts as a constexpr literal and becomes a tensor.
         lo: tl.int32 = 0
         hi: tl.int32 = num_seqs
         while lo < hi:

@@ -195,6 +195,16 @@ def test_wrappers_reject_bad_inputs_clearly(results):
     assert "seq_lens must be a 1-D int32" in e["int64_seq_lens"]
 
 
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Frontend + ptxas for the real target: errors the interpreter cannot see."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "kernels.aot_check", "--quick"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("OK ") == 8
+
+
 def test_kernels_package_imports_without_triton():
     code = (
         "import sys\n"

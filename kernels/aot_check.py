@@ -1,0 +1,82 @@
+"""Compile every Triton kernel for a CUDA target without a GPU: frontend, MLIR passes,
+LLVM and ptxas all run, so type errors that the interpreter never sees (a loop-carried
+variable changing type, a bad dot shape, too much shared memory) fail on a CPU box.
+
+    python -m kernels.aot_check [--arch 90]     # prints one line per variant, exit 1 on failure
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_cache_write, triton_paged_attention, triton_split_kv_reduce
+
+
+def _compile(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> dict:
+    names = fn.arg_names
+    sig = {n: ("constexpr" if n in consts else types[n]) for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=2))
+    return {"shared_bytes": k.metadata.shared}
+
+
+def _attention_types(dt: str) -> dict[str, str]:
+    types = {}
+    for n in triton_paged_attention._paged_attention_kernel.arg_names:
+        if n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"):
+            types[n] = "*" + dt
+        elif n in ("block_table_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"):
+            types[n] = "*i32"
+        elif n in ("part_out_ptr", "part_lse_ptr"):
+            types[n] = "*fp32"
+        else:
+            types[n] = "fp32" if n == "scale_log2" else "i32"
+    return types
+
+
+def variants(quick: bool = False):
+    """(name, fn, types, constexprs) for the launch configurations the wrappers use."""
+    shapes = [  # (group, group_pad, head_dim, block_m, split)
+        (4, 4, 128, 16, False), (4, 4, 128, 64, False), (4, 4, 128, 16, True), (3, 4, 64, 64, False),
+        (1, 1, 64, 16, True),
+    ]
+    dtypes = ("fp16", "bf16") if quick else ("fp16", "bf16", "fp32")
+    for dt in dtypes:
+        for group, gpad, hd, bm, split in (shapes[:3] if quick else shapes):
+            consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd, BLOCK_SIZE=16,
+                          TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split, FP32_DOT=dt == "fp32")
+            yield (f"attention {dt} group {group} d{hd} BLOCK_M {bm} split {split}",
+                   triton_paged_attention._paged_attention_kernel, _attention_types(dt), consts)
+    yield ("split-KV reduce", triton_split_kv_reduce._split_kv_reduce_kernel,
+           {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_o_tok": "i32",
+            "stride_o_head": "i32", "num_heads": "i32"},
+           dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128))
+    yield ("cache write", triton_cache_write._write_kv_cache_kernel,
+           {n: ("*i64" if n == "slot_mapping_ptr" else "*bf16" if n.endswith("_ptr") else "i32")
+            for n in triton_cache_write._write_kv_cache_kernel.arg_names},
+           dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    failed = 0
+    for name, fn, types, consts in variants(args.quick):
+        try:
+            meta = _compile(fn, types, consts, args.arch)
+            print(f"OK   {name}: shared {meta['shared_bytes']} B", flush=True)
+        except Exception as e:  # report every variant, then fail
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
