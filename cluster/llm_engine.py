@@ -232,7 +232,9 @@ class LLMEngine:
         delta_text = ""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if sample.detok is not None:
-            delta_text = sample.detok.update(new_ids) if new_ids else ""
+            if new_ids:
+                # A stop *token* (EOS, stop_token_ids) ends the text before it, as in vLLM.
+                delta_text = sample.detok.update(new_ids, stop_terminated=finish_reason == "stop")
             if sample.detok.stop_reason is not None:
                 if finish_reason is None:
                     self.scheduler.finish_requests([sample.req_id], RequestStatus.FINISHED_STOPPED,
