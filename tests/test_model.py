@@ -192,6 +192,8 @@ def test_model_config_fields_and_kv_bytes(tmp_path):
     assert cfg.kv_cache_bytes_per_token() == 512
     assert cfg.kv_cache_bytes_per_token(tp_size=2, cache_dtype="float32") == 512
     assert ModelConfig.from_pretrained(tmp_path, dtype="float32").dtype == torch.float32
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == [5, 7, 9]
     with pytest.raises(ValueError, match="divisible by tensor_parallel_size"):
         cfg.get_num_kv_heads(4)
     with pytest.raises(ValueError, match="max_model_len 300"):

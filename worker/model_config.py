@@ -75,7 +75,16 @@ class ModelConfig:
             raise ValueError(f"{path!r} is not a model directory: no config.json there.")
         with open(cfg_file) as f:
             hf = json.load(f)
-        return cls.from_dict(hf, path, dtype=dtype, max_model_len=max_model_len)
+        cfg = cls.from_dict(hf, path, dtype=dtype, max_model_len=max_model_len)
+        # Chat checkpoints (e.g. Llama 3 Instruct) list extra stop ids only here.
+        gen_file = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_file):
+            with open(gen_file) as f:
+                gen_eos = json.load(f).get("eos_token_id")
+            for e in gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]:
+                if int(e) not in cfg.eos_token_ids:
+                    cfg.eos_token_ids.append(int(e))
+        return cfg
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], path: str = "", dtype: str | torch.dtype = "auto",
