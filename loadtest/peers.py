@@ -70,20 +70,23 @@ def vllm_server(model: str, *, served_model_name: str | None = None, max_model_l
 # prints one JSON line: elapsed seconds of generate() alone (start-up excluded) and tokens.
 _OFFLINE_SCRIPT = r"""
 import json, sys, time
-spec = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-          enforce_eager=spec["enforce_eager"])
-params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
-prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
-t0 = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-dt = time.perf_counter() - t0
-n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-print("RESULT " + json.dumps({"elapsed": dt, "num_output_tokens": n_out,
-      "num_prompt_tokens": sum(len(p) for p in spec["prompts"]),
-      "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}), flush=True)
+
+def main():  # under a __main__ guard: vLLM's engine core is a spawned process
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
+              enforce_eager=spec["enforce_eager"])
+    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    print("RESULT " + json.dumps({"elapsed": dt, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+          "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}), flush=True)
+
+if __name__ == "__main__":
+    main()
 """
 
 
