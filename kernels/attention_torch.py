@@ -4,21 +4,23 @@ Same contract as ``paged_attention_ref`` (see attention_ref.py for the row layou
 built for a 2-core CPU where memory traffic, not flops, sets the time:
 
 * Decode rows (query length 1) are batched. Sequences are sorted by length and cut into
-  groups whose padded length wastes at most ~25% of the gathered K/V; each group is
-  gathered with one token-level ``index_select`` on the leading dim of the flattened
-  cache (the gather torch does at memory speed: indexing a non-leading dim of a
-  permuted view measured ~10x slower) and permuted once into
-  ``[B, num_kv_heads, L, head_dim]`` so both matmuls are plain batched GEMMs. GQA is a
-  reshape of q to ``[B, num_kv_heads, group, head_dim]``: K/V are never repeated.
-* Gather/permute buffers are reused across calls (``_workspace``): a fresh 100 MB
+  groups whose padded length wastes at most ~25% of the gathered K/V. Each group's K
+  (and V) is one ``index_select`` of [head_dim] rows from the cache viewed as
+  [-1, head_dim], landing directly in ``[B, num_kv_heads, L, head_dim]``, so both
+  matmuls are plain batched GEMMs (indexing a non-leading dim of a permuted cache view
+  measured ~10x slower; a slot gather plus a permute copy ~2x). GQA is a reshape of q
+  to ``[B, num_kv_heads, group, head_dim]``: K/V are never repeated.
+* The index tensors (which cache rows each group reads) depend only on the step's
+  metadata: the first layer builds them (``_plan``) and the other layers reuse them.
+* Gather buffers are reused across calls (``_workspace``): a fresh 100 MB
   tensor per layer costs more in page faults than the copy itself (measured 5-8x).
   Groups are split into chunks of at most ``_CHUNK_TOKENS`` tokens so the buffers stay
-  small and the permuted K/V are still in cache when the matmul reads them.
+  small and the gathered K/V are still in cache when the matmul reads them.
 * Prefill/chunk rows go one sequence at a time through ``F.scaled_dot_product_attention``
   (``enable_gqa``), ``is_causal`` when the chunk is the whole context, an explicit
   offset-causal mask otherwise.
 
-Decode math runs in fp32 (the permute copy converts bf16/fp16 for free); prefill runs
+Decode math runs in fp32 (bf16/fp16 K/V are gathered, then converted in one copy); prefill runs
 SDPA in fp32 or bf16 (CPU SDPA accumulates bf16 in fp32) and upcasts fp16.
 Not thread-safe: the workspace is shared per process, like the model runner that calls it.
 """
@@ -26,6 +28,8 @@ Not thread-safe: the workspace is shared per process, like the model runner that
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +55,15 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     return buf[:numel].view(shape)
 
 
+def _gather(cache: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """cache rows (as [-1, head_dim]) -> fp32 workspace of `shape`; one pass for fp32."""
+    flat = cache.view(-1, cache.shape[-1])
+    if cache.dtype == torch.float32:
+        return torch.index_select(flat, 0, rows, out=_workspace(name, shape, torch.float32, cache.device).view(-1, shape[-1])).view(shape)
+    low = torch.index_select(flat, 0, rows, out=_workspace("low", shape, cache.dtype, cache.device).view(-1, shape[-1]))
+    return _workspace(name, shape, torch.float32, cache.device).copy_(low.view(shape))
+
+
 def _group_decode(seq_ids: list[int], lens: list[int], block_size: int) -> list[list[int]]:
     """Sorted-by-length groups, each cheap to pad, each at most _CHUNK_TOKENS tokens."""
     order = sorted(seq_ids, key=lambda i: -lens[i])
@@ -69,52 +82,105 @@ def _group_decode(seq_ids: list[int], lens: list[int], block_size: int) -> list[
     return groups
 
 
+@dataclass(slots=True)
+class _DecodeGroup:
+    rows: torch.Tensor  # [b] q/out row of each sequence
+    kv_rows: torch.Tensor  # [b * num_kv_heads * padded] rows of a cache viewed as [-1, head_dim]
+    is_pad: torch.Tensor | None  # [b, padded] bool; None when every sequence fills `padded`
+    padded: int  # longest context in the group
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Everything about one step's batch that does not depend on the layer."""
+
+    key: tuple
+    md_ref: weakref.ref
+    decode: list[_DecodeGroup]
+    prefill: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len)
+
+
+# One plan per step, built by the first layer and reused by the others (the index
+# tensors cost ~1/3 of a decode call at batch 256 when rebuilt per layer).
+_PLAN: _StepPlan | None = None
+
+
+def _build_decode_group(block_table: torch.Tensor, ids: list[int], rows: list[int], lens: list[int],
+                        block_size: int, num_kv_heads: int) -> _DecodeGroup:
+    dev = block_table.device
+    b = len(ids)
+    padded = lens[0]  # longest first; token-level gather, so no rounding up to blocks
+    nb = -(-padded // block_size)
+    blocks = block_table.index_select(0, torch.tensor(ids, device=dev))[:, :nb].long()  # [b, nb]
+    lens_t = torch.tensor(lens, device=dev)
+    # Token-level index. Padding positions (past a sequence's length, including the
+    # unwritten tail of its last block) read the sequence's own token 0: cache memory
+    # that was never written may hold NaN, and 0 * NaN in the PV matmul is NaN.
+    pos = torch.arange(padded, device=dev).expand(b, padded)
+    is_pad = pos >= lens_t[:, None]  # [b, padded]
+    pos = pos.masked_fill(is_pad, 0)
+    slots = blocks.gather(1, pos // block_size) * block_size + pos % block_size  # [b, padded]
+    # Rows of the cache viewed as [num_slots * num_kv_heads, head_dim], ordered so one
+    # index_select lands in [b, num_kv_heads, padded, head_dim] (a slot gather followed
+    # by a permute copy measured ~2x slower).
+    kv_rows = (slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=dev)[None, :, None]).view(-1)
+    return _DecodeGroup(torch.tensor(rows, device=dev), kv_rows, is_pad if lens[-1] < padded else None, padded)
+
+
+def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int) -> _StepPlan:
+    global _PLAN
+    lens = md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens.tolist()
+    if md.query_lens_cpu is not None:
+        q_lens = md.query_lens_cpu
+    else:
+        cu = md.cu_seqlens_q.tolist()
+        q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    key = (id(md.block_table), tuple(lens), tuple(q_lens), block_size, num_kv_heads)
+    if _PLAN is not None and _PLAN.md_ref() is md and _PLAN.key == key:
+        return _PLAN
+    # Any sequence with one query row takes the batched decode path, wherever it sits
+    # (the runner puts them first, but nothing here depends on that).
+    row_of: dict[int, int] = {}
+    prefill: list[tuple[int, int, int, int]] = []
+    row = 0
+    for i, ql in enumerate(q_lens):
+        if ql == 1:
+            row_of[i] = row
+        elif ql > 0:
+            prefill.append((i, row, ql, lens[i]))
+        row += ql
+    decode = [
+        _build_decode_group(md.block_table, ids, [row_of[i] for i in ids], [lens[i] for i in ids], block_size,
+                            num_kv_heads)
+        for ids in _group_decode(list(row_of), lens, block_size)
+    ]
+    _PLAN = _StepPlan(key, weakref.ref(md), decode, prefill)
+    return _PLAN
+
+
 def _decode_group(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq]
-    ids: list[int],  # sequences of this group, longest first
-    rows: list[int],  # q row of each sequence in ids
-    lens: list[int],  # seq_len of each sequence in ids
+    g: _DecodeGroup,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
 ) -> None:
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
-    dev = q.device
-    b = len(ids)
-    nb = -(-lens[0] // block_size)
-    padded = lens[0]  # token-level gather: no need to round up to whole blocks
-    ids_t = torch.tensor(ids, device=dev)
-    lens_t = torch.tensor(lens, device=dev)
-    blocks = block_table.index_select(0, ids_t)[:, :nb].long()  # [b, nb]
-    # Token-level gather index. Padding positions (past a sequence's length, including
-    # the unwritten tail of its last block) read the sequence's own token 0: cache
-    # memory that was never written may hold NaN, and 0 * NaN in the PV matmul is NaN.
-    pos = torch.arange(padded, device=dev).expand(b, padded)
-    is_pad = pos >= lens_t[:, None]  # [b, padded]
-    pos = pos.masked_fill(is_pad, 0)
-    slots = (blocks.gather(1, pos // block_size) * block_size + pos % block_size).view(-1)
-
-    gathered = _workspace("gather", (b * padded, num_kv_heads, head_dim), k_cache.dtype, dev)
-    kp = _workspace("k", (b, num_kv_heads, padded, head_dim), torch.float32, dev)
-    vp = _workspace("v", (b, num_kv_heads, padded, head_dim), torch.float32, dev)
-    torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, slots, out=gathered)
-    kp.copy_(gathered.view(b, padded, num_kv_heads, head_dim).transpose(1, 2))
-    torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, slots, out=gathered)
-    vp.copy_(gathered.view(b, padded, num_kv_heads, head_dim).transpose(1, 2))
-
-    rows_t = torch.tensor(rows, device=dev)
-    qg = q.index_select(0, rows_t).view(b, num_kv_heads, group, head_dim).float() * scale
-    scores = _workspace("scores", (b, num_kv_heads, group, padded), torch.float32, dev)
+    b = g.rows.shape[0]
+    shape = (b, num_kv_heads, g.padded, head_dim)
+    kp = _gather(k_cache, g.kv_rows, shape, "k")
+    vp = _gather(v_cache, g.kv_rows, shape, "v")
+    qg = q.index_select(0, g.rows).view(b, num_kv_heads, group, head_dim).float() * scale
+    scores = _workspace("scores", (b, num_kv_heads, group, g.padded), torch.float32, q.device)
     torch.matmul(qg, kp.transpose(-1, -2), out=scores)
-    if lens[-1] < padded:
-        scores.masked_fill_(is_pad[:, None, None, :], float("-inf"))
+    if g.is_pad is not None:
+        scores.masked_fill_(g.is_pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     o = torch.matmul(probs, vp)  # [b, num_kv_heads, group, head_dim]
-    out.index_copy_(0, rows_t, o.view(b, num_heads, head_dim).to(out.dtype))
+    out.index_copy_(0, g.rows, o.view(b, num_heads, head_dim).to(out.dtype))
 
 
 def _prefill_seq(
@@ -156,33 +222,9 @@ def paged_attention_torch(
     md = attn_metadata
     if out is None:
         out = torch.empty_like(q)
-    lens = md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens.tolist()
-    if md.query_lens_cpu is not None:
-        q_lens = md.query_lens_cpu
-    else:
-        cu = md.cu_seqlens_q.tolist()
-        q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    block_size = k_cache.shape[1]
-
-    # Any sequence with one query row takes the batched decode path, wherever it sits
-    # (the runner puts them first, but nothing here depends on that).
-    decode_ids: list[int] = []
-    decode_rows: list[int] = []
-    row = 0
-    prefill: list[tuple[int, int, int]] = []  # (seq, first row, q_len)
-    for i, ql in enumerate(q_lens):
-        if ql == 1:
-            decode_ids.append(i)
-            decode_rows.append(row)
-        elif ql > 0:
-            prefill.append((i, row, ql))
-        row += ql
-
-    if decode_ids:
-        row_of = dict(zip(decode_ids, decode_rows))
-        for ids in _group_decode(decode_ids, lens, block_size):
-            _decode_group(q, k_cache, v_cache, md.block_table, ids, [row_of[i] for i in ids],
-                          [lens[i] for i in ids], scale, out)
-    for i, r0, ql in prefill:
-        out[r0:r0 + ql] = _prefill_seq(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i], lens[i], scale)
+    plan = _plan(md, k_cache.shape[1], k_cache.shape[2])
+    for g in plan.decode:
+        _decode_group(q, k_cache, v_cache, g, scale, out)
+    for i, r0, ql, seq_len in plan.prefill:
+        out[r0:r0 + ql] = _prefill_seq(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i], seq_len, scale)
     return out

@@ -91,6 +91,22 @@ def test_write_then_attend_equals_reference_flow():
     _check(batch, atol=1e-5, rtol=1e-5)
 
 
+def test_layers_of_one_step_share_the_plan():
+    """The index plan is built by the first layer and reused by the next (same metadata)."""
+    from kernels import attention_torch
+
+    batch = make_paged_batch([1, 1, 1, 4], [300, 17, 90, 30], 12, 4, 64, 16, seed=13)
+    layer2 = (batch.k_cache * -1.3, batch.v_cache + 0.7)  # NaN stays NaN in unowned slots
+    _check(batch, atol=1e-5, rtol=1e-5)
+    plan = attention_torch._PLAN
+    batch.k_cache, batch.v_cache = layer2
+    _check(batch, atol=1e-5, rtol=1e-5)
+    assert attention_torch._PLAN is plan
+    # A new step (new metadata object, other lengths) gets a new plan.
+    _check(make_paged_batch([1, 1], [5, 6], 12, 4, 64, 16, seed=14), atol=1e-5, rtol=1e-5)
+    assert attention_torch._PLAN is not plan
+
+
 def test_resolve_backend():
     assert resolve_attention_backend("auto", "cpu") == "torch"
     assert resolve_attention_backend("triton", "cpu") == "triton"
