@@ -212,3 +212,30 @@ def test_bf16_model_runs_and_tracks_fp32(tmp_path):
     assert out["bfloat16"].dtype == torch.float32
     agree = (out["bfloat16"].argmax(-1) == out["float32"].argmax(-1)).float().mean()
     assert agree >= 0.75
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_and_rotary_are_bit_identical_to_hf(dtype, model_root):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from worker.layers.norm import RMSNorm
+    from worker.layers.rotary import RotaryEmbedding, apply_rotary
+    ours, theirs = RMSNorm(256, 1e-6, dtype), LlamaRMSNorm(256, 1e-6).to(dtype)
+    ours.weight.data.copy_(torch.randn(256))
+    theirs.weight.data.copy_(ours.weight)
+    x, r = (torch.randn(40, 256) * 3).to(dtype), torch.randn(40, 256).to(dtype)
+    assert torch.equal(ours(x.clone()), theirs(x))
+    normed, summed = ours(x.clone(), r)  # fused residual add
+    assert torch.equal(summed, x + r) and torch.equal(normed, theirs(x + r))
+
+    path = make_test_model("llama3-rope", model_root)
+    cfg = ModelConfig.from_pretrained(path)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, dtype)
+    hf_rope = LlamaRotaryEmbedding(transformers.AutoConfig.from_pretrained(path))
+    positions = torch.tensor([0, 1, 5, 63, 64, 300, 1023])
+    q, k = torch.randn(7, 4, cfg.head_dim).to(dtype), torch.randn(7, 2, cfg.head_dim).to(dtype)
+    hf_cos, hf_sin = hf_rope(q, positions[None])
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    cos, sin = rope(positions)
+    assert torch.equal(cos[:, 0], hf_cos[0]) and torch.equal(sin[:, 0], hf_sin[0])
+    assert torch.equal(apply_rotary(q, cos, sin), hq[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(k, cos, sin), hk[0].transpose(0, 1))

@@ -15,11 +15,11 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Same op order as transformers' LlamaRMSNorm so fp32 results are bit-identical.
+        # (In-place where HF allocates; products commute, so the bits are the same.)
         dtype = x.dtype
         h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        inv_rms = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (h * inv_rms).to(dtype).mul_(self.weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``: ``s = x + residual`` and returns ``(norm(s), s)``."""
