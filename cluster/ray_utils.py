@@ -31,6 +31,15 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
         return
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray resolves "127.0.0.1" to the host's routable IP (services.resolve_ip_for_localhost)
+        # unless "cluster mode" is off, as it is on macOS/Windows; turning it off keeps the
+        # GCS, raylet and workers on loopback. The env var reaches Ray's child processes;
+        # the constant is read at call time, so patching it covers an already-imported ray.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
         # Logical CPUs, not cores: a TP worker bundle asks for 1 CPU and a replica for a
         # fraction, so a 2-core box must still admit e.g. two TP=2 replicas (they then
         # time-share the cores, which is the honest CPU-box behaviour).

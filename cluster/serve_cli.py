@@ -1,0 +1,99 @@
+"""``pagedserve serve``: the OpenAI server on Ray Serve, flags as ``vllm serve`` has them.
+
+    pagedserve serve                          # demo model, http://127.0.0.1:8000/v1
+    pagedserve serve --model DIR -tp 2 --min-replicas 1 --max-replicas 4
+
+Starts a private Ray instance on 127.0.0.1 (or joins ``--ray-address``), deploys the app,
+logs the URL and the KV-cache sizing once every replica is ready, and on Ctrl-C/SIGTERM
+deletes the app, stops Serve and shuts down the Ray it started: no Ray process is left.
+Only argparse is imported at parser-building time (``pagedserve --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import time
+
+from cluster.args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("pagedserve")
+APP_NAME = "pagedserve"
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server (Ray Serve)",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default loopback; 0.0.0.0 exposes it to the network)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--min-replicas", type=int, default=1, help="engine replicas kept running")
+    s.add_argument("--max-replicas", type=int, default=None,
+                   help="autoscale up to this many engine replicas (default: --min-replicas)")
+    s.add_argument("--target-ongoing-requests", type=float, default=16.0,
+                   help="Serve autoscaling target of in-flight requests per replica")
+    s.add_argument("--upscale-delay-s", type=float, default=30.0)
+    s.add_argument("--downscale-delay-s", type=float, default=600.0)
+    s.add_argument("--ray-address", default=None,
+                   help="join a running Ray cluster ('auto' on a cluster node); default: a "
+                        "private local instance on 127.0.0.1")
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    cfg = engine_config_from_args(args)
+    max_replicas = args.max_replicas if args.max_replicas is not None else args.min_replicas
+    if max_replicas < args.min_replicas:
+        raise SystemExit(f"--max-replicas ({max_replicas}) must be >= --min-replicas ({args.min_replicas}).")
+    # SIGTERM behaves like Ctrl-C, also during start-up.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+    import ray
+    from ray import serve
+
+    from cluster.ray_utils import init_ray
+    from cluster.serve_app import build_app
+
+    t0 = time.monotonic()
+    init_ray(address=args.ray_address)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_app(cfg, min_replicas=args.min_replicas, max_replicas=max_replicas,
+                        target_ongoing_requests=args.target_ongoing_requests,
+                        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        info = serve.get_deployment_handle("EngineDeployment", APP_NAME).info.remote().result()
+        kv = info.get("kv_sizing") or {}
+        url = f"http://{args.host}:{args.port}"
+        logger.info("model %r (%s), tensor_parallel_size=%d, replicas %d..%d, max_model_len=%d",
+                    info["served_model_name"], info["model"], info["tensor_parallel_size"],
+                    args.min_replicas, max_replicas, info["max_model_len"])
+        logger.info("KV cache per replica: %d blocks x %d tokens = %d tokens (%.3f GiB per rank, "
+                    "%.1f sequences of max_model_len)", info["num_gpu_blocks"], info["block_size"],
+                    info["num_gpu_blocks"] * info["block_size"], kv.get("kv_gib_per_rank", 0.0),
+                    kv.get("max_concurrency_at_max_model_len", 0.0))
+        logger.info("ready in %.1f s: %s/v1  (try: curl %s/v1/models)  Ctrl-C to stop",
+                    time.monotonic() - t0, url, url)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        logger.info("shutting down")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            serve.delete(APP_NAME)
+            if args.ray_address is None:  # never stop Serve on a shared cluster
+                serve.shutdown()
+        except Exception:  # Ray may already be gone
+            logger.debug("serve shutdown failed", exc_info=True)
+        ray.shutdown()  # stops the local Ray processes this command started
+    return 0
