@@ -2,6 +2,8 @@
 
 (a) Cost of one ``schedule()`` + ``update_from_output()`` with 256 running decoding
     requests, in microseconds per step (goal: <= 1 ms, well under a GPU decode step).
+    ``us_per_step`` is this process's CPU time per step (mean): the wall clock on a
+    shared machine also counts other processes; its p50 and mean are printed too.
 (b) A synthetic chat workload (prompts ~ lognormal, mean 200; outputs ~ exponential,
     mean 180, capped; ``max_tokens`` 1024) on a fixed KV budget, run to completion
     twice: ``kv_allocation="paged"`` and ``"contiguous"``. Reported per mode:
@@ -67,18 +69,24 @@ def bench_step_cost(num_reqs: int = 256, prompt_len: int = 128, num_steps: int =
         plan = sched.schedule()
         sched.update_from_output(plan, fake_result_partial(sched, plan))
     assert len(sched.running) == num_reqs
-    times = []
+    wall, cpu = [], []
     for step in range(num_steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = sched.schedule()
         result = fake_result(plan, step % VOCAB)
         outs = sched.update_from_output(plan, result)
-        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - t0)
         assert len(outs) == num_reqs and plan.total_num_scheduled_tokens == num_reqs
-    times.sort()
-    return {"us_per_step": statistics.mean(times) * 1e6,
-            "us_per_step_p50": times[len(times) // 2] * 1e6,
-            "us_per_step_p99": times[int(len(times) * 0.99)] * 1e6}
+    wall.sort()
+    cpu.sort()
+    # CPU time of this process is the headline: on a shared box the wall clock also
+    # counts the time other processes hold the core.
+    return {"us_per_step": statistics.mean(cpu) * 1e6,
+            "us_per_step_p50": cpu[len(cpu) // 2] * 1e6,
+            "us_per_step_p99": cpu[int(len(cpu) * 0.99)] * 1e6,
+            "us_per_step_wall_p50": wall[len(wall) // 2] * 1e6,
+            "us_per_step_wall_mean": statistics.mean(wall) * 1e6}
 
 
 def make_workload(n: int, seed: int, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -140,8 +148,9 @@ def main() -> None:
 
     cost = bench_step_cost(num_steps=args.steps)
     print(f"(a) schedule()+update_from_output(), 256 running decodes: "
-          f"{cost['us_per_step']:.0f} us/step mean, p50 {cost['us_per_step_p50']:.0f}, "
-          f"p99 {cost['us_per_step_p99']:.0f}")
+          f"{cost['us_per_step']:.0f} us/step mean CPU time, p50 {cost['us_per_step_p50']:.0f}, "
+          f"p99 {cost['us_per_step_p99']:.0f}; wall p50 {cost['us_per_step_wall_p50']:.0f}, "
+          f"mean {cost['us_per_step_wall_mean']:.0f}")
     workload = make_workload(args.requests, args.seed, args.max_tokens)
     mean_p = statistics.mean(len(p) for p, _ in workload)
     mean_o = statistics.mean(o for _, o in workload)
@@ -159,6 +168,8 @@ def main() -> None:
         "us_per_step": round(cost["us_per_step"], 1),
         "us_per_step_p50": round(cost["us_per_step_p50"], 1),
         "us_per_step_p99": round(cost["us_per_step_p99"], 1),
+        "us_per_step_wall_p50": round(cost["us_per_step_wall_p50"], 1),
+        "us_per_step_wall_mean": round(cost["us_per_step_wall_mean"], 1),
         "paged_utilization": round(res["paged"]["utilization"], 4),
         "contiguous_utilization": round(res["contiguous"]["utilization"], 4),
         "paged_peak_seqs": res["paged"]["peak_seqs"],

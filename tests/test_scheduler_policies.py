@@ -3,9 +3,10 @@ policy, the watermark, chunked prefill off, max_num_seqs, and why requests wait.
 
 Block size 4, no watermark unless said otherwise."""
 
+import pytest
 from _sched_helpers import add, block_ids, free_ids, make_scheduler, step
 
-from scheduler import RequestStatus
+from scheduler import CacheConfig, QueueFullError, RequestStatus, Scheduler, SchedulerConfig
 
 
 def test_static_batch_runs_until_its_last_member_finishes_and_nobody_joins():
@@ -132,3 +133,13 @@ def test_budget_splits_a_prompt_and_the_rest_waits_for_budget():
     plan, outs = step(s)
     assert plan.num_scheduled_tokens == {"a": 1, "b": 7}
     assert plan.scheduled_cached_reqs.num_computed_tokens == [6, 2]
+
+
+def test_waiting_queue_bound_raises_queue_full():
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64,
+                                  max_waiting_requests=1), CacheConfig(num_blocks=16, block_size=4))
+    add(s, "a", range(5))
+    with pytest.raises(QueueFullError, match="waiting queue is full"):
+        add(s, "b", range(5))
+    step(s)  # a is running now: the queue has room again
+    add(s, "b", range(5))

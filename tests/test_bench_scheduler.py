@@ -1,0 +1,23 @@
+"""loadtest/bench_scheduler.py runs end to end (small sizes) and its last line is the
+JSON the issue asks for, with the expected shape: paged beats contiguous."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_scheduler_prints_the_json_summary():
+    proc = subprocess.run(
+        [sys.executable, "loadtest/bench_scheduler.py", "--requests", "150", "--num-blocks", "512",
+         "--steps", "50"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("us_per_step", "paged_utilization", "contiguous_utilization", "paged_peak_seqs",
+                "contiguous_peak_seqs", "concurrency_ratio"):
+        assert key in summary
+    assert summary["us_per_step"] > 0
+    assert summary["paged_utilization"] > 0.9 > 0.5 > summary["contiguous_utilization"]
+    assert summary["concurrency_ratio"] >= 2.0
