@@ -51,11 +51,6 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...], extra: int |
     return hash((parent_hash, token_ids, extra))
 
 
-def block_token_ids(all_token_ids: list[int], block_index: int, block_size: int) -> tuple[int, ...]:
-    start = block_index * block_size
-    return tuple(all_token_ids[start:start + block_size])
-
-
 def extend_block_hashes(request, block_size: int, num_blocks: int | None = None) -> list[int]:
     """Append the content hashes of ``request``'s newly full blocks (up to ``num_blocks``
     blocks, default: every full block) to ``request.block_hashes``; return the list."""
@@ -74,10 +69,6 @@ def extend_block_hashes(request, block_size: int, num_blocks: int | None = None)
         hashes.append(parent)
         i += 1
     return hashes
-
-
-def block_key(parent_node_id: int, token_ids: tuple[int, ...], extra: int | None) -> BlockKey:
-    return (parent_node_id, token_ids, extra)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -357,3 +357,7 @@ class Scheduler:
 
     def get_request(self, req_id: str) -> Request | None:
         return self.requests.get(req_id)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. between benchmark runs); False while busy."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
