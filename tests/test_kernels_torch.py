@@ -72,6 +72,16 @@ def test_decode_rows_anywhere_and_no_host_lists():
     _check(batch, atol=1e-5, rtol=1e-5)
 
 
+def test_q_as_a_view_of_fused_qkv():
+    # The model splits q out of one qkv projection: rows are strided, not contiguous.
+    batch = make_paged_batch([1, 1, 6], [40, 9, 30], 8, 2, 64, 16, seed=21)
+    qkv = torch.randn(batch.q.shape[0], (8 + 2 * 2) * 64)
+    qkv[:, :8 * 64] = batch.q.reshape(-1, 8 * 64)
+    batch.q = qkv[:, :8 * 64].view(-1, 8, 64)
+    assert not batch.q.is_contiguous()
+    _check(batch, atol=1e-5, rtol=1e-5)
+
+
 def test_write_then_attend_equals_reference_flow():
     """write_kv_cache puts this step's K/V where the metadata says attention reads them."""
     batch = make_paged_batch([1, 1, 6], [9, 40, 30], 8, 2, 64, 16, seed=9)

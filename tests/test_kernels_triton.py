@@ -32,8 +32,9 @@ ATTENTION_CASES = {
     # GQA 4, head_dim 128, block 32, fp16 (fp16 P in the PV dot).
     "mixed_fp16_gqa4_d128_b32": (*MIXED_ROWS, 8, 2, 128, 32, "float16", {}),
     # GQA 3 (not a power of 2: padded head rows), decode rows first like the runner,
-    # a whole-prompt prefill and a chunk, head_dim 64, block 32.
-    "mixed_fp32_gqa3_d64_b32": ([1, 1, 7, 20], [77, 1, 7, 50], 6, 2, 64, 32, "float32", {}),
+    # a whole-prompt prefill and a chunk, head_dim 64, block 32; q a strided view of a
+    # fused qkv tensor, as the model passes it.
+    "mixed_fp32_gqa3_d64_b32": ([1, 1, 7, 20], [77, 1, 7, 50], 6, 2, 64, 32, "float32", {"q_view": True}),
     # Flash-decoding: decode-only batch, 8 KV splits; the 40-token row leaves splits empty.
     "split_kv_fp32": ([1, 1, 1], [1328, 40, 700], 4, 2, 64, 16, "float32", {"num_splits": 8}),
     "split_kv_fp16_d128": ([1, 1], [900, 3], 8, 1, 128, 16, "float16", {"num_splits": 5}),
@@ -59,11 +60,17 @@ def _run_attention_case(name: str) -> dict:
     qls, sls, nh, nkv, hd, bs, dtype, extra = ATTENTION_CASES[name]
     extra = dict(extra)
     num_splits = extra.pop("num_splits", None)
+    q_view = extra.pop("q_view", False)
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported for a rerun
     b = make_paged_batch(qls, sls, nh, nkv, hd, bs, dtype=getattr(torch, dtype), seed=seed, **extra)
     md = b.attn_metadata
+    if q_view:
+        qkv = torch.randn(b.q.shape[0], (nh + 2 * nkv) * hd, dtype=b.q.dtype)
+        qkv[:, :nh * hd] = b.q.reshape(-1, nh * hd)
+        b.q = qkv[:, :nh * hd].view(-1, nh, hd)
+        assert not b.q.is_contiguous()
     ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, b.scale)
-    out = torch.full_like(b.q, float("nan"))
+    out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype)
     got = paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out, num_splits=num_splits)
     return {"nan": bool(torch.isnan(got).any()), "rel_err": _rel_err(got, ref), "same_out": got is out,
             "max_block_id": int(md.block_table.max()), "seed": seed}
