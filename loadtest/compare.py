@@ -34,9 +34,11 @@ SCENARIOS = {"continuous-batching": S.continuous_batching, "paged-kv": S.paged_k
              "mixed-saturation": S.mixed_saturation, "rate-sweep": S.rate_sweep, "vs-vllm": vs_vllm}
 SERVER_ORDER = ("default", "static", "no-chunk", "no-prefix", "paged-kv", "contig-kv", "vllm", "none")
 MODEL_CACHE = Path(os.environ.get("LOADTEST_MODEL_CACHE", "/tmp/loadtest-models"))
-# Serving model: small, so scheduling (not matmuls) decides the scenario outcomes. Offline
-# model (vs vLLM): big enough that the forward pass dominates a step on this CPU.
-SERVE_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+# Serving model: small enough for quick runs on 2 cores, big enough that a long prompt's
+# prefill (~0.1-0.2 s) clearly outweighs a decode step's fixed overhead (~20 ms), which is
+# what chunked prefill and prefix caching act on. Offline model (vs vLLM): big enough that
+# the forward pass dominates a step on this CPU.
+SERVE_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048)
 OFFLINE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                      num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
@@ -60,11 +62,13 @@ class Ctx:
         self.block_size = 16
         self.max_num_seqs = 16
         self.chunk_budget = args.max_num_batched_tokens or 128
-        self.kv_blocks = 2 * self.max_model_len // self.block_size  # KV budget: 2 full sequences
-        self.chunk_gap_s = 0.6 if args.quick else 1.0
+        # KV budget of the paged-kv scenario: two full-length sequences, plus the 1% of
+        # blocks the scheduler keeps free at admission (its watermark) and one spare.
+        self.kv_blocks = math.ceil(2 * self.max_model_len / self.block_size / 0.99) + 1
+        self.chunk_gap_s = 0.3 if args.quick else 0.4
         self.slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
         self.out = Path(args.result_dir or f"results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
-        self.model_dir = args.model_dir or ensure_model("serve-h256-l4-v2048", SERVE_SHAPE)
+        self.model_dir = args.model_dir or ensure_model("serve-h512-l4-v2048", SERVE_SHAPE)
         cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
         self.vocab_size = int(cfg["vocab_size"])
         self.offline_model_dir = (args.offline_model_dir or self.model_dir) if args.quick else \

@@ -130,7 +130,8 @@ def find_knee(points: list[tuple[float, dict]], tolerance: float = 0.8,
               latency_factor: float = 3.0) -> float | None:
     """The highest offered finite rate the server still keeps up with, scanning upward
     until it first falls behind. Keeping up: achieved request throughput >= ``tolerance``
-    x offered rate (the run's tail makes a short run read a little low) and mean TTFT
+    x the rate the drawn arrivals actually offered (``offered_request_rate`` when present;
+    the run's tail still makes a short run read a little low) and mean TTFT
     <= ``latency_factor`` x the lowest rate's (no queue building up). Past the knee,
     extra load only adds queueing latency. None if even the lowest rate falls behind."""
     pts = sorted((p for p in points if not math.isinf(p[0])), key=lambda p: p[0])
@@ -139,7 +140,8 @@ def find_knee(points: list[tuple[float, dict]], tolerance: float = 0.8,
     base_ttft = max(pts[0][1]["mean_ttft_ms"], 1e-6)
     knee = None
     for rate, m in pts:
-        if m["request_throughput"] >= tolerance * rate and m["mean_ttft_ms"] <= latency_factor * base_ttft:
+        offered = m.get("offered_request_rate", rate)
+        if m["request_throughput"] >= tolerance * offered and m["mean_ttft_ms"] <= latency_factor * base_ttft:
             knee = rate
         else:
             break

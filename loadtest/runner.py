@@ -127,7 +127,10 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
     config = {"base_url": base_url, "model": model, "request_rate": request_rate,
               "burstiness": burstiness, "max_concurrency": max_concurrency, "seed": seed,
               "goodput": goodput or {}, "workload": summarize(specs)}
-    return BenchmarkResult(label, config, compute_metrics(done, duration, goodput),
+    metrics = compute_metrics(done, duration, goodput)
+    if times and times[-1] > 0:  # the rate this sample of arrivals actually offered
+        metrics["offered_request_rate"] = len(times) / times[-1]
+    return BenchmarkResult(label, config, metrics,
                            server_view(before, samples, after), done, timeline)
 
 

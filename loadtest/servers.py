@@ -24,6 +24,22 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``, read from /proc (Linux)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,16 +85,21 @@ class ServerProcess:
     def stop(self, grace: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
+        sid = self.proc.pid  # session leader: its pid is the session id
+        os.killpg(sid, signal.SIGTERM)
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
             pass
-        try:  # children (Ray workers, engine cores) may outlive the leader
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # Leftovers: Ray actors move to their own process groups but stay in our session.
+        deadline = time.monotonic() + 5.0
+        while session_pids(sid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for pid in session_pids(sid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:

@@ -178,7 +178,6 @@ def test_knee_table_and_plots(tmp_path):
 def test_compare_quick_smoke(tmp_path):
     """Starts real pagedserve servers; asserts the report's structure and that every
     request of every run was accounted for (not the speed of this machine)."""
-    pytest.importorskip("cluster.serve_cli", reason="`pagedserve serve` not in this checkout yet")
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "loadtest", "compare", "--quick", "--no-peers", "--result-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
