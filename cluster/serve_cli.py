@@ -54,9 +54,6 @@ def run_serve(args: argparse.Namespace) -> int:
     max_replicas = args.max_replicas if args.max_replicas is not None else args.min_replicas
     if max_replicas < args.min_replicas:
         raise SystemExit(f"--max-replicas ({max_replicas}) must be >= --min-replicas ({args.min_replicas}).")
-    # SIGTERM behaves like Ctrl-C, also during start-up.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-
     import ray
     from ray import serve
 
@@ -65,6 +62,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     init_ray(address=args.ray_address)
+    # SIGTERM behaves like Ctrl-C. Installed after ray.init, which puts a C++ failure
+    # handler on SIGTERM that dumps a stack and aborts the process mid-cleanup.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)  # also when started in the background (SIG_IGN)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = build_app(cfg, min_replicas=args.min_replicas, max_replicas=max_replicas,
@@ -88,7 +89,9 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # A second TERM/Ctrl-C must not cut the cleanup short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             serve.delete(APP_NAME)
             if args.ray_address is None:  # never stop Serve on a shared cluster
