@@ -1,23 +1,32 @@
-"""RayExecutor: a tensor-parallel group of worker actors driven through a compiled graph.
+"""RayExecutor: a tensor-parallel group of worker actors, one plan broadcast per step.
 
-    scheduler actor (engine replica)                       placement group, one bundle/rank
-      plan ──▶ compiled graph (shared-memory channels) ──▶ RayWorkerWrapper rank 0 ──┐ gloo /
-                                                     └──▶ RayWorkerWrapper rank 1 ──┘ NCCL
-      result ◀── rank 0 only (the other ranks return None)           all-reduce
+    scheduler actor (engine replica)                  placement group, one bundle per rank
+      plan ──▶ broadcast channel ──▶ RayWorkerWrapper rank 0 ──┐  gloo (CPU) / NCCL (GPU)
+                             └────▶ RayWorkerWrapper rank 1 ──┘  all-reduce
+      result ◀── rank 0 only (the other ranks return nothing)
 
-Why a compiled graph: a plain ``actor.method.remote`` per worker per step costs ~1.2 ms
-on this box; a compiled-graph broadcast to two actors ~0.4 ms, because the channels are
-allocated once and each step is one shared-memory write plus one read per rank. The
-data plane (activations) never goes through Ray: torch.distributed carries it.
+Not a Ray method call per worker per step (~1.2 ms each on this box). Two channels,
+chosen by ``PAGEDSERVE_DISPATCH``:
 
-Not done: overlapping the scheduling of step N+1 with the execution of step N (the
-``Executor.execute_model`` contract is synchronous; ``execute`` below already returns
-before the workers finish, so the overlap would live in the engine loop).
+- ``zmq`` (default): one pickle per step written to a PUSH socket per rank, rank 0's
+  result read from one PULL socket (cluster/zmq_dispatch.py). Measured here at TP=2:
+  ~0.5 ms per step against ~0.95 ms for the compiled graph in the same run.
+- ``cgraph``: a Ray Compiled Graph (``InputNode`` -> each rank -> ``MultiOutputNode``),
+  shared-memory channels allocated once.
+
+The data plane (activations) never goes through Ray: torch.distributed carries it.
+``loadtest/bench_dispatch.py`` measures both channels.
+
+Not done: overlapping the scheduling of step N+1 with the execution of step N. The
+``Executor.execute_model`` contract is synchronous; both channels could return before
+the workers finish (send now, receive later), so the overlap would live in the engine
+loop, which must then not schedule tokens it has not sampled yet.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import ray
@@ -69,13 +78,24 @@ class RayWorkerWrapper:
         times, self.exec_times = self.exec_times, []
         return times
 
+    def run_zmq_loop(self, plan_addr: str, result_addr: str) -> int:
+        """The ZMQ dispatch loop; occupies one actor thread until the STOP message."""
+        from cluster.zmq_dispatch import worker_loop
+
+        return worker_loop(self.execute_model, self.rank, plan_addr, result_addr)
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
 
 class RayExecutor(Executor):
+    # "zmq" (default) or "cgraph"; see loadtest/bench_dispatch.py for both measured.
+    dispatch = os.environ.get("PAGEDSERVE_DISPATCH", "zmq")
+
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
+        if self.dispatch not in ("zmq", "cgraph"):
+            raise ValueError(f"PAGEDSERVE_DISPATCH must be 'zmq' or 'cgraph', got {self.dispatch!r}.")
         init_ray()  # no-op inside a Serve replica or an already-started driver
         tp = engine_config.tensor_parallel_size
         use_gpu = engine_config.resolve_device() == "cuda"
@@ -85,7 +105,8 @@ class RayExecutor(Executor):
         actor_cls = ray.remote(RayWorkerWrapper)
         self.workers = []
         for rank, bundle in enumerate(bundle_ids):
-            opts = dict(num_cpus=1, num_gpus=1 if use_gpu else 0,
+            # max_concurrency 2: the ZMQ loop holds one thread, control calls use the other.
+            opts = dict(num_cpus=1, num_gpus=1 if use_gpu else 0, max_concurrency=2,
                         scheduling_strategy=in_bundle(self.placement_group, bundle))
             self.workers.append(actor_cls.options(**opts).remote(
                 engine_config, rank, tp, init_method))
@@ -93,6 +114,8 @@ class RayExecutor(Executor):
         ray.get([w.init_device.remote() for w in self.workers])
         ray.get([w.load_model.remote() for w in self.workers])
         self._dag = None
+        self._bcast = None
+        self._loops: list = []
         logger.info("RayExecutor: %d worker actors ready (%s, init %s)", tp,
                     "GPU" if use_gpu else "CPU", init_method)
 
@@ -110,7 +133,25 @@ class RayExecutor(Executor):
             dag = MultiOutputNode([w.execute_model.bind(plan) for w in self.workers])
         self._dag = dag.experimental_compile(_max_inflight_executions=2)
 
+    def _start_zmq(self) -> None:
+        from cluster.zmq_dispatch import ZmqBroadcast
+
+        self._bcast = ZmqBroadcast(node_ip(), len(self.workers))
+        self._loops = [w.run_zmq_loop.remote(*self._bcast.addresses(rank))
+                       for rank, w in enumerate(self.workers)]
+
+    def _check_loops(self) -> None:
+        done, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
+        if done:
+            ray.get(done)  # re-raises the actor's error
+            raise RuntimeError("a worker's dispatch loop exited")
+
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        if self.dispatch == "zmq":
+            if self._bcast is None:
+                self._start_zmq()
+            self._bcast.send(plan)
+            return self._bcast.recv(self._check_loops)
         if self._dag is None:
             self._compile()
         results = ray.get(self._dag.execute(plan))
@@ -121,6 +162,14 @@ class RayExecutor(Executor):
         return ray.get([w.pop_exec_times.remote() for w in self.workers])
 
     def shutdown(self) -> None:
+        if self._bcast is not None:
+            self._bcast.stop()
+            try:
+                ray.get(self._loops, timeout=10)
+            except Exception:
+                logger.debug("dispatch loops did not stop cleanly", exc_info=True)
+            self._bcast.close()
+            self._bcast, self._loops = None, []
         if self._dag is not None:
             try:
                 self._dag.teardown()

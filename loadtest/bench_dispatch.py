@@ -10,8 +10,10 @@ requests, one new token each per step) and splits each step's wall time:
     exec_us      time inside Worker.execute_model on the slowest rank
     dispatch_us  step_us - exec_us: plan serialization, channel write/read, result return
 
-At TP=1 it also times the in-process UniProcExecutor (no dispatch at all) for reference.
-Medians over the decode steps. The last line is one JSON object.
+Both dispatch channels are measured: ZMQ PUSH/PULL (the default) and a Ray compiled
+graph. At TP=1 it also times the in-process UniProcExecutor (no dispatch at all) for
+reference. Medians over the decode steps. The last line is one JSON object; its
+``dispatch_us_*`` keys are for the default channel, ``cgraph_*`` for the compiled graph.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def run(executor, args, warmup: int = 10) -> tuple[list[float], list[int]]:
     return step_s[warmup:], tokens
 
 
-def bench_ray(tp: int, model: str, args) -> dict:
+def bench_ray(tp: int, model: str, args, dispatch: str) -> dict:
     from cluster.ray_executor import RayExecutor
     from worker.config import EngineConfig
+
+    RayExecutor.dispatch = dispatch
 
     cfg = EngineConfig(model=model, tensor_parallel_size=tp, block_size=args.block_size,
                        num_gpu_blocks_override=args.num_blocks, dtype="float32", device=args.device)
@@ -122,24 +126,30 @@ def main() -> None:
     init_ray()
     try:
         uni = bench_uniproc(model, args)
-        tp1 = bench_ray(1, model, args)
-        tp2 = bench_ray(2, model, args)
+        runs = {(mode, tp): bench_ray(tp, model, args, mode)
+                for mode in ("zmq", "cgraph") for tp in (1, 2)}
     finally:
         ray.shutdown()
-    for name, r in (("uniproc tp=1", uni), ("ray tp=1", tp1), ("ray tp=2", tp2)):
+    rows = [("uniproc tp=1", uni)] + [(f"{mode} tp={tp}", r) for (mode, tp), r in runs.items()]
+    for name, r in rows:
         extra = "" if "dispatch_us" not in r else (
             f"  exec {r['exec_us']:8.0f} us  dispatch {r['dispatch_us']:6.0f} us"
             f" (p90 {r['dispatch_p90_us']:.0f}, {100 * r['dispatch_us'] / r['step_us']:.1f}% of step)")
         print(f"{name:13s} step {r['step_us']:8.0f} us{extra}")
-    same = uni["tokens"] == tp1["tokens"] == tp2["tokens"]
-    print(f"last-step greedy tokens equal across uniproc/tp1/tp2: {same}")
+    same = all(r["tokens"] == uni["tokens"] for r in runs.values())
+    print(f"last-step greedy tokens equal across all runs: {same}")
+    tp1, tp2 = runs[("zmq", 1)], runs[("zmq", 2)]  # the default dispatch (RayExecutor.dispatch)
+    cg1, cg2 = runs[("cgraph", 1)], runs[("cgraph", 2)]
     print(json.dumps(dict(
-        batch=args.batch, steps=args.steps,
+        batch=args.batch, steps=args.steps, dispatch="zmq",
         step_us_uniproc=round(uni["step_us"], 1),
         step_us_tp1=round(tp1["step_us"], 1), step_us_tp2=round(tp2["step_us"], 1),
         dispatch_us_tp1=round(tp1["dispatch_us"], 1), dispatch_us_tp2=round(tp2["dispatch_us"], 1),
         dispatch_share_tp1=round(tp1["dispatch_us"] / tp1["step_us"], 4),
         dispatch_share_tp2=round(tp2["dispatch_us"] / tp2["step_us"], 4),
+        cgraph_dispatch_us_tp1=round(cg1["dispatch_us"], 1),
+        cgraph_dispatch_us_tp2=round(cg2["dispatch_us"], 1),
+        cgraph_dispatch_share_tp2=round(cg2["dispatch_us"] / cg2["step_us"], 4),
         tokens_equal=same)))
 
 

@@ -1,6 +1,7 @@
-"""Tensor parallelism over Ray: two worker actors (gloo all-reduce on CPU), driven
-through the compiled-graph dispatch of RayExecutor, give greedy tokens identical to the
-single-process engine and to Hugging Face transformers on the same weights.
+"""Tensor parallelism over Ray: two worker actors (gloo all-reduce on CPU), driven by
+RayExecutor's per-step plan broadcast (ZMQ, the default, and a Ray compiled graph), give
+greedy tokens identical to the single-process engine and to Hugging Face transformers on
+the same weights.
 
 Two shapes: GQA 2:1 (each rank holds one KV head) and Qwen2 (qkv bias, tied
 embeddings: the vocab-parallel embedding doubles as the LM head).
@@ -55,9 +56,13 @@ def _engine_greedy(path: str, prompts, tp: int):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_tp2_on_ray_matches_tp1_and_transformers(shape, ray_session, tmp_path_factory):
+@pytest.mark.parametrize("shape,dispatch", [(SHAPES[0], "zmq"), (SHAPES[1], "zmq"),
+                                            (SHAPES[0], "cgraph")])
+def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, ray_session, tmp_path_factory,
+                                                 monkeypatch):
     from cluster.ray_executor import RayExecutor
+
+    monkeypatch.setattr(RayExecutor, "dispatch", dispatch)  # both plan channels
 
     path = make_test_model(shape, tmp_path_factory.getbasetemp() / "tp-models")
     prompts = _prompts(512)
@@ -74,7 +79,7 @@ def test_tp2_on_ray_matches_tp1_and_transformers(shape, ray_session, tmp_path_fa
 
 def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory):
     """Two worker actors, each in its own bundle of one placement group; the KV pool is
-    the minimum over ranks; the compiled graph is built on the first step."""
+    the minimum over ranks; the dispatch channel is opened on the first step."""
     import ray
     from ray.util.placement_group import placement_group_table
 
@@ -94,6 +99,6 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
         # 1 MiB per rank of fp32 KV: 2 layers x 2 (K,V) x 1 KV head/rank x 64 dims x 4 B
         # = 1 KiB per token -> 64 blocks of 16 tokens on each rank.
         assert ex.determine_num_available_blocks() == 64
-        assert ex._dag is None
+        assert ex._dag is None and ex._bcast is None
     finally:
         ex.shutdown()

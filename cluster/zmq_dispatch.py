@@ -1,0 +1,101 @@
+"""ZeroMQ plan broadcast: the scheduler actor's alternative to a Ray compiled graph.
+
+    scheduler actor                       worker actor rank r (a thread of it)
+      PUSH ──tcp── (one socket per rank) ──▶ PULL: plan bytes -> Worker.execute_model
+      PULL ◀──────────────────────────────── PUSH: rank 0's ModelRunnerOutput (pickled)
+
+One pickle per step, the same bytes written to every rank's socket; no Ray on the step
+path at all. PUSH/PULL (not PUB/SUB) so nothing sent before a worker connects is lost.
+Ranks other than 0 send nothing back unless they fail; the all-reduce inside the step
+keeps them in lockstep with rank 0. This is the shape of vLLM's message-queue broadcast,
+with blocking reads instead of spinning (a spinning reader would steal a core from the
+model on a 2-core box).
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+STOP = b"STOP"
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass(slots=True)
+class WorkerFailure:
+    rank: int
+    message: str
+
+
+def worker_loop(execute, rank: int, plan_addr: str, result_addr: str) -> int:
+    """Runs inside a worker actor until STOP; returns the number of steps executed."""
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(plan_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(result_addr)
+    steps = 0
+    try:
+        while True:
+            msg = pull.recv(copy=False).buffer
+            if msg == STOP:
+                return steps
+            try:
+                out = execute(pickle.loads(msg))
+            except Exception:
+                push.send(pickle.dumps(WorkerFailure(rank, traceback.format_exc()), _PROTOCOL))
+                continue
+            steps += 1
+            if rank == 0:
+                push.send(pickle.dumps(out, _PROTOCOL))
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+        ctx.term()
+
+
+class ZmqBroadcast:
+    """Driver side. ``addresses()`` gives each rank its (plan_addr, result_addr)."""
+
+    def __init__(self, host: str, world_size: int) -> None:
+        self.ctx = zmq.Context()
+        self.plan_socks = []
+        self.plan_addrs = []
+        for _ in range(world_size):
+            s = self.ctx.socket(zmq.PUSH)
+            port = s.bind_to_random_port(f"tcp://{host}")
+            self.plan_socks.append(s)
+            self.plan_addrs.append(f"tcp://{host}:{port}")
+        self.result = self.ctx.socket(zmq.PULL)
+        self.result_addr = f"tcp://{host}:{self.result.bind_to_random_port(f'tcp://{host}')}"
+
+    def addresses(self, rank: int) -> tuple[str, str]:
+        return self.plan_addrs[rank], self.result_addr
+
+    def send(self, plan) -> None:
+        data = pickle.dumps(plan, _PROTOCOL)
+        for s in self.plan_socks:
+            s.send(data, copy=False)
+
+    def recv(self, still_alive, poll_ms: int = 1000):
+        """Rank 0's result. ``still_alive()`` is checked while waiting, so a dead worker
+        raises instead of hanging the scheduler forever."""
+        while not self.result.poll(poll_ms):
+            still_alive()
+        out = pickle.loads(self.result.recv())
+        if isinstance(out, WorkerFailure):
+            raise RuntimeError(f"worker rank {out.rank} failed:\n{out.message}")
+        return out
+
+    def stop(self) -> None:
+        for s in self.plan_socks:
+            s.send(STOP)
+
+    def close(self) -> None:
+        for s in self.plan_socks:
+            s.close(linger=100)
+        self.result.close(linger=0)
+        self.ctx.term()
