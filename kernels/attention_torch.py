@@ -40,7 +40,7 @@ from kernels.metadata import AttentionMetadata
 # while its length is at least this fraction of the group's padded length.
 _GROUP_FILL = 0.75
 # Upper bound on tokens gathered per decode chunk (per K or V buffer).
-_CHUNK_TOKENS = 16384
+_CHUNK_TOKENS = 8192  # 4k-8k measured ~10% faster than 16k-64k at batch 256 (cache reuse)
 
 _WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
