@@ -102,3 +102,38 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
         assert ex._dag is None and ex._bcast is None
     finally:
         ex.shutdown()
+
+
+def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_model):
+    """An engine replica at tensor_parallel_size 2 under Serve: the replica reserves one
+    placement group (itself + one bundle per rank), its RayExecutor puts the two worker
+    actors into that group, and the served greedy tokens equal the offline TP=1 engine's."""
+    import httpx
+    from ray import serve
+    from ray.util.placement_group import placement_group_table
+
+    from cluster.llm import LLM
+    from cluster.serve_app import build_app
+    from worker.config import EngineConfig
+
+    prompt = [5, 17, 99, 3, 250, 41, 8]
+    llm = LLM(model=serve_model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    ref = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+
+    cfg = EngineConfig(model=serve_model, tensor_parallel_size=2, dtype="float32", max_model_len=256,
+                       num_gpu_blocks_override=64, max_num_seqs=4)
+    serve.run(build_app(cfg, engine_num_cpus=0.5), name="tp2-serve", route_prefix="/tp2")
+    try:
+        r = httpx.post(f"{serve_url}/tp2/v1/completions", timeout=60, json=dict(
+            prompt=prompt, max_tokens=16, temperature=0, ignore_eos=True, return_token_ids=True))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == ref
+        live = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        groups = [g for g in live if len(g["bundles"]) == 3]
+        assert len(groups) == 1  # the replica's own group: scheduler + 2 ranks
+        assert not [g for g in live if len(g["bundles"]) == 2]  # the executor made no group of its own
+        assert [b.get("CPU") for _, b in sorted(groups[0]["bundles"].items())] == [0.5, 1.0, 1.0]
+    finally:
+        serve.delete("tp2-serve")
