@@ -9,7 +9,7 @@ seeds do what the OpenAI docs say; user mistakes get 400/404, overload 429 + Ret
 from __future__ import annotations
 
 import asyncio
-import json
+import time
 
 import httpx
 import openai
@@ -207,3 +207,22 @@ def test_full_waiting_queue_is_429_with_retry_after(openai_app):
     err = _error(refused, 429)
     assert int(refused.headers["Retry-After"]) >= 1
     assert "overloaded" in err["message"]
+
+
+def test_metrics_after_traffic(openai_app, client, model_name):
+    """After the requests above, /metrics carries the vLLM-named counters and histograms."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):  # the second one finds PROMPT's full blocks in the prefix cache
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=3, temperature=0)
+    time.sleep(0.3)  # replica stats are pushed at most every 0.1 s
+    text = httpx.get(f"{openai_app}/metrics").text
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if "reason" not in s.labels}
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_queue_time_seconds_count", "time_per_output_token_seconds_count"):
+        assert values[f"pagedserve:{name}"] >= 1, name
+    assert values["pagedserve:prompt_tokens_total"] > 0
+    assert values["pagedserve:generation_tokens_total"] >= 3
+    assert 0 < values["pagedserve:prefix_cache_hits_total"] <= values["pagedserve:prefix_cache_queries_total"]
+    assert values["pagedserve:num_gpu_blocks"] == SERVE_ENGINE["num_gpu_blocks_override"]
