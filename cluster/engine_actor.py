@@ -92,6 +92,7 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._stats: dict = stats_snapshot(self.engine.get_stats())
         self._last_push = 0.0
+        self._last_pushed: dict | None = None
 
     # ---------------------------------------------------------------- info
     def info(self) -> dict:
@@ -105,22 +106,28 @@ class AsyncEngine:
     def stats(self) -> dict:
         return dict(self._stats)
 
-    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                 add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+    def _tokenize(self, prompt, messages, add_special_tokens, add_generation_prompt) -> list[int]:
         tok = self.engine.tokenizer
         if messages is not None:
             prompt = render_chat(tok, messages, add_generation_prompt)
             add_special_tokens = False  # the template already holds BOS etc.
         return tok.encode(prompt or "", add_special_tokens=add_special_tokens)
 
-    def detokenize(self, tokens: list[int]) -> str:
+    def _detokenize(self, tokens: list[int]) -> str:
         vocab = self.engine.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise ValueError(f"token ids must be integers in [0, {vocab}).")
         return self.engine.tokenizer.decode(tokens)
 
-    def token_strings(self, token_ids: list[int]) -> list[str]:
-        return [self.engine.tokenizer.decode([t]) for t in token_ids]
+    # The tokenizer is also used by the step (detokenization): all use goes through the
+    # engine thread, so a Rust tokenizer is never entered from two threads at once.
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+        return await self._call(self._tokenize, prompt, messages, add_special_tokens,
+                                add_generation_prompt)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self._call(self._detokenize, tokens)
 
     # ---------------------------------------------------------------- loop
     async def _call(self, fn, *args):
@@ -149,6 +156,9 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         while True:
+            # Cleared before the step, not after: a request added while the step runs
+            # sets it again, and the idle wait below then returns at once.
+            self._wakeup.clear()
             try:
                 outputs, self._stats = await self._call(self._step_once)
             except Exception:
@@ -166,7 +176,6 @@ class AsyncEngine:
             idle = outputs is None
             self._push_stats(force=idle)
             if idle:
-                self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), _STATS_HEARTBEAT_S)
                 except asyncio.TimeoutError:
@@ -180,9 +189,8 @@ class AsyncEngine:
             return
         if not force and now - self._last_push < _STATS_MIN_INTERVAL_S:
             return
-        if force and now - self._last_push < _STATS_MIN_INTERVAL_S and self._stats == getattr(
-                self, "_last_pushed", None):
-            return
+        if force and now - self._last_push < _STATS_MIN_INTERVAL_S and self._stats == self._last_pushed:
+            return  # idle and unchanged: the next heartbeat will do
         self._last_push = now
         self._last_pushed = dict(self._stats)
         try:

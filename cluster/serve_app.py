@@ -10,7 +10,6 @@ the import path for ``serve run`` / ``serve deploy`` config files (deploy/serve_
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -73,12 +72,12 @@ class EngineDeployment:
     def stats(self) -> dict:
         return self.core.stats()
 
-    def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
-                 add_generation_prompt=True) -> list[int]:
-        return self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+    async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
+                       add_generation_prompt=True) -> list[int]:
+        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return self.core.detokenize(tokens)
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self.core.detokenize(tokens)
 
     async def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (downscaling, serve.shutdown).
@@ -161,6 +160,3 @@ def app_builder(args: dict[str, Any]):
     cfg, opts = split_args(args)
     return build_app(cfg, **opts)
 
-
-def engine_config_dict(cfg: EngineConfig) -> dict:
-    return dataclasses.asdict(cfg)
