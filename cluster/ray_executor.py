@@ -136,7 +136,10 @@ class RayExecutor(Executor):
     def _start_zmq(self) -> None:
         from cluster.zmq_dispatch import ZmqBroadcast
 
-        self._bcast = ZmqBroadcast(node_ip(), len(self.workers))
+        here = ray.get_runtime_context().get_node_id()
+        local = all(n == here for n in ray.get([w.__ray_call__.remote(
+            lambda self: ray.get_runtime_context().get_node_id()) for w in self.workers]))
+        self._bcast = ZmqBroadcast(node_ip(), len(self.workers), local=local)
         self._loops = [w.run_zmq_loop.remote(*self._bcast.addresses(rank))
                        for rank, w in enumerate(self.workers)]
 

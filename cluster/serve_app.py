@@ -102,7 +102,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     tp = engine_config.tensor_parallel_size
     use_gpu = _use_gpu(engine_config)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
-                                graceful_shutdown_timeout_s=5, health_check_period_s=10)
+                                graceful_shutdown_timeout_s=20, health_check_period_s=10)
     if o["min_replicas"] == o["max_replicas"]:
         opts["num_replicas"] = int(o["min_replicas"])
     else:

@@ -15,6 +15,8 @@ model on a 2-core box).
 from __future__ import annotations
 
 import pickle
+import shutil
+import tempfile
 import traceback
 from dataclasses import dataclass
 
@@ -60,22 +62,32 @@ def worker_loop(execute, rank: int, plan_addr: str, result_addr: str) -> int:
 class ZmqBroadcast:
     """Driver side. ``addresses()`` gives each rank its (plan_addr, result_addr)."""
 
-    def __init__(self, host: str, world_size: int) -> None:
+    def __init__(self, host: str, world_size: int, local: bool = False) -> None:
+        """``local``: every rank runs on this node, so Unix sockets (ipc://) replace TCP."""
         self.ctx = zmq.Context()
         self.plan_socks = []
         self.plan_addrs = []
-        for _ in range(world_size):
-            s = self.ctx.socket(zmq.PUSH)
-            port = s.bind_to_random_port(f"tcp://{host}")
-            self.plan_socks.append(s)
-            self.plan_addrs.append(f"tcp://{host}:{port}")
-        self.result = self.ctx.socket(zmq.PULL)
-        self.result_addr = f"tcp://{host}:{self.result.bind_to_random_port(f'tcp://{host}')}"
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedserve-zmq-") if local else None
+        self._all_ranks_read = False
+        for rank in range(world_size + 1):
+            s = self.ctx.socket(zmq.PUSH if rank < world_size else zmq.PULL)
+            if local:
+                addr = f"ipc://{self._ipc_dir}/{rank}"
+                s.bind(addr)
+            else:
+                addr = f"tcp://{host}:{s.bind_to_random_port(f'tcp://{host}')}"
+            if rank < world_size:
+                self.plan_socks.append(s)
+                self.plan_addrs.append(addr)
+            else:
+                self.result, self.result_addr = s, addr
 
     def addresses(self, rank: int) -> tuple[str, str]:
         return self.plan_addrs[rank], self.result_addr
 
     def send(self, plan) -> None:
+        # A plan that computes tokens runs the model, whose all-reduces need every rank.
+        self._all_ranks_read = getattr(plan, "total_num_scheduled_tokens", 0) > 0
         data = pickle.dumps(plan, _PROTOCOL)
         for s in self.plan_socks:
             s.send(data, copy=False)
@@ -86,6 +98,12 @@ class ZmqBroadcast:
         while not self.result.poll(poll_ms):
             still_alive()
         out = pickle.loads(self.result.recv())
+        if self._ipc_dir is not None and self._all_ranks_read:
+            # Every rank is connected once rank 0 answers a plan that ran the model (the
+            # others took part in its all-reduces, so they read it): the socket files can
+            # go now, which leaves nothing in /tmp even if this process is killed later.
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
         if isinstance(out, WorkerFailure):
             raise RuntimeError(f"worker rank {out.rank} failed:\n{out.message}")
         return out
@@ -99,3 +117,5 @@ class ZmqBroadcast:
             s.close(linger=100)
         self.result.close(linger=0)
         self.ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
