@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import time
 
@@ -51,6 +52,9 @@ def _raise_interrupt(signum, frame):
 
 def run_serve(args: argparse.Namespace) -> int:
     cfg = engine_config_from_args(args)
+    if cfg.model is not None and not os.path.isfile(os.path.join(cfg.model, "config.json")):
+        raise SystemExit(f"--model {cfg.model!r}: no config.json there; give a local Hugging Face "
+                         "model directory, or leave --model out for the demo model.")
     max_replicas = args.max_replicas if args.max_replicas is not None else args.min_replicas
     if max_replicas < args.min_replicas:
         raise SystemExit(f"--max-replicas ({max_replicas}) must be >= --min-replicas ({args.min_replicas}).")
@@ -71,7 +75,15 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(cfg, min_replicas=args.min_replicas, max_replicas=max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
                         upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
-        serve.run(app, name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(app, name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:
+            # Serve's own message names the deployment only; the replica's error is here.
+            logger.error("%s", e)
+            for name, dep in serve.status().applications[APP_NAME].deployments.items():
+                if dep.message:
+                    logger.error("%s: %s", name, dep.message)
+            raise SystemExit(1) from None
         info = serve.get_deployment_handle("EngineDeployment", APP_NAME).info.remote().result()
         kv = info.get("kv_sizing") or {}
         url = f"http://{args.host}:{args.port}"
