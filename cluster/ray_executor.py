@@ -9,8 +9,9 @@ Not a Ray method call per worker per step (~1.2 ms each on this box). Two channe
 chosen by ``PAGEDSERVE_DISPATCH``:
 
 - ``zmq`` (default): one pickle per step written to a PUSH socket per rank, rank 0's
-  result read from one PULL socket (cluster/zmq_dispatch.py). Measured here at TP=2:
-  ~0.5 ms per step against ~0.95 ms for the compiled graph in the same run.
+  result read from one PULL socket (cluster/zmq_dispatch.py; Unix sockets when all ranks
+  share the node). Measured on the 2-core dev box at TP=2: 0.4-0.5 ms per step against
+  0.95-1.1 ms for the compiled graph in the same runs.
 - ``cgraph``: a Ray Compiled Graph (``InputNode`` -> each rank -> ``MultiOutputNode``),
   shared-memory channels allocated once.
 

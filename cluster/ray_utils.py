@@ -3,8 +3,9 @@
 Two quirks of Ray 2.60 shape this file (see /work/shared/PEERS.md):
 - token auth is on by default; a local single-user cluster turns it off with
   ``RAY_AUTH_MODE=disabled`` (set before ``ray.init``, inherited by Ray's processes);
-- Ray binds a non-loopback address unless told ``_node_ip_address="127.0.0.1"``, and a
-  dev box should not open ports to the network by accident.
+- Ray binds the host's routable address, and ``_node_ip_address="127.0.0.1"`` alone
+  does not help (2.60 rewrites loopback to the routable IP); see ``init_ray``. A dev box
+  should not open ports to the network by accident.
 """
 
 from __future__ import annotations
