@@ -1,0 +1,123 @@
+"""The scheduler actor's logic without Ray: AsyncEngine in a plain event loop.
+
+Admission (count and projected KV demand), streaming order, and abort when a consumer
+goes away, each checked against the engine's own state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.engine_actor import Admission, AsyncEngine
+from scheduler.sampling_params import SamplingParams
+from worker.config import EngineConfig
+from worker.testing import make_test_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "actor-models")
+
+
+def _engine(model, **kw) -> AsyncEngine:
+    cfg = dict(model=model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+               max_num_seqs=2)
+    cfg.update(kw)
+    return AsyncEngine(EngineConfig(**cfg))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+async def _first(gen):
+    return await gen.__anext__()
+
+
+def test_stream_then_finish_and_count_admission(model):
+    """max_num_seqs=2, max_waiting_requests=1: two run, one waits, the fourth is 429."""
+    core = _engine(model, max_waiting_requests=1)
+
+    async def scenario():
+        gens = [core.generate(f"r{i}", [5 + i] * 8, _greedy(200)) for i in range(4)]
+        adms = [await _first(g) for g in gens]
+        assert [a.accepted for a in adms] == [True, True, True, False]
+        assert adms[3].status == 429 and adms[3].retry_after_s == 1
+        assert "max_waiting_requests=1" in adms[3].message
+        # A short request streams its tokens in order and ends with finished=True.
+        for g in gens[:3]:
+            await g.aclose()  # consumers leave: the engine aborts them
+        short = core.generate("s", [7] * 8, _greedy(5))
+        assert (await _first(short)).accepted
+        tokens, finished = [], False
+        async for out, _ in short:
+            tokens = out.outputs[0].token_ids
+            finished = out.finished
+        assert finished and len(tokens) == 5
+
+    asyncio.run(scenario())
+    assert not core.engine.has_unfinished_requests()
+    core.shutdown()
+
+
+def test_projected_kv_demand_is_429(model):
+    """A 64-block pool, max_num_seqs=1, no count limit: one request runs, 100-token
+    prompts (7 blocks each) queue behind it until their prompts alone would need more
+    blocks than the whole pool: 9 x 7 = 63 fit, a 10th (70 > 64) is 429."""
+    core = _engine(model, max_num_seqs=1)
+
+    async def scenario():
+        running = core.generate("run", [3] * 8, _greedy(240))
+        assert (await _first(running)).accepted
+        await running.__anext__()  # it has produced a token: it is running, not waiting
+        waiting, adm = [], None
+        for i in range(12):
+            g = core.generate(f"w{i}", [9] * 100, _greedy(8))
+            adm = await _first(g)
+            if not adm.accepted:
+                break
+            waiting.append(g)
+        # 9 waiting prompts hold 9 x 7 = 63 blocks; the 10th would need 70 > 64.
+        assert len(waiting) == 9
+        assert adm.status == 429 and "KV blocks" in adm.message
+        for g in waiting + [running]:
+            await g.aclose()
+
+    asyncio.run(scenario())
+    core.shutdown()
+
+
+def test_bad_request_is_400_and_cancel_frees_blocks(model):
+    core = _engine(model)
+
+    async def scenario():
+        bad = core.generate("too-long", [5] * 300, _greedy(4))
+        adm = await _first(bad)
+        assert isinstance(adm, Admission) and adm.status == 400
+        assert "maximum context length" in adm.message
+
+        gen = core.generate("long", [5] * 40, _greedy(200))
+        assert (await _first(gen)).accepted
+
+        async def consume():
+            async for _ in gen:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+        assert core.stats()["kv_cache_usage"] > 0
+        task.cancel()  # what Serve does when the HTTP client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(50):  # the abort lands before the next step
+            await asyncio.sleep(0.02)
+            if core.stats()["kv_cache_usage"] == 0:
+                break
+        assert core.stats()["kv_cache_usage"] == 0
+        assert core.stats()["running"] == 0
+
+    asyncio.run(scenario())
+    assert not core.engine.has_unfinished_requests()
+    core.shutdown()
