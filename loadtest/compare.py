@@ -33,6 +33,7 @@ SCENARIOS = {"continuous-batching": S.continuous_batching, "paged-kv": S.paged_k
              "chunked-prefill": S.chunked_prefill, "prefix-caching": S.prefix_caching,
              "mixed-saturation": S.mixed_saturation, "rate-sweep": S.rate_sweep, "vs-vllm": vs_vllm}
 SERVER_ORDER = ("default", "static", "no-chunk", "no-prefix", "paged-kv", "contig-kv", "vllm", "none")
+KV_CACHE_GIB = 1  # CPU KV cache of every server, pagedserve and vLLM alike
 MODEL_CACHE = Path(os.environ.get("LOADTEST_MODEL_CACHE", "/tmp/loadtest-models"))
 # Serving model: small enough for quick runs on 2 cores, big enough that a long prompt's
 # prefill (~0.1-0.2 s) clearly outweighs a decode step's fixed overhead (~20 ms), which is
@@ -61,6 +62,10 @@ class Ctx:
         self.max_model_len = args.max_model_len or (512 if args.quick else 1024)
         self.block_size = 16
         self.max_num_seqs = 16
+        # vLLM's CPU worker pins itself to one core and leaves the other to its scheduler and
+        # API server; pagedserve gets the same split. With 2 intra-op threads on 2 busy cores
+        # torch's GEMMs wait on each other: measured 20-74 tok/s offline vs 540 with 1 thread.
+        self.num_threads = args.num_threads
         self.chunk_budget = args.max_num_batched_tokens or 128
         # KV budget of the paged-kv scenario: two full-length sequences, plus the 1% of
         # blocks the scheduler keeps free at admission (its watermark) and one spare.
@@ -86,7 +91,9 @@ class Ctx:
     def server_args(self, key: str) -> dict:
         base = dict(max_model_len=self.max_model_len, block_size=self.block_size, dtype="float32",
                     seed=self.seed, max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.chunk_budget,
-                    enable_prefix_caching=True, enable_chunked_prefill=True)
+                    enable_prefix_caching=True, enable_chunked_prefill=True,
+                    kv_cache_memory=f"{KV_CACHE_GIB}GiB",  # = vLLM's VLLM_CPU_KVCACHE_SPACE
+                    num_threads=self.num_threads)
         kv = dict(num_gpu_blocks_override=self.kv_blocks, enable_prefix_caching=False, max_num_seqs=64)
         return {"default": base, "static": {**base, "scheduling_policy": "static"},
                 "no-chunk": {**base, "enable_chunked_prefill": False, "max_num_batched_tokens": self.max_model_len},
@@ -97,10 +104,11 @@ class Ctx:
         logs = self.out / "logs"
         if key == "vllm":
             a = self.server_args("default")
-            extra = ["--block-size", "16", "--max-num-seqs", str(a["max_num_seqs"]),
+            # vLLM's CPU attention takes only multiples of 32 ("No common block size for 16").
+            extra = ["--block-size", "32", "--max-num-seqs", str(a["max_num_seqs"]),
                      "--max-num-batched-tokens", str(a["max_num_batched_tokens"]), "--enable-prefix-caching"]
             srv = vllm_server(self.model_dir, served_model_name="model", max_model_len=self.max_model_len,
-                              log_dir=logs, extra_args=extra)
+                              log_dir=logs, extra_args=extra, kv_cache_gib=KV_CACHE_GIB)
         else:
             srv = pagedserve_server(self.model_dir, log_dir=logs, served_model_name="model", **self.server_args(key))
         return srv.start(timeout=300)
@@ -127,6 +135,7 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="chunk budget of the default server")
     p.add_argument("--slo-ttft-ms", type=float, default=5000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads of each pagedserve worker")
     p.add_argument("--no-peers", action="store_true", help="skip the vLLM rows")
     p.add_argument("--no-setup-peers", action="store_true", help="never create .venv-vllm")
     p.add_argument("--seed", type=int, default=0)

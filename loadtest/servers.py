@@ -1,10 +1,11 @@
 """Start and stop OpenAI-compatible servers as subprocesses on 127.0.0.1.
 
-Each server runs in its own process group (``start_new_session``), so stopping it
-reaches the children it spawned (Ray workers, vLLM's engine core) and nothing else:
+Each server runs in its own session (``start_new_session``), so stopping it reaches the
+children it spawned (Ray processes and actors, vLLM's engine core) and nothing else:
 
     start ──▶ poll GET /health until 200 (or the process dies / time runs out)
-    stop  ──▶ SIGTERM to the group, wait ``grace`` s, then SIGKILL to the group
+    stop  ──▶ SIGTERM to the server, wait ``grace`` s for it to exit, then SIGKILL
+              whatever is left of its session
 
 Logs go to a file per server so a failed start can show its tail.
 """
@@ -82,11 +83,14 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"{self.name} not healthy after {timeout:.0f} s:\n{self.tail()}")
 
-    def stop(self, grace: float = 20.0) -> None:
+    def stop(self, grace: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
         sid = self.proc.pid  # session leader: its pid is the session id
-        os.killpg(sid, signal.SIGTERM)
+        # SIGTERM to the leader only: it shuts its own children down in order (Serve, then
+        # Ray). Signalling the whole group would kill Ray's GCS under it and stall that
+        # shutdown for a minute.
+        self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:

@@ -30,7 +30,8 @@ import json, sys, time
 spec = json.load(open(sys.argv[1]))
 from cluster import LLM
 from scheduler.sampling_params import SamplingParams
-llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0)
+llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
+          num_threads=spec["num_threads"])
 params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
 llm.generate(spec["prompts"][:1], params, use_tqdm=False)  # warm-up
 t0 = time.perf_counter()
@@ -43,11 +44,12 @@ llm.shutdown()
 
 
 def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
-                       dtype: str = "float32", timeout: float = 900.0) -> dict:
+                       dtype: str = "float32", num_threads: int | None = 1, timeout: float = 900.0) -> dict:
     with tempfile.TemporaryDirectory() as d:
         spec_path, script = Path(d) / "spec.json", Path(d) / "run.py"
         spec_path.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
-                                         "max_model_len": max_model_len, "dtype": dtype}))
+                                         "max_model_len": max_model_len, "dtype": dtype,
+                                         "num_threads": num_threads}))
         script.write_text(_PAGEDSERVE_OFFLINE)
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         proc = subprocess.run([sys.executable, str(script), str(spec_path)], capture_output=True, text=True,
@@ -76,7 +78,8 @@ def vs_vllm(ctx) -> Scenario:
     def offline(_server):
         model = ctx.offline_model_dir
         prompts = offline_prompts(num, plen, ctx.offline_vocab_size, ctx.seed)
-        res = {"pagedserve": pagedserve_offline(model, prompts, out, max_model_len=ctx.max_model_len)}
+        res = {"pagedserve": pagedserve_offline(model, prompts, out, max_model_len=ctx.max_model_len,
+                                                num_threads=ctx.num_threads)}
         res["vllm"] = vllm_offline(model, prompts, out, max_model_len=ctx.max_model_len)
         res["same_first_tokens"] = res["pagedserve"]["first_tokens"] == res["vllm"]["first_tokens"]
         return res
