@@ -10,6 +10,7 @@ or the SSE generator is closed) cancels the engine call, which aborts the reques
 # No ``from __future__ import annotations``: FastAPI must see real classes on the
 # methods that serve.ingress rewrites, or bodies turn into query parameters.
 import asyncio
+import json
 import logging
 import time
 
@@ -113,6 +114,9 @@ class OpenAIIngress:
         except asyncio.CancelledError:  # client went away: the engine aborts the request
             stream.cancel()
             raise
+        except Exception:  # a system error: logged with the request id, this request only
+            logger.exception("request %s failed", rid)
+            return error(500, f"internal error while generating request {rid}; see the server log")
         self._observe(final)
         if chat:
             resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids)
@@ -125,10 +129,16 @@ class OpenAIIngress:
     async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):
         final = None
         try:
-            async for out, tt in stream:
-                final = out
-                for line in state.chunks(out, tt or {}):
-                    yield line
+            try:
+                async for out, tt in stream:
+                    final = out
+                    for line in state.chunks(out, tt or {}):
+                        yield line
+            except Exception:  # headers are gone: report in-band, as vLLM does
+                logger.exception("request %s failed mid-stream", state.rid)
+                yield fmt.sse(json.dumps(error_body(500, f"internal error in request {state.rid}")))
+                yield fmt.SSE_DONE
+                return
             if include_usage and final is not None:
                 yield state.usage_chunk(final)
             yield fmt.SSE_DONE
