@@ -39,6 +39,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=None, help="fix every output length")
     p.add_argument("--prompt-format", choices=["token-ids", "text"], default="token-ids")
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--max-retries", type=int, default=0, help="retry a 429 this many times (OpenAI SDK: 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", default=None, help="write result.json and PNG plots here")
     p.add_argument("--label", default="")
@@ -69,7 +70,7 @@ def bench(args) -> dict:
         res = asyncio.run(run_benchmark(base_url, specs, model=args.model, request_rate=rate,
                                         burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                                         seed=args.seed, goodput=goodput, label=label,
-                                        progress=not args.no_progress))
+                                        progress=not args.no_progress, max_retries=args.max_retries))
         print(format_table(label, res.metrics, res.server))
         runs.append(res.to_dict())
         cdfs[label] = latency_series(res.results)

@@ -15,6 +15,7 @@ must abort the request and free its KV blocks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class RequestResult:
     first_token_time: float = 0.0
     end_time: float = 0.0
     text: str = ""
+    retries: int = 0  # 429s retried before this result
 
     @property
     def tpot(self) -> float:
@@ -56,29 +58,50 @@ def completion_payload(spec: RequestSpec, model: str, extra: dict | None = None)
             "stream_options": {"include_usage": True}, "ignore_eos": spec.ignore_eos}
     if spec.n > 1:
         body["seed"] = 0
+    if spec.cache_salt is not None:
+        body["cache_salt"] = spec.cache_salt
     body.update(extra or {})
     return body
 
 
 async def send_completion(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str,
                           extra_body: dict | None = None, timeout: float = 600.0,
-                          live: dict[str, int] | None = None) -> RequestResult:
+                          live: dict[str, int] | None = None, max_retries: int = 0) -> RequestResult:
     """Send ``spec``; never raises for server or network errors (they land in ``error``).
-    ``live[request_id]`` (if given) tracks chunks received so far on choice 0."""
+    ``live[request_id]`` (if given) tracks chunks received so far on choice 0. A 429
+    (overloaded) is retried up to ``max_retries`` times after the server's Retry-After (or
+    0.5 s, doubling), as the OpenAI SDK does; latencies count from the first attempt."""
+    start = time.perf_counter()
+    for attempt in range(max_retries + 1):
+        res, retry_after = await _send_once(client, base_url, spec, model, extra_body, timeout, live, start)
+        res.retries = attempt
+        if res.status_code != 429 or attempt == max_retries:
+            return res
+        await asyncio.sleep(retry_after if retry_after is not None else 0.5 * 2 ** attempt)
+    return res
+
+
+async def _send_once(client, base_url, spec, model, extra_body, timeout, live, start):
     res = RequestResult(spec.request_id, kind=spec.kind, prompt_len=spec.prompt_len, n=spec.n)
     payload = completion_payload(spec, model, extra_body)
     cut = spec.cancel_after if spec.cancel_after is not None else spec.stop_after
     chunks = [0] * spec.n
     usage_tokens = None
     texts: list[str] = []
-    last = res.start_time = time.perf_counter()
+    res.start_time = start
+    last = time.perf_counter()
+    retry_after = None
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=timeout) as resp:
             res.status_code = resp.status_code
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return _finish(res)
+                try:
+                    retry_after = float(resp.headers.get("retry-after", ""))
+                except ValueError:
+                    pass
+                return _finish(res), retry_after
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -88,7 +111,7 @@ async def send_completion(client: httpx.AsyncClient, base_url: str, spec: Reques
                 msg = json.loads(data)
                 if msg.get("error"):
                     res.error = str(msg["error"])[:300]
-                    return _finish(res)
+                    return _finish(res), None
                 if msg.get("usage"):
                     usage_tokens = msg["usage"].get("completion_tokens")
                 for choice in msg.get("choices") or ():
@@ -113,13 +136,13 @@ async def send_completion(client: httpx.AsyncClient, base_url: str, spec: Reques
                     break  # leaving the block closes the connection: the server must abort
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         res.error = f"{type(e).__name__}: {e}"[:300]
-        return _finish(res)
+        return _finish(res), None
     res.output_len = usage_tokens if (usage_tokens is not None and cut is None) else sum(chunks)
     res.text = "".join(texts)
     res.success = not res.cancelled and res.output_len > 0
     if not res.success and not res.cancelled:
         res.error = res.error or "empty response"
-    return _finish(res)
+    return _finish(res), None
 
 
 def _finish(res: RequestResult) -> RequestResult:

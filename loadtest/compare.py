@@ -196,6 +196,12 @@ def run_compare(args: argparse.Namespace) -> int:
     try:
         if ctx.cdfs:
             plot_latency_cdfs(ctx.cdfs, ctx.out / "latency_cdf.png")
+            groups: dict[str, dict] = {}
+            for tag, series in ctx.cdfs.items():  # tag = "label[server]": one figure per label
+                groups.setdefault(tag.split("[")[0], {})[tag] = series
+            for label, runs in groups.items():
+                if len(runs) > 1:
+                    plot_latency_cdfs(runs, ctx.out / f"latency_cdf-{label}.png")
         if ctx.sweeps:
             plot_rate_sweep(ctx.sweeps, ctx.out / "rate_sweep.png")
     except ImportError:

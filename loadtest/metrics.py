@@ -83,6 +83,7 @@ def compute_metrics(results: list[RequestResult], duration: float,
         "request_throughput": len(done) / dur, "output_throughput": out_tokens / dur,
         "total_token_throughput": (in_tokens + out_tokens) / dur,
         "max_concurrent_requests": peak_concurrency(results),
+        "retries_429": sum(getattr(r, "retries", 0) for r in results),
     }
     m.update(_stats("ttft", [r.ttft for r in done]))
     m.update(_stats("tpot", [r.tpot for r in done if r.output_len > r.n]))

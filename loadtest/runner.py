@@ -40,7 +40,8 @@ class BenchmarkResult:
             d["requests"] = [{"request_id": r.request_id, "kind": r.kind, "success": r.success,
                               "cancelled": r.cancelled, "error": r.error, "prompt_len": r.prompt_len,
                               "output_len": r.output_len, "n": r.n, "ttft": r.ttft, "tpot": r.tpot,
-                              "latency": r.latency, "itl": r.itl} for r in self.results]
+                              "latency": r.latency, "retries": r.retries, "itl": r.itl}
+                             for r in self.results]
         return d
 
 
@@ -58,7 +59,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
                         goodput: dict[str, float] | None = None, label: str = "",
                         sample_interval: float = 0.5, progress: bool = True,
                         drain_timeout: float = 30.0, extra_body: dict | None = None,
-                        arrivals: list[float] | None = None) -> BenchmarkResult:
+                        arrivals: list[float] | None = None, max_retries: int = 0) -> BenchmarkResult:
     """``arrivals`` (seconds from start, one per spec) replaces the Gamma process."""
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=max(len(specs), 1) + 8, max_keepalive_connections=64)
@@ -84,7 +85,8 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
                     await sem.acquire()
                 inflight[i] = spec
                 try:
-                    results[i] = await send_completion(client, base_url, spec, model, extra_body, live=live)
+                    results[i] = await send_completion(client, base_url, spec, model, extra_body, live=live,
+                                                       max_retries=max_retries)
                 finally:
                     inflight.pop(i, None)
                     if sem:

@@ -44,6 +44,7 @@ class RequestSpec:
     stop_after: int | None = None
     parent: int | None = None  # index of the request that must finish first (multi-turn)
     kind: str = ""
+    cache_salt: str | None = None  # isolates this request's prefix-cache lookups (vLLM's field)
 
     @property
     def expected_output_len(self) -> int:
