@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode_attention import decode_attention_cpu
 from kernels.metadata import AttentionMetadata
 
 # Decode groups are padded to their longest member; a sequence joins the current group
@@ -50,7 +51,10 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: to
     key = (name, dtype, device)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor even when first made under inference_mode (the engine): an
+        # inference tensor could not be written to by a later caller outside it.
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype, device=device)
         _WORKSPACE[key] = buf
     return buf[:numel].view(shape)
 
@@ -127,7 +131,8 @@ def _build_decode_group(block_table: torch.Tensor, ids: list[int], rows: list[in
     return _DecodeGroup(torch.tensor(rows, device=dev), kv_rows, is_pad if lens[-1] < padded else None, padded)
 
 
-def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int) -> _StepPlan:
+def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int, first_seq: int = 0) -> _StepPlan:
+    """``first_seq``: sequences before it were already handled (by the fused decode kernel)."""
     global _PLAN
     lens = md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens.tolist()
     if md.query_lens_cpu is not None:
@@ -135,7 +140,7 @@ def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int) -> _StepPla
     else:
         cu = md.cu_seqlens_q.tolist()
         q_lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    key = (id(md.block_table), tuple(lens), tuple(q_lens), block_size, num_kv_heads)
+    key = (id(md.block_table), tuple(lens), tuple(q_lens), block_size, num_kv_heads, first_seq)
     if _PLAN is not None and _PLAN.md_ref() is md and _PLAN.key == key:
         return _PLAN
     # Any sequence with one query row takes the batched decode path, wherever it sits
@@ -144,7 +149,9 @@ def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int) -> _StepPla
     prefill: list[tuple[int, int, int, int]] = []
     row = 0
     for i, ql in enumerate(q_lens):
-        if ql == 1:
+        if i < first_seq:
+            pass
+        elif ql == 1:
             row_of[i] = row
         elif ql > 0:
             prefill.append((i, row, ql, lens[i]))
@@ -222,7 +229,16 @@ def paged_attention_torch(
     md = attn_metadata
     if out is None:
         out = torch.empty_like(q)
-    plan = _plan(md, k_cache.shape[1], k_cache.shape[2])
+    # Leading decode rows (one per sequence, as the runner lays them out) go through the
+    # fused C++ loop when it is available: it reads each K/V row once instead of three times.
+    nd = md.num_decode_tokens
+    if nd and md.max_seqlen_q >= 1 and decode_attention_cpu(
+            q[:nd], k_cache, v_cache, md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd]):
+        if nd == q.shape[0]:
+            return out
+    else:
+        nd = 0
+    plan = _plan(md, k_cache.shape[1], k_cache.shape[2], first_seq=nd)
     for g in plan.decode:
         _decode_group(q, k_cache, v_cache, g, scale, out)
     for i, r0, ql, seq_len in plan.prefill:

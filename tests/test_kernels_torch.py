@@ -39,10 +39,39 @@ def _check(batch, atol, rtol):
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
 
 
+@pytest.fixture
+def grouped_torch_decode(monkeypatch):
+    """Decode rows through the grouped-gather torch path instead of the fused C++ loop."""
+    from kernels import attention_torch
+
+    monkeypatch.setattr(attention_torch, "decode_attention_cpu", lambda *args, **kwargs: False)
+
+
+@pytest.fixture(params=["fused", "grouped"])
+def decode_path(request):
+    if request.param == "grouped":
+        request.getfixturevalue("grouped_torch_decode")
+    return request.param
+
+
+def test_fused_cpu_decode_kernel_builds_and_is_used(monkeypatch):
+    """g++ is on every machine of this project's kind: the fused loop must build, and the
+    torch backend must route fp32 leading decode rows through it."""
+    from kernels import attention_torch, cpu_decode_attention
+
+    assert cpu_decode_attention.available()
+    calls = []
+    real = attention_torch.decode_attention_cpu
+    monkeypatch.setattr(attention_torch, "decode_attention_cpu",
+                        lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    _check(make_paged_batch([1, 1, 1, 7], [40, 3, 333, 20], 12, 4, 64, 16, seed=21), atol=1e-5, rtol=1e-5)
+    assert calls == [3]
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (12, 4), (8, 2), (16, 2)])  # GQA 1, 3, 4, 8
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_mixed_batch_fp32_matches_reference(num_heads, num_kv_heads, head_dim, block_size):
+def test_mixed_batch_fp32_matches_reference(num_heads, num_kv_heads, head_dim, block_size, decode_path):
     batch = make_paged_batch(*MIXED, num_heads, num_kv_heads, head_dim, block_size,
                              seed=num_heads * 1000 + head_dim + block_size)
     _check(batch, atol=1e-5, rtol=1e-5)
@@ -101,7 +130,7 @@ def test_write_then_attend_equals_reference_flow():
     _check(batch, atol=1e-5, rtol=1e-5)
 
 
-def test_layers_of_one_step_share_the_plan():
+def test_layers_of_one_step_share_the_plan(grouped_torch_decode):
     """The index plan is built by the first layer and reused by the next (same metadata)."""
     from kernels import attention_torch
 
@@ -122,3 +151,14 @@ def test_resolve_backend():
     assert resolve_attention_backend("triton", "cpu") == "triton"
     with pytest.raises(ValueError, match="attention backend"):
         resolve_attention_backend("flash", "cpu")
+
+
+def test_workspace_made_in_inference_mode_is_usable_outside_it(grouped_torch_decode):
+    """The engine runs under inference_mode; a later caller outside it must still work."""
+    from kernels import attention_torch
+
+    attention_torch._WORKSPACE.clear()
+    batch = make_paged_batch([1, 1, 3], [50, 9, 12], 8, 2, 64, 16, seed=31)
+    with torch.inference_mode():
+        _check(batch, atol=1e-5, rtol=1e-5)
+    _check(make_paged_batch([1, 1, 3], [51, 9, 12], 8, 2, 64, 16, seed=32), atol=1e-5, rtol=1e-5)
