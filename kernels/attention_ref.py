@@ -64,8 +64,8 @@ def paged_attention_ref(
         v = v.repeat_interleave(group, dim=1)
         qi = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
         scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)

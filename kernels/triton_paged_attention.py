@@ -203,11 +203,15 @@ def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, out) -> None:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
-    """Splits so that decode programs fill the GPU: ~4 programs per SM, >= 4 tiles each."""
+    """Splits so that decode programs fill the GPU: none once there are >= 2 programs per
+    SM (measured on an H200: 64 x 2048 ran at 75% of copy bandwidth unsplit, 62% with 2
+    splits), else ~4 programs per SM with >= 4 tiles each."""
     if device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = max(1, num_seqs * num_kv_heads)
+    if programs >= 2 * num_sms:
+        return 1
     want = -(-4 * num_sms // programs)
     tiles = -(-max_seq_len // tile_n)
     n = max(1, min(want, tiles // 4, MAX_SPLITS))
