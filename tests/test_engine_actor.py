@@ -101,13 +101,19 @@ def test_bad_request_is_400_and_cancel_frees_blocks(model):
         gen = core.generate("long", [5] * 40, _greedy(200))
         assert (await _first(gen)).accepted
 
+        started = asyncio.Event()
+        received = []
+
         async def consume():
-            async for _ in gen:
-                pass
+            async for item in gen:
+                received.append(item)
+                if len(received) == 5:
+                    started.set()
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.2)
-        assert core.stats()["kv_cache_usage"] > 0
+        # Cancel mid-generation (a tiny model can finish 200 tokens in a fraction of a
+        # second, so wait for tokens, not for a fixed time).
+        await asyncio.wait_for(started.wait(), timeout=30)
         task.cancel()  # what Serve does when the HTTP client disconnects
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -117,6 +123,8 @@ def test_bad_request_is_400_and_cancel_frees_blocks(model):
                 break
         assert core.stats()["kv_cache_usage"] == 0
         assert core.stats()["running"] == 0
+        # Aborted, not finished: far fewer than the 200 requested tokens were generated.
+        assert core.stats()["num_generation_tokens"] < 100
 
     asyncio.run(scenario())
     assert not core.engine.has_unfinished_requests()
