@@ -90,20 +90,28 @@ if __name__ == "__main__":
 """
 
 
-def vllm_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
-                 dtype: str = "float32", enforce_eager: bool = True, timeout: float = 900.0) -> dict:
-    """vLLM's offline ``LLM.generate`` throughput on ``prompts`` (token ids), in its venv."""
+def run_offline_script(python: str, script_text: str, spec: dict, *, env: dict, what: str,
+                       timeout: float, cwd: str | None = None) -> dict:
+    """Run an offline-throughput script (``script spec.json``) in a fresh process and parse its
+    ``RESULT {json}`` line; adds ``output_throughput`` (tok/s). Used for both engines."""
     with tempfile.TemporaryDirectory() as d:
         spec_path, script = Path(d) / "spec.json", Path(d) / "run.py"
-        spec_path.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
-                                         "max_model_len": max_model_len, "dtype": dtype,
-                                         "enforce_eager": enforce_eager}))
-        script.write_text(_OFFLINE_SCRIPT)
-        proc = subprocess.run([str(PY), str(script), str(spec_path)], capture_output=True, text=True,
-                              env={**os.environ, **vllm_env()}, timeout=timeout, cwd=d)
+        spec_path.write_text(json.dumps(spec))
+        script.write_text(script_text)
+        proc = subprocess.run([python, str(script), str(spec_path)], capture_output=True, text=True,
+                              env=env, timeout=timeout, cwd=cwd or d)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             out = json.loads(line[7:])
             out["output_throughput"] = out["num_output_tokens"] / out["elapsed"]
             return out
-    raise RuntimeError(f"vLLM offline run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{what} offline run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def vllm_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
+                 dtype: str = "float32", enforce_eager: bool = True, timeout: float = 900.0) -> dict:
+    """vLLM's offline ``LLM.generate`` throughput on ``prompts`` (token ids), in its venv."""
+    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
+            "dtype": dtype, "enforce_eager": enforce_eager}
+    return run_offline_script(str(PY), _OFFLINE_SCRIPT, spec, env={**os.environ, **vllm_env()},
+                              what="vLLM", timeout=timeout)

@@ -89,6 +89,10 @@ def plot_latency_cdfs(runs: dict[str, dict], path: str | Path) -> Path:
         ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=8)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,12 +116,7 @@ def plot_rate_sweep(points: dict[str, list[tuple[float, dict]]], path: str | Pat
         ax.set_xlabel("offered request rate (req/s; rightmost = inf)")
         ax.grid(True, alpha=0.3)
     a1.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def latency_series(results) -> dict[str, list[float]]:

@@ -12,15 +12,11 @@ TTFT and TPOT (> 1: ours lower), so every ratio reads "> 1 = pagedserve better".
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-from loadtest.peers import vllm_available, vllm_offline
+from loadtest.peers import run_offline_script, vllm_available, vllm_offline
 from loadtest.scenarios import Row, Run, Scenario, _pair_row
 from loadtest.servers import ROOT
 from loadtest.workloads import FIRST_ID, generate_workload
@@ -45,21 +41,11 @@ llm.shutdown()
 
 def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
                        dtype: str = "float32", num_threads: int | None = 1, timeout: float = 900.0) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        spec_path, script = Path(d) / "spec.json", Path(d) / "run.py"
-        spec_path.write_text(json.dumps({"model": model, "prompts": prompts, "max_tokens": max_tokens,
-                                         "max_model_len": max_model_len, "dtype": dtype,
-                                         "num_threads": num_threads}))
-        script.write_text(_PAGEDSERVE_OFFLINE)
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        proc = subprocess.run([sys.executable, str(script), str(spec_path)], capture_output=True, text=True,
-                              env=env, timeout=timeout, cwd=ROOT)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            out = json.loads(line[7:])
-            out["output_throughput"] = out["num_output_tokens"] / out["elapsed"]
-            return out
-    raise RuntimeError(f"pagedserve offline run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
+            "dtype": dtype, "num_threads": num_threads}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return run_offline_script(sys.executable, _PAGEDSERVE_OFFLINE, spec, env=env, what="pagedserve",
+                              timeout=timeout, cwd=str(ROOT))
 
 
 def offline_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
