@@ -6,7 +6,7 @@ Field names are vLLM's, so ``LLM(model=..., max_num_seqs=...)`` and
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 from scheduler.config import CacheConfig, SchedulerConfig
 
@@ -78,9 +78,6 @@ class EngineConfig:
             kv_allocation=self.kv_allocation,
             watermark=self.watermark,
         )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     @classmethod
     def field_names(cls) -> set[str]:
