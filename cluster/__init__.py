@@ -1,20 +1,15 @@
-"""pagedserve's public entry points. Kept light: nothing here imports ray; the Serve
-app and the Ray executor load ray only when they are used."""
+"""cluster/: everything that wires scheduler/, worker/ and kernels/ into a running server.
 
-from scheduler.sampling_params import SamplingParams
-from worker.config import EngineConfig
+A request's path, outside in::
 
+    cli/      the ``pagedserve`` command: flags -> EngineConfig, then serve / generate / kv-size
+    serve/    Ray Serve + FastAPI: the OpenAI routes, validation, SSE, metrics, and the
+              per-replica engine actor that runs the step loop on its own thread
+    engine/   the step loop itself (LLMEngine, the offline LLM, detokenizer, outputs) and
+              the in-process executor. Ray-free: it runs inside a Serve replica or alone
+    control/  the Ray control plane: TP worker actors in a placement group, the per-step
+              plan broadcast (ZMQ or a compiled graph), ray.init on loopback
 
-def __getattr__(name: str):
-    if name == "LLM":
-        from cluster.llm import LLM
-
-        return LLM
-    if name == "LLMEngine":
-        from cluster.llm_engine import LLMEngine
-
-        return LLMEngine
-    raise AttributeError(name)
-
-
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig"]
+Imports point inward: cli -> serve -> {engine, control}, control -> engine. Only control/ and serve/ import ray
+(engine/ loads control/ lazily, for TP > 1).
+"""

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
-from kernels.attention_torch import paged_attention_torch
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from pagedserve.kernels.attention_torch import paged_attention_torch
+from pagedserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
@@ -57,7 +57,7 @@ def write_kv_cache(
     backend: str = "torch",
 ) -> None:
     if backend == "triton":
-        from kernels.triton_cache_write import write_kv_cache_triton
+        from pagedserve.kernels.triton_cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
     elif backend in ("torch", "ref"):
@@ -78,7 +78,7 @@ def paged_attention(
     """Attention of this step's rows over their cached context (written beforehand)."""
     md = attn_metadata
     if backend == "triton":
-        from kernels.triton_paged_attention import paged_attention_triton
+        from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, md, scale, out=out)
     if backend == "torch":

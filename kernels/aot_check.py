@@ -2,7 +2,7 @@
 LLVM and ptxas all run, so type errors that the interpreter never sees (a loop-carried
 variable changing type, a bad dot shape, too much shared memory) fail on a CPU box.
 
-    python -m kernels.aot_check [--arch 90]     # prints one line per variant, exit 1 on failure
+    python -m pagedserve.kernels.aot_check [--arch 90]     # prints one line per variant, exit 1 on failure
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_cache_write, triton_paged_attention, triton_split_kv_reduce
+from pagedserve.kernels import triton_cache_write, triton_paged_attention, triton_split_kv_reduce
 
 
 def _compile(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> dict:

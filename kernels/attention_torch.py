@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode_attention import decode_attention_cpu
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.cpu_decode_attention import decode_attention_cpu
+from pagedserve.kernels.metadata import AttentionMetadata
 
 # Decode groups are padded to their longest member; a sequence joins the current group
 # while its length is at least this fraction of the group's padded length.

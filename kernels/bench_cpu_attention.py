@@ -1,6 +1,6 @@
 """Micro-benchmark of the CPU attention paths on the 63M-Llama layer shape.
 
-    python -m kernels.bench_cpu_attention [--threads 2] [--quick]
+    python -m pagedserve.kernels.bench_cpu_attention [--threads 2] [--quick]
 
 Per layer call (µs, best of n): the decode path at batch 1/32/128/256 with contexts drawn from
 100-1000 tokens, and one 512-token prefill, for the fast torch path, the slow oracle
@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention
-from kernels.testing import make_paged_batch
+from pagedserve.kernels import paged_attention
+from pagedserve.kernels.testing import make_paged_batch
 
 
 def sdpa_per_seq(b) -> torch.Tensor:

@@ -1,6 +1,9 @@
-"""GPU check of the Triton kernels and the engine: one script, < 8 min on one H200.
+"""GPU check of the Triton kernels (tensors only): correctness and bandwidth.
 
-    python kernels/gpu_check.py [--json out.json] [--skip-e2e] [--cpu-smoke]
+    python -m pagedserve.kernels.gpu_check [--json out.json] [--cpu-smoke]
+
+The one prepared GPU script, with the engine's end-to-end section on top of these, is
+``python -m pagedserve.loadtest.gpu_check`` (kernels/ never imports the engine).
 
 1. correctness of paged attention (mixed batch, split-KV decode, a pool of 2^31+
    elements with block ids at its end) and of the cache write, vs the torch reference,
@@ -9,12 +12,9 @@
    and batch 8 x 16k (32 q heads, 8 KV heads, head_dim 128, bf16, block 16), against a
    measured device-to-device copy ((read + write bytes) / time); goal >= 75%. A small
    sweep of tile size / warps / splits reports the best config next to the default;
-3. end-to-end decode tokens/s of the engine on a ~1.1B random Llama (bf16) at batch 1,
-   32, 128 next to transformers ``generate()`` with the same batch (guarded: a failure
-   there still prints the kernel table).
 
 The table is printed last. ``--cpu-smoke`` runs every section with tiny shapes on the
-CPU (Triton interpreter, fp16 only, the engine's torch path) to check the script itself.
+CPU (Triton interpreter, fp16 only) to check the script itself.
 """
 
 from __future__ import annotations
@@ -24,24 +24,22 @@ import sys
 
 if "--cpu-smoke" in sys.argv:  # must precede the first @triton.jit (kernel import)
     os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-from kernels.attention_ref import paged_attention_ref, write_kv_cache_ref  # noqa: E402
-from kernels.testing import make_paged_batch  # noqa: E402
-from kernels.triton_cache_write import write_kv_cache_triton  # noqa: E402
-from kernels.triton_paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
+from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref  # noqa: E402
+from pagedserve.kernels.testing import make_paged_batch  # noqa: E402
+from pagedserve.kernels.triton_cache_write import write_kv_cache_triton  # noqa: E402
+from pagedserve.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
 
 T0 = time.time()
 ROWS: list[tuple[str, str, str]] = []  # (section, item, value) for the final table
-RESULTS: dict = {"correctness": {}, "bandwidth": {}, "e2e": {}}
+RESULTS: dict = {"correctness": {}, "bandwidth": {}}
 
 
 def row(section: str, item: str, value: str) -> None:
@@ -172,71 +170,15 @@ def check_bandwidth(dev, smoke: bool) -> None:
         del b, out
 
 
-def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from cluster import LLM, SamplingParams
-    from worker.testing import make_random_llama
-
-    if smoke:
-        cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512)
-        batches, dtype, prompt_len = (1, 4), "float32", 16
-    else:
-        cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-        batches, dtype, prompt_len = (1, 32, 128), "bfloat16", 32
-    tmp = tempfile.mkdtemp(prefix="gpu_check_llama_")
-    path = make_random_llama(os.path.join(tmp, "model"), **cfg)
-    row("e2e", "random Llama written", f"{sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 1e9:.2f} GB")
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, cfg["vocab_size"], (max(batches), prompt_len), generator=gen)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(dev).eval()
-    n_params = sum(p.numel() for p in hf.parameters())
-    RESULTS["e2e"]["params"] = n_params
-    hf_tps = {}
-    with torch.no_grad():
-        hf.generate(prompts[:1].to(dev), max_new_tokens=4, do_sample=False)  # warm-up
-        for bsz in batches:
-            ids = prompts[:bsz].to(dev)
-            sync()
-            t = time.perf_counter()
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                        min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            sync()
-            hf_tps[bsz] = bsz * max_tokens / (time.perf_counter() - t)
-    del hf
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-    llm = LLM(model=path, dtype=dtype, max_num_seqs=max(batches), max_model_len=prompt_len + max_tokens + 16,
-              gpu_memory_utilization=0.6, device=dev.type)
-    try:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([prompts[i].tolist() for i in range(4)], SamplingParams(temperature=0, max_tokens=8,
-                                                                             ignore_eos=True), use_tqdm=False)
-        for bsz in batches:
-            t = time.perf_counter()
-            outs = llm.generate([prompts[i].tolist() for i in range(bsz)], params, use_tqdm=False)
-            dt = time.perf_counter() - t
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            tps = n / dt
-            RESULTS["e2e"][f"batch {bsz}"] = {"engine_tok_s": tps, "hf_generate_tok_s": hf_tps[bsz]}
-            row("e2e", f"decode batch {bsz:>3} ({n_params / 1e9:.2f}B, {dtype}, {max_tokens} tok)",
-                f"engine {tps:9.1f} tok/s   HF generate {hf_tps[bsz]:9.1f} tok/s   x{tps / hf_tps[bsz]:.2f}")
-    finally:
-        llm.shutdown()
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(extra_sections=(), add_args=None, description: str | None = None) -> int:
+    """Run the kernel sections, then ``extra_sections`` [(name, fn(dev, args))], each guarded
+    so that a failure still prints the table of what ran. ``add_args(parser)`` adds the
+    extra sections' flags (the e2e section of ``pagedserve.loadtest.gpu_check`` uses both)."""
+    ap = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
     ap.add_argument("--json", help="write the results as JSON to this path")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU via the Triton interpreter")
-    ap.add_argument("--skip-e2e", action="store_true")
-    ap.add_argument("--max-tokens", type=int, default=None, help="generated tokens per sequence in the e2e section")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="skip the e2e section if started later than this")
+    if add_args is not None:
+        add_args(ap)
     args = ap.parse_args()
     dev = torch.device("cpu" if args.cpu_smoke else "cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -245,12 +187,11 @@ def main() -> int:
     RESULTS["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     failed = False
-    for name, fn in (("correctness", lambda: check_attention(dev, args.cpu_smoke)),
-                     ("bandwidth", lambda: check_bandwidth(dev, args.cpu_smoke)),
-                     ("e2e", lambda: check_e2e(dev, args.cpu_smoke, args.max_tokens or (8 if args.cpu_smoke else 128)))):
-        if name == "e2e" and (args.skip_e2e or time.time() - T0 > args.budget_s):
-            row("e2e", "skipped", "--skip-e2e" if args.skip_e2e else f"past the {args.budget_s:.0f} s budget")
-            continue
+    sections = [("correctness", lambda: check_attention(dev, args.cpu_smoke)),
+                ("bandwidth", lambda: check_bandwidth(dev, args.cpu_smoke))]
+    sections += [(name, (lambda f=fn: f(dev, args))) for name, fn in extra_sections]
+    for name, fn in sections:
+        RESULTS.setdefault(name, {})
         try:
             fn()
         except Exception as e:  # keep going: the table of what did run still prints

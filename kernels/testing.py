@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 
 @dataclass

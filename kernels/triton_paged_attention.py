@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.metadata import AttentionMetadata
+from pagedserve.kernels.metadata import AttentionMetadata
 
 try:
     import triton
@@ -273,7 +273,7 @@ def paged_attention_triton(
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        from kernels.triton_split_kv_reduce import split_kv_reduce
+        from pagedserve.kernels.triton_split_kv_reduce import split_kv_reduce
 
         split_kv_reduce(part_out, part_lse, out)
     return out

@@ -1,9 +1,9 @@
-"""``python -m loadtest bench ...`` drives a running OpenAI-compatible server (pagedserve
-or vLLM); ``python -m loadtest compare ...`` runs the side-by-side scenarios.
+"""``python -m pagedserve.loadtest bench ...`` drives a running OpenAI-compatible server (pagedserve
+or vLLM); ``python -m pagedserve.loadtest compare ...`` runs the side-by-side scenarios.
 
-    python -m loadtest bench --base-url http://127.0.0.1:8000 --model-dir /path/model \\
+    python -m pagedserve.loadtest bench --base-url http://127.0.0.1:8000 --model-dir /path/model \\
         --workload chat --num-prompts 200 --request-rate 4 --goodput ttft:500 tpot:50
-    python -m loadtest bench ... --request-rate 1 2 4 inf   # a sweep; plots rate_sweep.png
+    python -m pagedserve.loadtest bench ... --request-rate 1 2 4 inf   # a sweep; plots rate_sweep.png
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import json
 import sys
 from pathlib import Path
 
-from loadtest.arrivals import parse_rate
-from loadtest.metrics import parse_goodput
-from loadtest.report import (find_knee, format_table, latency_series, plot_latency_cdfs,
+from pagedserve.loadtest.arrivals import parse_rate
+from pagedserve.loadtest.metrics import parse_goodput
+from pagedserve.loadtest.report import (find_knee, format_table, latency_series, plot_latency_cdfs,
                              plot_rate_sweep, write_json)
-from loadtest.runner import run_benchmark
-from loadtest.workloads import WORKLOADS, generate_workload
+from pagedserve.loadtest.runner import run_benchmark
+from pagedserve.loadtest.workloads import WORKLOADS, generate_workload
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -93,10 +93,10 @@ def bench(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pagedserve.loadtest", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_args(sub.add_parser("bench", help="load-test a running server"))
-    from loadtest.compare import add_compare_args, run_compare
+    from pagedserve.loadtest.compare import add_compare_args, run_compare
     add_compare_args(sub.add_parser("compare", help="side-by-side scenarios (starts the servers)"))
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -1,6 +1,6 @@
 """Per-step dispatch overhead of the Ray executor at TP=1 and TP=2.
 
-    python loadtest/bench_dispatch.py [--model DIR] [--batch 8] [--steps 200]
+    python -m pagedserve.loadtest.bench_dispatch [--model DIR] [--batch 8] [--steps 200]
 
 One engine step = the scheduler actor sends a plan, every rank runs it, rank 0 returns
 the result. The benchmark drives real worker actors with real decode plans (a batch of
@@ -22,14 +22,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from scheduler.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from pagedserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 
 
 def plans(batch: int, prompt_len: int, steps: int, block_size: int):
@@ -68,8 +66,8 @@ def run(executor, args, warmup: int = 10) -> tuple[list[float], list[int]]:
 
 
 def bench_ray(tp: int, model: str, args, dispatch: str) -> dict:
-    from cluster.ray_executor import RayExecutor
-    from worker.config import EngineConfig
+    from pagedserve.cluster.control.ray_executor import RayExecutor
+    from pagedserve.worker.config import EngineConfig
 
     RayExecutor.dispatch = dispatch
 
@@ -92,8 +90,8 @@ def bench_ray(tp: int, model: str, args, dispatch: str) -> dict:
 
 
 def bench_uniproc(model: str, args) -> dict:
-    from cluster.executor import UniProcExecutor
-    from worker.config import EngineConfig
+    from pagedserve.cluster.engine.executor import UniProcExecutor
+    from pagedserve.worker.config import EngineConfig
 
     cfg = EngineConfig(model=model, block_size=args.block_size, num_gpu_blocks_override=args.num_blocks,
                        dtype="float32", device=args.device, num_threads=1)
@@ -116,12 +114,11 @@ def main() -> None:
     args = p.parse_args()
     model = args.model
     if model is None:
-        from worker.testing import make_test_model
+        from pagedserve.worker.testing import make_test_model
 
         model = make_test_model("llama-gqa2-hd64", os.path.join(tempfile.gettempdir(), "pagedserve-test-models"))
 
-    from cluster.ray_utils import init_ray
-    import ray
+    from pagedserve.cluster.control.ray_utils import init_ray, shutdown_ray
 
     init_ray()
     try:
@@ -129,7 +126,7 @@ def main() -> None:
         runs = {(mode, tp): bench_ray(tp, model, args, mode)
                 for mode in ("zmq", "cgraph") for tp in (1, 2)}
     finally:
-        ray.shutdown()
+        shutdown_ray()
     rows = [("uniproc tp=1", uni)] + [(f"{mode} tp={tp}", r) for (mode, tp), r in runs.items()]
     for name, r in rows:
         extra = "" if "dispatch_us" not in r else (

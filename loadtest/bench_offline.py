@@ -8,8 +8,8 @@
 plus pagedserve's batch-1 decode speed against this machine's memory-bandwidth bound
 (weight bytes read per step / measured copy bandwidth). Last line: one JSON object.
 
-    python loadtest/bench_offline.py            # 128 requests, ~10-15 min on 2 cores (HF dominates)
-    python loadtest/bench_offline.py --quick    # a small version, < 1 min
+    python -m pagedserve.loadtest.bench_offline            # 128 requests, ~10-15 min on 2 cores (HF dominates)
+    python -m pagedserve.loadtest.bench_offline --quick    # a small version, < 1 min
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
@@ -31,7 +30,7 @@ BENCH_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
 
 
 def bench_model_path(root: str | None = None) -> str:
-    from worker.testing import make_random_llama
+    from pagedserve.worker.testing import make_random_llama
 
     root = root or os.environ.get("PAGEDSERVE_CACHE", os.path.expanduser("~/.cache/pagedserve"))
     path = os.path.join(root, "bench-llama-63m-v1")
@@ -58,7 +57,7 @@ def make_workload(n: int, max_model_len: int, vocab: int, seed: int = 0, prompt_
 
 
 def run_pagedserve(path, work, *, policy="fcfs", max_num_seqs=256, label="pagedserve"):
-    from cluster import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=2048, kv_cache_memory_bytes=3 << 30, scheduling_policy=policy,
@@ -154,7 +153,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 
 
 def run_b1_decode(path, n_tokens):
-    from cluster import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="float32", max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False,
               kv_cache_memory_bytes=1 << 28)

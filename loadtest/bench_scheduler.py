@@ -13,7 +13,7 @@
 The real Scheduler is driven with fake sampled tokens (EOS ignored; each request's
 output length comes from the workload). The last line is one JSON object.
 
-    python loadtest/bench_scheduler.py [--requests 600] [--num-blocks 2048] [--seed 0]
+    python -m pagedserve.loadtest.bench_scheduler [--requests 600] [--num-blocks 2048] [--seed 0]
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scheduler import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams,  # noqa: E402
+from pagedserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams,  # noqa: E402
                        Scheduler, SchedulerConfig)
 
 VOCAB = 32000

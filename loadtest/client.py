@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.workloads import RequestSpec
+from pagedserve.loadtest.workloads import RequestSpec
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""``python -m loadtest compare``: every side-by-side scenario in one command.
+"""``python -m pagedserve.loadtest compare``: every side-by-side scenario in one command.
 
     build (or reuse) random Llama checkpoints ─▶ for each server configuration:
         start it on 127.0.0.1 ─▶ run every scenario part that needs it ─▶ SIGTERM
@@ -22,12 +22,12 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from loadtest import scenarios as S
-from loadtest.peers import setup_vllm, vllm_available, vllm_server
-from loadtest.report import format_table, latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
-from loadtest.runner import run_benchmark
-from loadtest.servers import pagedserve_server
-from loadtest.vs_vllm import vs_vllm
+from pagedserve.loadtest import scenarios as S
+from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_server
+from pagedserve.loadtest.report import format_table, latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
+from pagedserve.loadtest.runner import run_benchmark
+from pagedserve.loadtest.servers import pagedserve_server
+from pagedserve.loadtest.vs_vllm import vs_vllm
 
 SCENARIOS = {"continuous-batching": S.continuous_batching, "paged-kv": S.paged_kv,
              "chunked-prefill": S.chunked_prefill, "prefix-caching": S.prefix_caching,
@@ -48,7 +48,7 @@ OFFLINE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers
 def ensure_model(name: str, shape: dict) -> str:
     path = MODEL_CACHE / name
     if not (path / "config.json").exists():
-        from worker.testing import make_random_llama
+        from pagedserve.worker.testing import make_random_llama
         tmp = MODEL_CACHE / f".{name}-{os.getpid()}"
         make_random_llama(tmp, **shape)
         os.replace(tmp, path)

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from loadtest.metrics import percentile
+from pagedserve.loadtest.metrics import percentile
 
 
 def format_table(label: str, m: dict, server: dict | None = None) -> str:

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.arrivals import arrival_times
-from loadtest.client import RequestResult, get_served_model, send_completion
-from loadtest.metrics import ServerSample, compute_metrics, parse_prometheus, server_view
-from loadtest.workloads import RequestSpec, summarize
+from pagedserve.loadtest.arrivals import arrival_times
+from pagedserve.loadtest.client import RequestResult, get_served_model, send_completion
+from pagedserve.loadtest.metrics import ServerSample, compute_metrics, parse_prometheus, server_view
+from pagedserve.loadtest.workloads import RequestSpec, summarize
 
 
 @dataclass

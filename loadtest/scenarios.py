@@ -1,4 +1,4 @@
-"""The side-by-side scenarios of ``python -m loadtest compare``.
+"""The side-by-side scenarios of ``python -m pagedserve.loadtest compare``.
 
 Each scenario lists the runs it needs, each against a named server configuration, and
 turns their results into rows (ratio next to goal). The driver (loadtest.compare) starts
@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-from loadtest.workloads import FIRST_ID, RequestSpec, generate_workload
+from pagedserve.loadtest.workloads import FIRST_ID, RequestSpec, generate_workload
 
 
 @dataclass(slots=True)
@@ -168,7 +168,7 @@ def chunked_prefill(ctx) -> Scenario:
 
     def rows(_, res):
         def p99_itl(r):
-            from loadtest.metrics import percentile
+            from pagedserve.loadtest.metrics import percentile
             return percentile([x for q in r.results if q.kind == "decode" and q.success for x in q.itl], 99) * 1e3
         on, off = res["chunked"], res["no-chunk"]
         a, b = p99_itl(on), p99_itl(off)
@@ -265,7 +265,7 @@ def rate_sweep(ctx) -> Scenario:
         return {"capacity": capacity, "points": points}
 
     def rows(_, res):
-        from loadtest.report import find_knee
+        from pagedserve.loadtest.report import find_knee
         sw = res["sweep"]
         ctx.sweeps["pagedserve"] = sw["points"]
         knee = find_knee(sw["points"])

@@ -125,7 +125,7 @@ class ServerProcess:
 def pagedserve_command(model: str, port: int, python: str | None = None, **engine_args) -> list[str]:
     """``pagedserve serve`` with vLLM-style flags: ``enable_prefix_caching=False`` becomes
     ``--no-enable-prefix-caching``, ``max_num_seqs=8`` becomes ``--max-num-seqs 8``."""
-    cmd = [python or sys.executable, "-m", "cluster.cli", "serve", "--model", model,
+    cmd = [python or sys.executable, "-m", "pagedserve.cluster.cli.main", "serve", "--model", model,
            "--host", "127.0.0.1", "--port", str(port)]
     for key, value in engine_args.items():
         if value is None:
@@ -140,7 +140,6 @@ def pagedserve_command(model: str, port: int, python: str | None = None, **engin
 
 def pagedserve_server(model: str, *, log_dir=None, port: int | None = None, **engine_args) -> ServerProcess:
     port = port or free_port()
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     return ServerProcess("pagedserve", pagedserve_command(model, port, **engine_args), port,
                          env=env, log_dir=log_dir)

@@ -1,7 +1,7 @@
 """pagedserve vs vLLM itself, one after the other on the same cores, same model
 directory, same dtype (fp32), same token-id prompts:
 
-    offline   LLM.generate in a fresh subprocess each (pagedserve: ``from cluster import
+    offline   LLM.generate in a fresh subprocess each (pagedserve: ``from pagedserve import
               LLM`` in the project venv; vLLM: its own venv), start-up excluded, one
               warm-up request first, then every prompt at once (ignore_eos, fixed length)
     http      the same chat workload against both OpenAI servers at a fixed concurrency
@@ -16,16 +16,16 @@ import os
 import random
 import sys
 
-from loadtest.peers import run_offline_script, vllm_available, vllm_offline
-from loadtest.scenarios import Row, Run, Scenario, _pair_row
-from loadtest.servers import ROOT
-from loadtest.workloads import FIRST_ID, generate_workload
+from pagedserve.loadtest.peers import run_offline_script, vllm_available, vllm_offline
+from pagedserve.loadtest.scenarios import Row, Run, Scenario, _pair_row
+from pagedserve.loadtest.servers import ROOT
+from pagedserve.loadtest.workloads import FIRST_ID, generate_workload
 
 _PAGEDSERVE_OFFLINE = r"""
 import json, sys, time
 spec = json.load(open(sys.argv[1]))
-from cluster import LLM
-from scheduler.sampling_params import SamplingParams
+from pagedserve import LLM
+from pagedserve.scheduler.sampling_params import SamplingParams
 llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
           num_threads=spec["num_threads"])
 params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
@@ -43,7 +43,7 @@ def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int, *,
                        dtype: str = "float32", num_threads: int | None = 1, timeout: float = 900.0) -> dict:
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
             "dtype": dtype, "num_threads": num_threads}
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = dict(os.environ)
     return run_offline_script(sys.executable, _PAGEDSERVE_OFFLINE, spec, env=env, what="pagedserve",
                               timeout=timeout, cwd=str(ROOT))
 

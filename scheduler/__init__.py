@@ -5,15 +5,15 @@ Pure Python (no torch, no ray), so it is unit-tested alone and imported by worke
 for the wire types only.
 """
 
-from scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
+from pagedserve.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
                                NewRequestData, SchedulerOutput, StepPlan, StepResult)
-from scheduler.request import FinishReason, Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
-from scheduler.scheduler import QueueFullError, Scheduler
-from scheduler.stats import SchedulerStats
+from pagedserve.scheduler.request import FinishReason, Request, RequestStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import QueueFullError, Scheduler
+from pagedserve.scheduler.stats import SchedulerStats
 
 __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "FinishReason",

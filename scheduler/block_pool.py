@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler.kv_cache_utils import BlockKey
+from pagedserve.scheduler.kv_cache_utils import BlockKey
 
 
 class KVCacheBlock:

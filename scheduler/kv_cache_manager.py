@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.config import CacheConfig
-from scheduler.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, hash_cache_salt
-from scheduler.request import Request
+from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedserve.scheduler.config import CacheConfig
+from pagedserve.scheduler.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, hash_cache_salt
+from pagedserve.scheduler.request import Request
 
 
 class KVCacheManager:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import time
 
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

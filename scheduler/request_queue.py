@@ -10,7 +10,7 @@ import heapq
 from collections import deque
 from collections.abc import Iterator
 
-from scheduler.request import Request
+from pagedserve.scheduler.request import Request
 
 
 class FCFSRequestQueue:

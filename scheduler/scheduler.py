@@ -15,13 +15,13 @@ retires finished requests and caches newly full blocks.
 
 from __future__ import annotations
 
-from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                NewRequestData, SchedulerOutput)
-from scheduler.request import Request, RequestStatus
-from scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
-from scheduler.stats import WAITING_REASONS, SchedulerStats
+from pagedserve.scheduler.request import Request, RequestStatus
+from pagedserve.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
+from pagedserve.scheduler.stats import WAITING_REASONS, SchedulerStats
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED

@@ -3,7 +3,7 @@ with fake sampled tokens the way a worker would (partial prefill chunks sample n
 
 from __future__ import annotations
 
-from scheduler import (CacheConfig, EngineCoreOutput, ModelRunnerOutput, Request, SamplingParams,
+from pagedserve.scheduler import (CacheConfig, EngineCoreOutput, ModelRunnerOutput, Request, SamplingParams,
                        Scheduler, SchedulerConfig, SchedulerOutput)
 
 

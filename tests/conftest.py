@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_session():
-    from cluster.ray_utils import init_ray
+    from pagedserve.cluster.control.ray_utils import init_ray
     import ray
 
     init_ray()
@@ -28,7 +28,7 @@ def serve_url(ray_session):
     test module deploys its own application under its own route prefix."""
     from ray import serve
 
-    from cluster.ray_utils import get_open_port
+    from pagedserve.cluster.control.ray_utils import get_open_port
 
     port = get_open_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -43,7 +43,7 @@ SERVE_ENGINE = dict(max_model_len=1024, num_gpu_blocks_override=256, max_num_seq
 
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory):
-    from worker.testing import make_test_model
+    from pagedserve.worker.testing import make_test_model
 
     return make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "serve-models")
 
@@ -53,8 +53,8 @@ def openai_app(serve_url, serve_model):
     """The OpenAI app deployed once at route prefix "/" (shared by the API and cancel tests)."""
     from ray import serve
 
-    from cluster.serve_app import build_app
-    from worker.config import EngineConfig
+    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.worker.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, **SERVE_ENGINE)
     serve.run(build_app(cfg), name="openai-test", route_prefix="/")

@@ -1,4 +1,4 @@
-"""loadtest/bench_scheduler.py runs end to end (small sizes) and its last line is the
+"""python -m pagedserve.loadtest.bench_scheduler runs end to end (small sizes) and its last line is the
 JSON the issue asks for, with the expected shape: paged beats contiguous."""
 
 import json
@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_scheduler_prints_the_json_summary():
     proc = subprocess.run(
-        [sys.executable, "loadtest/bench_scheduler.py", "--requests", "150", "--num-blocks", "512",
+        [sys.executable, "-m", "pagedserve.loadtest.bench_scheduler", "--requests", "150", "--num-blocks", "512",
          "--steps", "50"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

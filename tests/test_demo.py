@@ -8,9 +8,9 @@ import os
 import torch
 import transformers
 
-from worker.demo import DEMO_CONFIG, demo_model_path
-from worker.loader import load_model
-from worker.model_config import ModelConfig
+from pagedserve.worker.demo import DEMO_CONFIG, demo_model_path
+from pagedserve.worker.loader import load_model
+from pagedserve.worker.model_config import ModelConfig
 
 
 def test_demo_model_builds_once_and_loads(tmp_path, monkeypatch):

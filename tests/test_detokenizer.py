@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from cluster.detokenizer import IncrementalDetokenizer, detokenize_all
-from scheduler.sampling_params import SamplingParams
+from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer, detokenize_all
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 SENTENCES = [
     "héllo wörld 你好 🙂", "the quick brown fox jumps over the lazy dog.", "Grüße aus Köln, ça va?",
@@ -147,7 +147,7 @@ def test_flush_releases_an_incomplete_character_like_decode(tok):
 
 def test_project_tokenizer_round_trip():
     # The demo/test tokenizer of worker/tokenizer_build.py (ASCII-trained: CJK is bytes).
-    from worker.tokenizer_build import build_tokenizer
+    from pagedserve.worker.tokenizer_build import build_tokenizer
 
     t = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(600), eos_token="<|end_of_text|>",
                                 clean_up_tokenization_spaces=False)

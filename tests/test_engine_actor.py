@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from cluster.engine_actor import Admission, AsyncEngine
-from scheduler.sampling_params import SamplingParams
-from worker.config import EngineConfig
-from worker.testing import make_test_model
+from pagedserve.cluster.serve.engine_actor import Admission, AsyncEngine
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.testing import make_test_model
 
 
 @pytest.fixture(scope="module")

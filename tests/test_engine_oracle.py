@@ -19,11 +19,11 @@ import random
 import pytest
 import torch
 
-from cluster.llm import LLM
-from cluster.llm_engine import LLMEngine
-from scheduler.sampling_params import SamplingParams
-from worker.config import EngineConfig
-from worker.testing import make_test_model
+from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.engine.llm_engine import LLMEngine
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.testing import make_test_model
 
 SHAPES = ["qwen2-tied", "llama-gqa4-hd128", "llama-mha"]
 PROMPT_LENS = [1, 2, 3, 5, 9, 16, 17, 31, 33, 64, 100, 129, 150, 200, 257, 300]

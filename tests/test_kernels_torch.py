@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import (
+from pagedserve.kernels import (
     paged_attention,
     paged_attention_ref,
     resolve_attention_backend,
     write_kv_cache,
     write_kv_cache_ref,
 )
-from kernels.testing import make_paged_batch
+from pagedserve.kernels.testing import make_paged_batch
 
 # (query_lens, seq_lens): decode rows first, as the model runner lays them out, then
 # a whole-prompt prefill (q_len == seq_len), chunks with earlier context, a one-token
@@ -42,7 +42,7 @@ def _check(batch, atol, rtol):
 @pytest.fixture
 def grouped_torch_decode(monkeypatch):
     """Decode rows through the grouped-gather torch path instead of the fused C++ loop."""
-    from kernels import attention_torch
+    from pagedserve.kernels import attention_torch
 
     monkeypatch.setattr(attention_torch, "decode_attention_cpu", lambda *args, **kwargs: False)
 
@@ -57,7 +57,7 @@ def decode_path(request):
 def test_fused_cpu_decode_kernel_builds_and_is_used(monkeypatch):
     """g++ is on every machine of this project's kind: the fused loop must build, and the
     torch backend must route fp32 leading decode rows through it."""
-    from kernels import attention_torch, cpu_decode_attention
+    from pagedserve.kernels import attention_torch, cpu_decode_attention
 
     assert cpu_decode_attention.available()
     calls = []
@@ -132,7 +132,7 @@ def test_write_then_attend_equals_reference_flow():
 
 def test_layers_of_one_step_share_the_plan(grouped_torch_decode):
     """The index plan is built by the first layer and reused by the next (same metadata)."""
-    from kernels import attention_torch
+    from pagedserve.kernels import attention_torch
 
     batch = make_paged_batch([1, 1, 1, 4], [300, 17, 90, 30], 12, 4, 64, 16, seed=13)
     layer2 = (batch.k_cache * -1.3, batch.v_cache + 0.7)  # NaN stays NaN in unowned slots
@@ -155,7 +155,7 @@ def test_resolve_backend():
 
 def test_workspace_made_in_inference_mode_is_usable_outside_it(grouped_torch_decode):
     """The engine runs under inference_mode; a later caller outside it must still work."""
-    from kernels import attention_torch
+    from pagedserve.kernels import attention_torch
 
     attention_torch._WORKSPACE.clear()
     batch = make_paged_batch([1, 1, 3], [50, 9, 12], 8, 2, 64, 16, seed=31)

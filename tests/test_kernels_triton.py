@@ -2,7 +2,7 @@
 
 TRITON_INTERPRET=1 must be in the environment when ``@triton.jit`` runs (when the
 kernel modules are first imported). pytest imports every test module into one process,
-and any of them may import kernels.triton_* first, so the cases run in a child process
+and any of them may import pagedserve.kernels.triton_* first, so the cases run in a child process
 started with the variable set (this file, run as a script, prints one JSON line per
 case); the child also checks that the kernels really are interpreted. The interpreter
 computes bf16 arithmetic wrongly, so cases are fp32 and fp16; bf16 is checked on a GPU
@@ -53,9 +53,9 @@ def _rel_err(got, ref) -> float:
 def _run_attention_case(name: str) -> dict:
     import torch
 
-    from kernels.attention_ref import paged_attention_ref
-    from kernels.testing import make_paged_batch
-    from kernels.triton_paged_attention import paged_attention_triton
+    from pagedserve.kernels.attention_ref import paged_attention_ref
+    from pagedserve.kernels.testing import make_paged_batch
+    from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
     qls, sls, nh, nkv, hd, bs, dtype, extra = ATTENTION_CASES[name]
     extra = dict(extra)
@@ -79,8 +79,8 @@ def _run_attention_case(name: str) -> dict:
 def _run_cache_write_case() -> dict:
     import torch
 
-    from kernels.attention_ref import write_kv_cache_ref
-    from kernels.triton_cache_write import write_kv_cache_triton
+    from pagedserve.kernels.attention_ref import write_kv_cache_ref
+    from pagedserve.kernels.triton_cache_write import write_kv_cache_triton
 
     res = {}
     for dtype in ("float32", "float16"):
@@ -114,8 +114,8 @@ def _run_cache_write_case() -> dict:
 def _run_wrapper_errors() -> dict:
     import torch
 
-    from kernels.testing import make_paged_batch
-    from kernels.triton_paged_attention import paged_attention_triton
+    from pagedserve.kernels.testing import make_paged_batch
+    from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
     b = make_paged_batch([1, 4], [9, 4], 4, 2, 64)
     errors = {}
@@ -146,7 +146,7 @@ def _run_wrapper_errors() -> dict:
 def _child_main() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import triton_cache_write, triton_paged_attention, triton_split_kv_reduce
+    from pagedserve.kernels import triton_cache_write, triton_paged_attention, triton_split_kv_reduce
 
     interpreted = all(isinstance(k, InterpretedFunction) for k in (
         triton_paged_attention._paged_attention_kernel, triton_split_kv_reduce._split_kv_reduce_kernel,
@@ -160,7 +160,7 @@ def _child_main() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     out = {}
     for line in proc.stdout.splitlines():
@@ -206,9 +206,9 @@ def test_wrappers_reject_bad_inputs_clearly(results):
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Frontend + ptxas for the real target: errors the interpreter cannot see."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot_check", "--quick"], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.kernels.aot_check", "--quick"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("OK ") == 8
@@ -223,8 +223,8 @@ def test_kernels_package_imports_without_triton():
         "            raise ImportError('no triton here')\n"
         "sys.meta_path.insert(0, Block())\n"
         "import torch\n"
-        "import kernels\n"
-        "from kernels.testing import make_paged_batch\n"
+        "from pagedserve import kernels\n"
+        "from pagedserve.kernels.testing import make_paged_batch\n"
         "assert not kernels.triton_available()\n"
         "b = make_paged_batch([1, 3], [20, 3], 4, 2, 64)\n"
         "o = kernels.paged_attention(b.q, b.k_cache, b.v_cache, b.attn_metadata, b.scale, backend='torch')\n"
@@ -234,7 +234,7 @@ def test_kernels_package_imports_without_triton():
         "except RuntimeError as e:\n"
         "    print('clear:', e)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "clear: backend='triton' needs the triton package" in proc.stdout

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.kv_size import GiB, count_params, kv_size, load_hf_config
+from pagedserve.cluster.cli.kv_size import GiB, count_params, kv_size, load_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_param_count_equals_transformers(arch):
 def test_cli_on_a_directory_with_only_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
     assert load_hf_config(tmp_path)["num_hidden_layers"] == 80
-    cmd = [sys.executable, "-m", "cluster.kv_size", "--model", str(tmp_path), "--gpu-memory-gib", "80",
+    cmd = [sys.executable, "-m", "pagedserve.cluster.cli.kv_size", "--model", str(tmp_path), "--gpu-memory-gib", "80",
            "--num-gpus", "4", "--max-model-len", "4096"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "320 KiB per token" in out

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from cluster.llm import LLM
-from scheduler.sampling_params import SamplingParams
-from worker.testing import make_test_model
+from pagedserve.cluster.engine.llm import LLM
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.testing import make_test_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,10 +122,10 @@ def test_abort_mid_generation_frees_blocks(llm):
 
 
 def test_cli_generate_on_the_demo_model(tmp_path):
-    env = dict(os.environ, PAGEDSERVE_CACHE=os.environ.get("PAGEDSERVE_CACHE", str(tmp_path)),
-               PYTHONPATH=ROOT)
+    env = dict(os.environ, PAGEDSERVE_CACHE=os.environ.get("PAGEDSERVE_CACHE", str(tmp_path)))
+    # The installed console script, as a user types it.
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", "--prompt", "hello", "--max-tokens", "8",
+        [os.path.join(os.path.dirname(sys.executable), "pagedserve"), "generate", "--prompt", "hello", "--max-tokens", "8",
          "--ignore-eos", "--kv-cache-memory", "64MiB"],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.arrivals import arrival_times, parse_rate
-from loadtest.client import RequestResult
-from loadtest.metrics import compute_metrics, parse_goodput, parse_prometheus, percentile, server_view
-from loadtest.report import find_knee, format_table, plot_latency_cdfs, plot_rate_sweep
-from loadtest.workloads import FIRST_ID, WORKLOADS, generate_workload
+from pagedserve.loadtest.arrivals import arrival_times, parse_rate
+from pagedserve.loadtest.client import RequestResult
+from pagedserve.loadtest.metrics import compute_metrics, parse_goodput, parse_prometheus, percentile, server_view
+from pagedserve.loadtest.report import find_knee, format_table, plot_latency_cdfs, plot_rate_sweep
+from pagedserve.loadtest.workloads import FIRST_ID, WORKLOADS, generate_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ def test_metrics_have_vllm_names_and_exact_values():
 
 
 def test_scraper_reads_pagedserve_exposition_and_vllm_names():
-    from cluster.metrics import ServeMetrics, StatsAggregator
+    from pagedserve.cluster.serve.metrics import ServeMetrics, StatsAggregator
 
     def snap(running, waiting, free, queries, hits, preempt):
         return {"running": running, "waiting": waiting, "num_free_blocks": free, "num_blocks": 100,
@@ -179,7 +179,7 @@ def test_compare_quick_smoke(tmp_path):
     """Starts real pagedserve servers; asserts the report's structure and that every
     request of every run was accounted for (not the speed of this machine)."""
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "loadtest", "compare", "--quick", "--no-peers", "--result-dir", str(out)]
+    cmd = [sys.executable, "-m", "pagedserve.loadtest", "compare", "--quick", "--no-peers", "--result-dir", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "compare.json").read_text())

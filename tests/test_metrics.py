@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import ServeMetrics, StatsAggregator, stats_snapshot
-from cluster.outputs import RequestMetrics
-from scheduler.stats import SchedulerStats
+from pagedserve.cluster.serve.metrics import ServeMetrics, StatsAggregator, stats_snapshot
+from pagedserve.cluster.engine.outputs import RequestMetrics
+from pagedserve.scheduler.stats import SchedulerStats
 
 
 def _snap(running, waiting, usage, blocks, gen, **kw):

@@ -15,11 +15,11 @@ import pytest
 import torch
 import transformers
 
-from kernels.metadata import AttentionMetadata
-from worker.loader import load_model
-from worker.model_config import ModelConfig
-from worker.models import get_model_class
-from worker.testing import TEST_SHAPES, make_random_llama, make_test_model
+from pagedserve.kernels.metadata import AttentionMetadata
+from pagedserve.worker.loader import load_model
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models import get_model_class
+from pagedserve.worker.testing import TEST_SHAPES, make_random_llama, make_test_model
 
 BLOCK_SIZE = 8
 
@@ -117,7 +117,7 @@ def test_no_cache_forward_matches_hf_per_sequence(model_root):
 
 def test_llama3_rope_scaling_matches_hf_inv_freq(model_root):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from worker.layers.rotary import compute_inv_freq
+    from pagedserve.worker.layers.rotary import compute_inv_freq
     path = make_test_model("llama3-rope", model_root)
     cfg = ModelConfig.from_pretrained(path)
     assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -217,8 +217,8 @@ def test_bf16_model_runs_and_tracks_fp32(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_and_rotary_are_bit_identical_to_hf(dtype, model_root):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
-    from worker.layers.norm import RMSNorm
-    from worker.layers.rotary import RotaryEmbedding, apply_rotary
+    from pagedserve.worker.layers.norm import RMSNorm
+    from pagedserve.worker.layers.rotary import RotaryEmbedding, apply_rotary
     ours, theirs = RMSNorm(256, 1e-6, dtype), LlamaRMSNorm(256, 1e-6).to(dtype)
     ours.weight.data.copy_(torch.randn(256))
     theirs.weight.data.copy_(ours.weight)

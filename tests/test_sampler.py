@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from scheduler.sampling_params import SamplingParams
-from worker.sampler import (Sampler, SamplingMetadata, apply_penalties, apply_top_k, apply_top_p,
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.sampler import (Sampler, SamplingMetadata, apply_penalties, apply_top_k, apply_top_p,
                             make_generator, sample_inverse_cdf)
 
 CPU = torch.device("cpu")

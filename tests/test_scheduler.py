@@ -7,7 +7,7 @@ no watermark, fake sampled token 7."""
 import pytest
 from _sched_helpers import add, block_ids, free_ids, make_scheduler, step
 
-from scheduler import ModelRunnerOutput, RequestStatus
+from pagedserve.scheduler import ModelRunnerOutput, RequestStatus
 
 
 def test_first_plan_carries_new_requests_in_full_then_only_diffs():

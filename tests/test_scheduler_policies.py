@@ -6,7 +6,7 @@ Block size 4, no watermark unless said otherwise."""
 import pytest
 from _sched_helpers import add, block_ids, free_ids, make_scheduler, step
 
-from scheduler import CacheConfig, QueueFullError, RequestStatus, Scheduler, SchedulerConfig
+from pagedserve.scheduler import CacheConfig, QueueFullError, RequestStatus, Scheduler, SchedulerConfig
 
 
 def test_static_batch_runs_until_its_last_member_finishes_and_nobody_joins():

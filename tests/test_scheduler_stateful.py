@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams,
+from pagedserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams,
                        Scheduler, SchedulerConfig)
 
 EOS = 0

@@ -32,8 +32,8 @@ def _running_replicas(app: str, deployment: str) -> int:
 def test_engine_scales_from_one_to_two_replicas_and_both_serve(serve_url, serve_model):
     from ray import serve
 
-    from cluster.serve_app import build_app
-    from worker.config import EngineConfig
+    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.worker.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None})
     app = build_app(cfg, min_replicas=1, max_replicas=2, target_ongoing_requests=1,

@@ -18,12 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_serve_cli_starts_answers_and_leaves_nothing_behind(serve_model, tmp_path):
-    from cluster.ray_utils import get_open_port
+    from pagedserve.cluster.control.ray_utils import get_open_port
 
     port = get_open_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", serve_model, "--port", str(port),
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "pagedserve.cluster.cli.main", "serve", "--model", serve_model, "--port", str(port),
            "--num-gpu-blocks-override", "64", "--max-model-len", "256", "--dtype", "float32"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

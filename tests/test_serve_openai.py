@@ -34,8 +34,8 @@ def model_name(client):
 @pytest.fixture(scope="module")
 def offline_greedy(serve_model):
     """Greedy token ids of PROMPT from the offline engine (no Ray, no HTTP)."""
-    from cluster.llm import LLM
-    from scheduler.sampling_params import SamplingParams
+    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.scheduler.sampling_params import SamplingParams
 
     llm = LLM(model=serve_model, max_model_len=1024, num_gpu_blocks_override=64, dtype="float32")
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

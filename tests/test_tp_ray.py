@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from scheduler.sampling_params import SamplingParams
-from worker.testing import make_test_model
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.testing import make_test_model
 
 SHAPES = ["llama-gqa2-hd64", "qwen2-tied"]
 PROMPT_LENS = [1, 7, 16, 33, 90]
@@ -43,7 +43,7 @@ def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _engine_greedy(path: str, prompts, tp: int):
-    from cluster.llm import LLM
+    from pagedserve.cluster.engine.llm import LLM
 
     llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
               num_gpu_blocks_override=128, max_num_seqs=8)
@@ -60,7 +60,7 @@ def _engine_greedy(path: str, prompts, tp: int):
                                             (SHAPES[0], "cgraph")])
 def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, ray_session, tmp_path_factory,
                                                  monkeypatch):
-    from cluster.ray_executor import RayExecutor
+    from pagedserve.cluster.control.ray_executor import RayExecutor
 
     monkeypatch.setattr(RayExecutor, "dispatch", dispatch)  # both plan channels
 
@@ -83,8 +83,8 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from cluster.ray_executor import RayExecutor
-    from worker.config import EngineConfig
+    from pagedserve.cluster.control.ray_executor import RayExecutor
+    from pagedserve.worker.config import EngineConfig
 
     path = make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "tp-models")
     ex = RayExecutor(EngineConfig(model=path, tensor_parallel_size=2, dtype="float32",
@@ -112,9 +112,9 @@ def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_
     from ray import serve
     from ray.util.placement_group import placement_group_table
 
-    from cluster.llm import LLM
-    from cluster.serve_app import build_app
-    from worker.config import EngineConfig
+    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.worker.config import EngineConfig
 
     prompt = [5, 17, 99, 3, 250, 41, 8]
     llm = LLM(model=serve_model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)

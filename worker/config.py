@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 

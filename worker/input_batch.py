@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kernels import resolve_attention_backend
+from pagedserve.kernels import resolve_attention_backend
 
-from worker.model_config import ModelConfig
-from worker.models import get_model_class
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.models import get_model_class
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 

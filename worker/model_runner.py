@@ -20,12 +20,12 @@ import logging
 import numpy as np
 import torch
 
-from kernels import AttentionMetadata
-from scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from worker.input_batch import CachedRequestState
-from worker.model_config import ModelConfig
-from worker.sampler import Sampler
-from worker.sampling_metadata import SamplingMetadata, make_generator
+from pagedserve.kernels import AttentionMetadata
+from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.input_batch import CachedRequestState
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 
 logger = logging.getLogger(__name__)
 

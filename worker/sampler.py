@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.outputs import Logprobs
-from worker.sampling_metadata import SamplingMetadata, make_generator
+from pagedserve.scheduler.outputs import Logprobs
+from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "make_generator"]
 

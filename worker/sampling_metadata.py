@@ -23,7 +23,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from scheduler.sampling_params import _GREEDY_EPS, SamplingParams
+from pagedserve.scheduler.sampling_params import _GREEDY_EPS, SamplingParams
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:

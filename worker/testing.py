@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
+from pagedserve.worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 
 _BASE: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

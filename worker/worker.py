@@ -10,13 +10,13 @@ import os
 
 import torch
 
-from kernels import AttentionMetadata
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from worker import parallel_state
-from worker.config import EngineConfig
-from worker.loader import load_model
-from worker.model_config import ModelConfig
-from worker.model_runner import ModelRunner
+from pagedserve.kernels import AttentionMetadata
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker import parallel_state
+from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.loader import load_model
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Worker:
             self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
         backend = self.config.attention_backend
         if backend == "auto":
-            from kernels import resolve_attention_backend
+            from pagedserve.kernels import resolve_attention_backend
 
             backend = resolve_attention_backend("auto", self.device)
         model = load_model(self.model_config, self.device, attention_backend=backend)

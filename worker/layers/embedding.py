@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.linear import copy_checked, loaded_shape, read_shard
-from worker.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
+from pagedserve.worker.layers.linear import copy_checked, loaded_shape, read_shard
+from pagedserve.worker.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                    tensor_model_parallel_all_reduce)
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
 def loaded_shape(loaded: Any) -> tuple[int, ...]:

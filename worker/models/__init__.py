@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from worker.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.worker.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

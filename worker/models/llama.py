@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import AttentionMetadata, paged_attention, write_kv_cache
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+from pagedserve.kernels import AttentionMetadata, paged_attention, write_kv_cache
+from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                   copy_checked, read_full)
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RotaryEmbedding, apply_rotary
-from worker.model_config import ModelConfig
-from worker.parallel_state import get_tp_size
+from pagedserve.worker.layers.norm import RMSNorm
+from pagedserve.worker.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.parallel_state import get_tp_size
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from worker.config import EngineConfig
+from pagedserve.worker.config import EngineConfig
 
 
 def _memory(text: str) -> int:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from cluster.args import add_engine_args, engine_config_from_args
+from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -25,8 +25,8 @@ def _add_generate_parser(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from cluster.llm import LLM
-    from scheduler.sampling_params import SamplingParams
+    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.scheduler.sampling_params import SamplingParams
 
     cfg = engine_config_from_args(args)
     llm = LLM(**vars(cfg))
@@ -51,12 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(sub)
     try:
-        from cluster.serve_cli import add_serve_parser
+        from pagedserve.cluster.cli.serve import add_serve_parser
     except ImportError:
         pass
     else:
         add_serve_parser(sub)
-    from cluster.kv_size import add_kv_size_parser
+    from pagedserve.cluster.cli.kv_size import add_kv_size_parser
 
     add_kv_size_parser(sub)
     return parser

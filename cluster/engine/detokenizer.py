@@ -29,7 +29,7 @@ text was split into tokens.
 
 from __future__ import annotations
 
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 # Prompt tokens kept as left context for the first output token (vLLM uses 5).
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5

@@ -17,14 +17,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from cluster.detokenizer import IncrementalDetokenizer
-from cluster.executor import Executor, default_executor_class
-from cluster.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from scheduler import Request, RequestStatus, Scheduler
-from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
-from scheduler.sampling_params import SamplingParams
-from worker.config import EngineConfig
-from worker.model_config import ModelConfig
+from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.cluster.engine.executor import Executor, default_executor_class
+from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.scheduler import Request, RequestStatus, Scheduler
+from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.model_config import ModelConfig
 
 logger = logging.getLogger("pagedserve")
 
@@ -62,7 +62,7 @@ class _Group:
 
 def resolve_model_path(model: str | None) -> str:
     if model is None:
-        from worker.demo import demo_model_path
+        from pagedserve.worker.demo import demo_model_path
 
         return demo_model_path()
     return model

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 def random_id(prefix: str) -> str:

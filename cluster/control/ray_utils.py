@@ -52,6 +52,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
 
 
+def shutdown_ray() -> None:
+    """ray.shutdown() for drivers outside cluster/ (benchmarks), which never import ray."""
+    ray.shutdown()
+
+
 def node_ip() -> str:
     """The IP other ranks use to reach this node (127.0.0.1 on a local instance)."""
     try:

@@ -29,11 +29,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from cluster.metrics import stats_snapshot
-from cluster.outputs import RequestOutput
-from scheduler import QueueFullError
-from scheduler.sampling_params import SamplingParams
-from worker.config import EngineConfig
+from pagedserve.cluster.serve.metrics import stats_snapshot
+from pagedserve.cluster.engine.outputs import RequestOutput
+from pagedserve.scheduler import QueueFullError
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import EngineConfig
 
 logger = logging.getLogger("pagedserve")
 
@@ -67,12 +67,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 class AsyncEngine:
     def __init__(self, engine_config: EngineConfig, stats_sink=None,
                  replica_id: str | None = None) -> None:
-        from cluster.llm_engine import LLMEngine
+        from pagedserve.cluster.engine.llm_engine import LLMEngine
 
         self.config = engine_config
         executor_class = None
         if engine_config.tensor_parallel_size > 1:
-            from cluster.ray_executor import RayExecutor
+            from pagedserve.cluster.control.ray_executor import RayExecutor
 
             executor_class = RayExecutor
         # The replica enforces max_waiting_requests itself (see _admit); the scheduler's

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from cluster.outputs import CompletionOutput, RequestOutput
-from cluster.protocol import (ChatCompletionChoice, ChatCompletionResponse,
+from pagedserve.cluster.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.serve.protocol import (ChatCompletionChoice, ChatCompletionResponse,
                               ChatCompletionStreamResponse, ChatLogprobs, ChatLogprobToken,
                               ChatLogprobTop, ChatResponseMessage, ChatStreamChoice,
                               CompletionChoice, CompletionLogprobs, CompletionResponse,

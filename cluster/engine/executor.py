@@ -2,13 +2,13 @@
 
 ``UniProcExecutor`` runs the single worker in the engine's own process (offline LLM at
 tensor_parallel_size 1, and the unit of everything the Ray executor does per rank).
-``cluster.ray_executor.RayExecutor`` drives a tensor-parallel group of worker actors.
+``pagedserve.cluster.control.ray_executor.RayExecutor`` drives a tensor-parallel group of worker actors.
 """
 
 from __future__ import annotations
 
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from worker.config import EngineConfig
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.config import EngineConfig
 
 
 class Executor:
@@ -33,11 +33,11 @@ class Executor:
 class UniProcExecutor(Executor):
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
-        from worker.worker import Worker
+        from pagedserve.worker.worker import Worker
 
         if engine_config.tensor_parallel_size != 1:
             raise ValueError("UniProcExecutor runs tensor_parallel_size 1 only; "
-                             "use cluster.ray_executor.RayExecutor for more ranks.")
+                             "use pagedserve.cluster.control.ray_executor.RayExecutor for more ranks.")
         self.worker = Worker(engine_config)
         self.worker.init_device()
         self.worker.load_model()
@@ -58,6 +58,6 @@ class UniProcExecutor(Executor):
 def default_executor_class(engine_config: EngineConfig) -> type[Executor]:
     if engine_config.tensor_parallel_size == 1:
         return UniProcExecutor
-    from cluster.ray_executor import RayExecutor  # imports ray
+    from pagedserve.cluster.control.ray_executor import RayExecutor  # imports ray
 
     return RayExecutor

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from cluster.llm_engine import LLMEngine
-from cluster.outputs import RequestOutput
-from scheduler.sampling_params import SamplingParams
-from worker.config import EngineConfig
+from pagedserve.cluster.engine.llm_engine import LLMEngine
+from pagedserve.cluster.engine.outputs import RequestOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import EngineConfig
 
 
 class LLM:

@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from cluster import openai_format as fmt
-from cluster.metrics import ServeMetrics
-from cluster.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from pagedserve.cluster.serve import openai_format as fmt
+from pagedserve.cluster.serve.metrics import ServeMetrics
+from pagedserve.cluster.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                               TokenizeResponse, error_body, random_id)
 

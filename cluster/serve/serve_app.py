@@ -16,10 +16,10 @@ from typing import Any
 
 from ray import serve
 
-from cluster.engine_actor import AsyncEngine
-from cluster.metrics import StatsAggregator
-from cluster.ray_utils import tp_bundles
-from worker.config import EngineConfig
+from pagedserve.cluster.serve.engine_actor import AsyncEngine
+from pagedserve.cluster.serve.metrics import StatsAggregator
+from pagedserve.cluster.control.ray_utils import tp_bundles
+from pagedserve.worker.config import EngineConfig
 
 logger = logging.getLogger("pagedserve")
 
@@ -115,7 +115,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
             metrics_interval_s=float(o["metrics_interval_s"]))
     if tp > 1:
         # Bundle 0 is this replica (the scheduler actor); 1..tp the worker actors, which
-        # RayExecutor places into the replica's own group (cluster.ray_utils).
+        # RayExecutor places into the replica's own group (cluster/control/ray_utils.py).
         opts["placement_group_bundles"] = tp_bundles(tp, use_gpu, driver_cpus=float(o["engine_num_cpus"]))
         opts["placement_group_strategy"] = "PACK"
         opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"])}
@@ -134,7 +134,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
 def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: Any):
     """The bound Serve application for ``serve.run``. ``serve_opts``: keys of
     SERVE_OPTION_DEFAULTS (min/max replicas, target ongoing requests, delays...)."""
-    from cluster.ingress import OpenAIIngress
+    from pagedserve.cluster.serve.ingress import OpenAIIngress
 
     stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator").bind()
     engine = EngineDeployment.options(
@@ -156,7 +156,7 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
 
 
 def app_builder(args: dict[str, Any]):
-    """``import_path: cluster.serve_app:app_builder`` in a Serve config file."""
+    """``import_path: pagedserve.cluster.serve.serve_app:app_builder`` in a Serve config file."""
     cfg, opts = split_args(args)
     return build_app(cfg, **opts)
 

@@ -33,20 +33,20 @@ import time
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from cluster.executor import Executor
-from cluster.ray_utils import get_open_port, in_bundle, init_ray, node_ip, worker_placement
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from worker.config import EngineConfig
+from pagedserve.cluster.engine.executor import Executor
+from pagedserve.cluster.control.ray_utils import get_open_port, in_bundle, init_ray, node_ip, worker_placement
+from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
 class RayWorkerWrapper:
-    """Actor body around one ``worker.worker.Worker`` (which knows nothing of Ray)."""
+    """Actor body around one ``pagedserve.worker.worker.Worker`` (which knows nothing of Ray)."""
 
     def __init__(self, engine_config: EngineConfig, rank: int, world_size: int,
                  distributed_init_method: str) -> None:
-        from worker.worker import Worker  # torch is imported in the actor only
+        from pagedserve.worker.worker import Worker  # torch is imported in the actor only
 
         self.rank = rank
         self.worker = Worker(engine_config, rank=rank, world_size=world_size,
@@ -81,7 +81,7 @@ class RayWorkerWrapper:
 
     def run_zmq_loop(self, plan_addr: str, result_addr: str) -> int:
         """The ZMQ dispatch loop; occupies one actor thread until the STOP message."""
-        from cluster.zmq_dispatch import worker_loop
+        from pagedserve.cluster.control.zmq_dispatch import worker_loop
 
         return worker_loop(self.execute_model, self.rank, plan_addr, result_addr)
 
@@ -135,7 +135,7 @@ class RayExecutor(Executor):
         self._dag = dag.experimental_compile(_max_inflight_executions=2)
 
     def _start_zmq(self) -> None:
-        from cluster.zmq_dispatch import ZmqBroadcast
+        from pagedserve.cluster.control.zmq_dispatch import ZmqBroadcast
 
         here = ray.get_runtime_context().get_node_id()
         local = all(n == here for n in ray.get([w.__ray_call__.remote(

@@ -17,7 +17,7 @@ import os
 import signal
 import time
 
-from cluster.args import add_engine_args, engine_config_from_args
+from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("pagedserve")
 APP_NAME = "pagedserve"
@@ -61,8 +61,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.ray_utils import init_ray
-    from cluster.serve_app import build_app
+    from pagedserve.cluster.control.ray_utils import init_ray
+    from pagedserve.cluster.serve.serve_app import build_app
 
     t0 = time.monotonic()
     init_ray(address=args.ray_address)

@@ -1,0 +1,42 @@
+"""pagedserve: LLM serving with continuous batching and PagedAttention on Ray Serve.
+
+The public offline API, as vLLM users know it::
+
+    from pagedserve import LLM, SamplingParams
+
+The installed distribution has this one top-level name. Its sub-packages are the
+repository's top-level folders (setuptools maps them in pyproject.toml):
+
+    pagedserve.scheduler  pure Python: requests, block pool, prefix cache, the scheduler
+    pagedserve.kernels    tensors only: paged attention and KV-cache writes
+    pagedserve.worker     the model, its weights and KV shard, the sampler (one per rank)
+    pagedserve.cluster    the engine loop, the Ray control plane, the Serve/OpenAI front, the CLI
+    pagedserve.loadtest   load generator and benchmarks (nothing imports it)
+
+Kept light: importing ``pagedserve`` loads neither torch nor ray; ``LLM`` and
+``LLMEngine`` load the engine on first use.
+"""
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import EngineConfig
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pagedserve.cluster.engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from pagedserve.cluster.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedserve.cluster.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

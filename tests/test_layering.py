@@ -1,0 +1,151 @@
+"""ARCHITECTURE.md's boundaries, checked on the source (every import statement, including
+the lazy ones inside functions) and, for what must stay light at import time, in a fresh
+interpreter (this test process may already have imported torch or ray for other tests).
+
+    scheduler/  no torch, no ray, nothing of the other packages
+    kernels/    torch and triton; never scheduler/, worker/, cluster/
+    worker/     torch, kernels/, scheduler/ wire types; never cluster/, never ray
+    cluster/    the only place that imports ray; inside it, imports point inward:
+                cli -> serve -> {engine, control}, control -> engine
+    loadtest/   anything of pagedserve, but ray only through cluster/
+    nothing imports loadtest/ or tests/
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("scheduler", "kernels", "worker", "cluster", "loadtest")
+CLUSTER_PARTS = ("engine", "control", "serve", "cli")
+
+
+def _unit(path: Path) -> str:
+    """'scheduler', 'kernels', ..., or 'cluster.engine' etc. for a file of the checkout."""
+    parts = path.relative_to(ROOT).parts
+    if parts[0] == "cluster" and len(parts) > 2:
+        return f"cluster.{parts[1]}"
+    return parts[0]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in the file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = ["pagedserve", *path.relative_to(ROOT).parent.parts]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.append((node.lineno, mod))
+            out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+    return out
+
+
+def _target(mod: str) -> str | None:
+    """The unit a module name belongs to, in the same vocabulary as _unit; None if foreign."""
+    parts = mod.split(".")
+    if parts[0] in ("torch", "ray", "triton"):
+        return parts[0]
+    if parts[0] != "pagedserve" or len(parts) < 2:
+        return None
+    if parts[1] == "cluster" and len(parts) > 2 and parts[2] in CLUSTER_PARTS:
+        return f"cluster.{parts[2]}"
+    return parts[1] if parts[1] in PACKAGES + ("tests",) else None
+
+
+# unit -> units (or torch/ray/triton) it must never import, lazily or not
+FORBIDDEN = {
+    "scheduler": {"torch", "ray", "triton", "kernels", "worker", "cluster", "loadtest", "tests"},
+    "kernels": {"ray", "scheduler", "worker", "cluster", "loadtest", "tests"},
+    "worker": {"ray", "cluster", "loadtest", "tests"},
+    "cluster": {"loadtest", "tests"},
+    "cluster.engine": {"cluster.serve", "cluster.cli", "loadtest", "tests"},
+    "cluster.control": {"cluster.serve", "cluster.cli", "loadtest", "tests"},
+    "cluster.serve": {"cluster.cli", "loadtest", "tests"},
+    "cluster.cli": {"loadtest", "tests"},
+    "loadtest": {"ray", "tests"},  # drives cluster/'s own helpers, never ray directly
+}
+
+
+def _source_files():
+    for pkg in PACKAGES:
+        yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def test_every_cluster_file_is_in_one_of_the_four_parts():
+    loose = [p.name for p in (ROOT / "cluster").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"cluster/ files outside engine/, control/, serve/, cli/: {loose}"
+    parts = sorted(p.name for p in (ROOT / "cluster").iterdir() if (p / "__init__.py").exists())
+    assert parts == sorted(CLUSTER_PARTS)
+    for part in CLUSTER_PARTS:  # each says what it owns and what it may import
+        doc = ast.get_docstring(ast.parse((ROOT / "cluster" / part / "__init__.py").read_text()))
+        assert doc and "import" in doc, part
+
+
+@pytest.mark.parametrize("unit", sorted(FORBIDDEN))
+def test_no_forbidden_imports(unit):
+    bad = []
+    for path in _source_files():
+        own = _unit(path)
+        if own != unit and not (unit == "cluster" and own.startswith("cluster")):
+            continue
+        for line, mod in _imports(path):
+            if mod.split(".")[0] in PACKAGES:  # a bare top-level name: shadowed by PyPI packages
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod} (use pagedserve.{mod})")
+            target = _target(mod)
+            if target in FORBIDDEN[unit] and not (target == own):
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {mod}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
+    """The scan above is only as good as _imports: a planted lazy import and a relative
+    one must both be found (so the layering tests can fail)."""
+    planted = ROOT / "kernels" / "_planted_layering_probe.py"
+    planted.write_text("def f():\n    from pagedserve.cluster.engine import llm\n    import ray\n"
+                       "from .. import worker\n")
+    try:
+        mods = [m for _, m in _imports(planted)]
+        assert "pagedserve.cluster.engine" in mods and "ray" in mods and "pagedserve.worker" in mods
+        with pytest.raises(AssertionError, match="_planted_layering_probe"):
+            test_no_forbidden_imports("kernels")
+    finally:
+        planted.unlink()
+
+
+def _fresh_import(code: str) -> subprocess.CompletedProcess:
+    # From outside the checkout, so only the installed distribution is importable.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+_LOADED = "import sys; bad = sorted({m.split('.')[0] for m in sys.modules} & {%s}); assert not bad, bad"
+
+
+@pytest.mark.parametrize("modules, heavy", [
+    # scheduler/ and everything it re-exports: pure Python
+    (["pagedserve.scheduler", "pagedserve.scheduler.scheduler", "pagedserve.scheduler.kv_cache_manager"],
+     ["torch", "ray", "triton"]),
+    # the public API's import costs nothing; LLM loads the engine, never ray (TP 1 offline)
+    (["pagedserve"], ["torch", "ray", "triton"]),
+    (["pagedserve.cluster.engine.llm", "pagedserve.cluster.engine.llm_engine"], ["ray"]),
+    (["pagedserve.worker.worker", "pagedserve.kernels"], ["ray"]),
+    (["pagedserve.cluster.cli.main"], ["ray", "torch"]),
+])
+def test_import_time_weight(modules, heavy):
+    code = "; ".join(f"import {m}" for m in modules) + "; " + _LOADED % ", ".join(map(repr, heavy))
+    proc = _fresh_import(code)
+    assert proc.returncode == 0, proc.stderr
