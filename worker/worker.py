@@ -73,6 +73,10 @@ class Worker:
 
             backend = resolve_attention_backend("auto", self.device)
         model = load_model(self.model_config, self.device, attention_backend=backend)
+        if self.device.type == "cpu":
+            from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
+
+            self.cpu_linear_backend = apply_cpu_linear_backend(model)
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
                                   device=self.device, seed=self.config.seed)
 

@@ -9,6 +9,10 @@
 
 A weight loader receives either a tensor or a safetensors slice (``safe_open().get_slice``)
 and reads only this rank's rows/columns of it, so no rank materialises the full tensor.
+
+On CPU, after loading, ``pack_for_cpu()`` may move a layer's weight into oneDNN's blocked
+layout (pagedserve.kernels.cpu_linear; chosen by a load-time probe in
+worker/layers/cpu_backend.py). The plain weight is then dropped, so memory stays the same.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.cpu_linear import linear_onednn, pack_weight
 from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
@@ -57,7 +62,24 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """The GEMM of every linear layer here: ``F.linear`` on the plain weight, or, once
+    ``pack_for_cpu`` ran, oneDNN on the packed one."""
+
+    _packed: torch.Tensor | None = None
+
+    def pack_for_cpu(self, free_plain: bool = True) -> None:
+        self._packed = pack_weight(self.weight.data)
+        if free_plain:  # no longer read; a 0-element tensor keeps .dtype and .device answering
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._packed is not None:
+            return linear_onednn(x, self._packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W's output features sharded; output stays sharded."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -79,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(param.data, read_shard(loaded, 0, self.tp_rank * size, size), "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._gemm(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -122,7 +144,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                      read_shard(loaded, 0, self.tp_rank * size, size), f"qkv shard {shard_id}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = sum_r x_r W_r^T + b with W's input features sharded. The input arrives
     already sharded (from a column-parallel layer); the bias is added once, after the sum."""
 
@@ -148,6 +170,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(F.linear(x, self.weight))
+            return self._gemm(x, self.bias)
+        out = tensor_model_parallel_all_reduce(self._gemm(x, None))
         return out if self.bias is None else out.add_(self.bias)

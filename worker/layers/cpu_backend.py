@@ -1,0 +1,70 @@
+"""Pick the CPU GEMM for a loaded model and apply it to every linear layer (and the LM head).
+
+    PAGEDSERVE_CPU_LINEAR=auto     (default) probe the model's own largest weights at batch
+                                   sizes 1, 8 and 128 with both backends, keep the faster
+    PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
+    PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
+
+The probe costs tens of milliseconds and its result is logged with the timings, so a
+figure in BENCHMARKS.md can be traced to the kernel that produced it. "onednn" needs a
+5% margin to win: a probe on a busy machine is noisy, and near-ties go to plain F.linear,
+the path transformers itself runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from pagedserve.kernels.cpu_linear import BACKENDS, onednn_available, probe_linear_backends
+from pagedserve.worker.layers.embedding import ParallelLMHead
+from pagedserve.worker.layers.linear import PackableLinear
+
+logger = logging.getLogger("pagedserve")
+
+_MARGIN = 0.95  # onednn must take <= 95% of aten's time
+
+
+def _packable(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (PackableLinear, ParallelLMHead))]
+
+
+def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> tuple[str, dict]:
+    """("aten" | "onednn", probe timings in seconds or {})."""
+    requested = (requested or os.environ.get("PAGEDSERVE_CPU_LINEAR") or "auto").lower()
+    if requested not in BACKENDS + ("auto",):
+        raise ValueError(f"PAGEDSERVE_CPU_LINEAR must be 'auto' or one of {BACKENDS}, got {requested!r}.")
+    if requested == "onednn" and not onednn_available():
+        raise RuntimeError("PAGEDSERVE_CPU_LINEAR=onednn, but this torch build has no oneDNN (mkldnn).")
+    if requested != "auto":
+        return requested, {}
+    if not onednn_available():
+        return "aten", {}
+    layers = [m for m in _packable(model) if isinstance(m, PackableLinear)]
+    if not layers:
+        return "aten", {}
+    # The distinct weight shapes, largest first; three cover qkv, gate_up and down.
+    by_shape = {}
+    for m in layers:
+        by_shape.setdefault(tuple(m.weight.shape), m.weight.data)
+    weights = sorted(by_shape.values(), key=lambda w: -w.numel())[:3]
+    timings = probe_linear_backends(weights)
+    return ("onednn" if timings["onednn"] <= _MARGIN * timings["aten"] else "aten"), timings
+
+
+def apply_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> str:
+    """Choose (see module doc) and, for "onednn", pack every linear weight in place."""
+    if next(model.parameters()).device.type != "cpu":
+        return "device"
+    backend, timings = choose_cpu_linear_backend(model, requested)
+    if backend == "onednn":
+        with torch.no_grad():
+            for m in _packable(model):
+                m.pack_for_cpu()
+    shown = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items()) or "not probed"
+    logger.info("CPU linear backend: %s (probe: %s; %s, %d threads)", backend, shown,
+                torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    return backend
