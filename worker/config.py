@@ -35,6 +35,9 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda if available, else cpu
     attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
     max_waiting_requests: int | None = None
+    # Serving: refuse (429) a request that would wait longer than this to start, at the
+    # replica's measured drain rate (cluster/serve/admission.py). None or <= 0: off.
+    max_queue_delay_s: float | None = 3.0
     num_threads: int | None = None  # CPU intra-op threads per worker (None: torch's default)
     watermark: float = 0.01
 

@@ -19,7 +19,9 @@ def _memory(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model directory (default: the built-in demo model)")
+    g.add_argument("--model", default=None,
+                   help="HF model directory, .gguf file (or a directory holding one), or a built-in "
+                        "name: SmolLM2-135M-Instruct (the default) or pagedserve-demo (random weights)")
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
@@ -43,6 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
     g.add_argument("--max-waiting-requests", type=int, default=None)
+    g.add_argument("--max-queue-delay-s", type=float, default=d.max_queue_delay_s,
+                   help="429 when a request would wait longer than this to start, at the measured "
+                        "drain rate (default %(default)s; 0 turns it off)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per worker")
     return parser
 
@@ -50,3 +55,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.field_names()
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
+    """Check ``--model`` before anything starts (Ray, workers) and fix what it resolves to,
+    so a bad path or an unsupported checkpoint is one line on stderr and exit code 1.
+    A GGUF file is prepared here, once (worker/model_source.py)."""
+    import dataclasses
+
+    from pagedserve.worker.model_config import ModelConfig
+    from pagedserve.worker.model_source import resolve_model
+
+    try:
+        resolved = resolve_model(cfg.model)
+        ModelConfig.from_pretrained(resolved.path, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
+    except (OSError, ValueError) as e:
+        what = "the default model" if cfg.model is None else f"--model {cfg.model!r}"
+        raise SystemExit(f"error: {what}: {e}") from None
+    return dataclasses.replace(cfg, model=resolved.path,
+                               served_model_name=cfg.served_model_name or resolved.served_model_name)
