@@ -1,8 +1,9 @@
-"""The built-in demo model: what the engine runs when no ``model`` is given.
+"""The built-in demo model, ``--model pagedserve-demo``: fast, with exact known shapes, for
+tests and benchmarks (the default model is a real one: worker/model_source.py).
 
 A small Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192, 2048 positions,
-fp32, ~7.3M parameters, 29 MB) with deterministic random weights and the offline BPE tokenizer,
-written once as a normal HF directory and then loaded like any checkpoint:
+fp32, ~7.3M parameters, 29 MB) with deterministic random weights (its text is gibberish) and
+the offline BPE tokenizer, written once as a normal HF directory and loaded like any checkpoint:
 
     $PAGEDSERVE_CACHE/demo-v1/     (default ~/.cache/pagedserve/demo-v1)
         config.json  generation_config.json  model.safetensors
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+DEMO_MODEL_NAME = "pagedserve-demo"  # the --model name, and the id /v1/models lists
 DEMO_VERSION = "demo-v1"
 DEMO_CONFIG = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,

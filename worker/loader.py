@@ -1,11 +1,13 @@
-"""Load a Hugging Face checkpoint directory into our model: safetensors only, never pickle.
+"""Load a checkpoint into our model: safetensors or GGUF, never pickle.
 
     DIR/model.safetensors                          one file
     DIR/model.safetensors.index.json + shards      sharded ({"weight_map": {name: file}})
+    FILE.gguf (or config.json's "gguf_file")       dequantized tensor by tensor (gguf_loader.py)
 
 Every tensor is handed to the model as a lazy ``safe_open(...).get_slice(name)``; each
 parameter's weight loader reads only this rank's rows/columns, so a TP rank never reads
-(or even pages in) the other ranks' shards. At the end every parameter must have been
+(or even pages in) the other ranks' shards. A GGUF tensor is dequantized whole (its blocks
+run along rows) and then sliced the same way. At the end every parameter must have been
 written, or loading fails: an uninitialised weight would silently produce garbage.
 """
 
@@ -23,6 +25,7 @@ from torch import nn
 
 from pagedserve.kernels import resolve_attention_backend
 
+from pagedserve.worker.gguf_loader import iter_gguf_weights
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.models import get_model_class
 
@@ -62,8 +65,9 @@ def iter_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights_into(model: nn.Module, model_path: str) -> None:
-    loaded = model.load_weights(iter_weight_slices(model_path))
+def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None = None) -> None:
+    weights = iter_gguf_weights(gguf_file) if gguf_file else iter_weight_slices(model_path)
+    loaded = model.load_weights(weights)
     missing = model.expected_weight_keys() - loaded
     if missing:
         by_param: dict[str, list[str]] = defaultdict(list)
@@ -84,5 +88,5 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
         model = cls(model_config, attention_backend=attention_backend)
-    load_weights_into(model, model_config.model_path)
+    load_weights_into(model, model_config.model_path, model_config.gguf_file)
     return model.eval()

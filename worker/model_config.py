@@ -1,4 +1,5 @@
-"""The model's shape and numerics, parsed from a Hugging Face ``config.json``.
+"""The model's shape and numerics, parsed from a Hugging Face ``config.json`` or from a
+GGUF file's metadata (``worker/gguf_loader.py`` turns it into the same dict).
 
 Only what the Llama family needs. Both config dialects are accepted: the old one
 (``rope_theta`` + ``rope_scaling``, transformers 4) and the new one (``rope_parameters``,
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, open_gguf
 
 # Architecture name in config.json -> the family members we implement (worker/models).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -60,6 +63,8 @@ class ModelConfig:
     dtype: torch.dtype
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # The GGUF file the weights come from (a .gguf model_path, or config.json's "gguf_file").
+    gguf_file: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -70,6 +75,10 @@ class ModelConfig:
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto",
                         max_model_len: int | None = None) -> "ModelConfig":
         path = os.fspath(path)
+        gguf = find_gguf_file(path)
+        if gguf is not None:
+            return cls.from_dict(gguf_hf_config(open_gguf(gguf), gguf), gguf, dtype=dtype,
+                                 max_model_len=max_model_len)
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ValueError(f"{path!r} is not a model directory: no config.json there.")
@@ -153,7 +162,8 @@ class ModelConfig:
             # Qwen2 always has q/k/v bias (hard-wired in HF, no config field).
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             hidden_act=act, dtype=torch_dtype, bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids, hf_config=hf)
+            eos_token_ids=eos_ids, gguf_file=hf.get("gguf_file") or (path if path.endswith(".gguf") else None),
+            hf_config=hf)
 
     # ---- sizes per tensor-parallel rank -------------------------------------------------
     def verify_tensor_parallel(self, tp_size: int) -> None:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args
+from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args, resolve_model_or_exit
 
 
 def _add_generate_parser(subparsers) -> None:
@@ -28,7 +28,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve.cluster.engine.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
-    cfg = engine_config_from_args(args)
+    cfg = resolve_model_or_exit(engine_config_from_args(args))
     llm = LLM(**vars(cfg))
     prompt = args.prompt
     if args.chat:

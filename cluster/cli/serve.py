@@ -1,6 +1,7 @@
 """``pagedserve serve``: the OpenAI server on Ray Serve, flags as ``vllm serve`` has them.
 
-    pagedserve serve                          # demo model, http://127.0.0.1:8000/v1
+    pagedserve serve                          # SmolLM2-135M-Instruct, http://127.0.0.1:8000/v1
+    pagedserve serve --model pagedserve-demo  # the random demo model (fast, gibberish)
     pagedserve serve --model DIR -tp 2 --min-replicas 1 --max-replicas 4
 
 Starts a private Ray instance on 127.0.0.1 (or joins ``--ray-address``), deploys the app,
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import time
 
-from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args
+from pagedserve.cluster.cli.args import _memory as parse_size
+from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args, resolve_model_or_exit
 
 logger = logging.getLogger("pagedserve")
 APP_NAME = "pagedserve"
@@ -38,6 +39,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="Serve autoscaling target of in-flight requests per replica")
     s.add_argument("--upscale-delay-s", type=float, default=30.0)
     s.add_argument("--downscale-delay-s", type=float, default=600.0)
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 without it); "
+                        "default: $PAGEDSERVE_API_KEY, else no key. /health and /metrics stay open")
+    s.add_argument("--max-request-body-bytes", type=parse_size, default=None,
+                   help="413 for a larger request body, e.g. 8MiB (default: 4 MiB + 32 bytes "
+                        "per token of max_model_len, room for any prompt the model can take)")
     s.add_argument("--ray-address", default=None,
                    help="join a running Ray cluster ('auto' on a cluster node); default: a "
                         "private local instance on 127.0.0.1")
@@ -51,10 +58,7 @@ def _raise_interrupt(signum, frame):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    cfg = engine_config_from_args(args)
-    if cfg.model is not None and not os.path.isfile(os.path.join(cfg.model, "config.json")):
-        raise SystemExit(f"--model {cfg.model!r}: no config.json there; give a local Hugging Face "
-                         "model directory, or leave --model out for the demo model.")
+    cfg = resolve_model_or_exit(engine_config_from_args(args))
     max_replicas = args.max_replicas if args.max_replicas is not None else args.min_replicas
     if max_replicas < args.min_replicas:
         raise SystemExit(f"--max-replicas ({max_replicas}) must be >= --min-replicas ({args.min_replicas}).")
@@ -74,7 +78,8 @@ def run_serve(args: argparse.Namespace) -> int:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = build_app(cfg, min_replicas=args.min_replicas, max_replicas=max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
-                        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s)
+                        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
+                        api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:

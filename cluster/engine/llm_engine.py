@@ -25,6 +25,7 @@ from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import EngineConfig
 from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_source import resolve_model
 
 logger = logging.getLogger("pagedserve")
 
@@ -61,11 +62,8 @@ class _Group:
 
 
 def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        from pagedserve.worker.demo import demo_model_path
-
-        return demo_model_path()
-    return model
+    """The directory to load for ``model`` (None: the default model; see worker/model_source.py)."""
+    return resolve_model(model).path
 
 
 def load_tokenizer(path: str):
@@ -77,15 +75,15 @@ def load_tokenizer(path: str):
 class LLMEngine:
     def __init__(self, engine_config: EngineConfig,
                  executor_class: type[Executor] | None = None) -> None:
-        path = resolve_model_path(engine_config.model)
+        resolved = resolve_model(engine_config.model)
+        path = resolved.path
         self.config = dataclasses.replace(engine_config, model=path)
         self.model_config = ModelConfig.from_pretrained(
             path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
         self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
         self.max_model_len = self.model_config.max_model_len
         self.config.max_model_len = self.max_model_len
-        self.served_model_name = self.config.served_model_name or (
-            "pagedserve-demo" if engine_config.model is None else path.rstrip("/").split("/")[-1])
+        self.served_model_name = self.config.served_model_name or resolved.served_model_name
         self.tokenizer = load_tokenizer(self.config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
 

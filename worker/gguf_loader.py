@@ -1,0 +1,204 @@
+"""GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package.
+
+One file holds everything: metadata (shape, rope, tokenizer, chat template, special ids)
+and the tensors, most of them quantized in blocks along each row. We turn it into what the
+rest of the worker already knows:
+
+    metadata  llama.block_count, llama.rope.freq_base, ...  ->  an HF-style config dict
+    tensors   blk.N.attn_q.weight (Q4_1 blocks)             ->  (HF name, fp32 tensor),
+                                                                fed to model.load_weights
+
+so the TP weight loaders shard them like any safetensors tensor (each rank copies its rows
+or columns into parameters of the engine dtype). Only the Llama family is accepted; any
+other ``general.architecture`` is refused by name before anything is built.
+
+GGUF stores shapes innermost-first (``[in, out]``); the reader's ``data`` is already
+row-major ``[out, in]`` (in blocks), and ``gguf.quants.dequantize`` returns ``[out, in]``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+# GGUF general.architecture -> the config.json architecture we implement (worker/models).
+# Mistral files say "llama" (same graph; llama.cpp has no separate arch for it).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Per-layer GGUF tensor names -> HF names (llama.cpp's gguf-py TensorNameMap, reversed).
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    return os.path.isfile(path) and os.fspath(path).endswith(".gguf")
+
+
+def find_gguf_file(path: str | os.PathLike) -> str | None:
+    """``path`` itself if it is a .gguf file; the one .gguf in a directory that has no
+    config.json; else None (an HF directory, or nothing GGUF about it)."""
+    path = os.fspath(path)
+    if is_gguf_file(path):
+        return os.path.abspath(path)
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path!r} holds {len(found)} GGUF files ({', '.join(found)}); "
+                         "name the one to load: --model DIR/FILE.gguf.")
+    return os.path.abspath(os.path.join(path, found[0])) if found else None
+
+
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` over ``path`` (memory-mapped), with errors that say what is wrong
+    with the file instead of the reader's numpy reshape messages."""
+    from gguf import GGUFReader
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist.")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{path!r} is not a GGUF file: it does not start with the GGUF magic bytes.")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader only knows "cannot reshape array of size ..."
+        raise ValueError(f"cannot read GGUF file {path!r}: it is truncated or corrupt "
+                         f"({size:,} bytes on disk; the gguf reader said: {e}).") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    if end > size:
+        raise ValueError(f"GGUF file {path!r} is truncated: its tensors end at byte {end:,}, "
+                         f"the file has {size:,}.")
+    return reader
+
+
+def _scalar(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader, path: str) -> str:
+    arch = _scalar(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path!r} is a {arch!r} model; pagedserve runs the Llama family "
+                         f"only (GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}).")
+    return arch
+
+
+def gguf_hf_config(reader, path: str) -> dict[str, Any]:
+    """The config.json this file implies, in transformers' vocabulary (what
+    ``ModelConfig.from_dict`` reads; it refuses what we cannot run exactly)."""
+    arch = gguf_architecture(reader, path)
+    p = arch + "."
+
+    def need(key: str) -> Any:
+        value = _scalar(reader, p + key)
+        if value is None:
+            raise ValueError(f"GGUF file {path!r} lacks metadata key {p + key!r}.")
+        if isinstance(value, list):  # per-layer values (hybrid models): not the Llama family
+            raise ValueError(f"GGUF file {path!r}: per-layer {p + key!r} is not supported.")
+        return value
+
+    hidden, num_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(_scalar(reader, p + "attention.key_length") or hidden // num_heads)
+    rope_dim = int(_scalar(reader, p + "rope.dimension_count") or head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"GGUF file {path!r}: rotary dimension {rope_dim} != head_dim {head_dim} "
+                         "(partial rotary embeddings) is not supported.")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        # Llama 3.1+ files bake rope scaling into per-dimension factors instead of metadata;
+        # ignoring them would change every position's rotation.
+        raise ValueError(f"GGUF file {path!r} carries per-dimension rope frequency factors "
+                         "(rope_freqs.weight, Llama 3.1-style rope scaling), which are not supported.")
+    hf: dict[str, Any] = dict(
+        architectures=[GGUF_ARCHITECTURES[arch]], model_type=arch,
+        hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")), num_attention_heads=num_heads,
+        num_key_value_heads=int(_scalar(reader, p + "attention.head_count_kv") or num_heads),
+        head_dim=head_dim, rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(_scalar(reader, p + "rope.freq_base") or 10000.0),
+        max_position_embeddings=int(_scalar(reader, p + "context_length") or 2048),
+        tie_word_embeddings="output.weight" not in names, hidden_act="silu",
+        # Weights are dequantized to fp32 (exact for every block format); --dtype casts.
+        dtype="float32",
+    )
+    scaling = _scalar(reader, p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": _scalar(reader, p + "rope.scaling.factor")}
+    window = _scalar(reader, p + "attention.sliding_window")
+    if window:
+        hf["sliding_window"] = int(window)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _scalar(reader, p + "vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        raise ValueError(f"GGUF file {path!r} states no vocabulary size (no {p}vocab_size, no tokens).")
+    hf["vocab_size"] = int(vocab)
+    bos = _scalar(reader, "tokenizer.ggml.bos_token_id")
+    # eot/eom end a chat turn in Llama 3 files; a turn end is a stop like eos.
+    eos_ids = [int(v) for v in (_scalar(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+               if v is not None]
+    hf.update(bos_token_id=None if bos is None else int(bos),
+              eos_token_id=list(dict.fromkeys(eos_ids)) or None,
+              pad_token_id=_scalar(reader, "tokenizer.ggml.padding_token_id"))
+    return hf
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    blk, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if blk == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
+        return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+    return None
+
+
+def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's convert-time permutation of Llama q/k rows. HF rotates the two halves
+    of each head (rotate_half: x_i pairs with x_{i+d/2}); ggml rotates adjacent pairs, so the
+    converter interleaves each head's halves: rows [a0..a31 b0..b31] -> [a0 b0 a1 b1 ...]."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str, reader=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, fp32 tensor) for every tensor of the file, dequantized one at a time so at
+    most one full fp32 tensor is alive beside the model."""
+    from gguf.quants import dequantize
+
+    reader = reader if reader is not None else open_gguf(path)
+    hf = gguf_hf_config(reader, path)
+    permute = {".self_attn.q_proj.": hf["num_attention_heads"],
+               ".self_attn.k_proj.": hf["num_key_value_heads"]} if hf["model_type"] == "llama" else {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        if name is None:
+            raise ValueError(f"GGUF file {path!r} has tensor {t.name!r}, which a "
+                             f"{hf['architectures'][0]} does not have.")
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        for part, heads in permute.items():
+            if part in name:
+                w = _unpermute_rope_rows(w, heads)
+        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the read-only map
+            w = np.array(w, order="C")
+        yield name, torch.from_numpy(w)
