@@ -162,17 +162,32 @@ def run_b1_decode(path, n_tokens):
     out = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], params, use_tqdm=False)[0]
     m = out.metrics
     tok_s = (n_tokens - 1) / (m.last_token_time - m.first_token_time)
-    # Bytes a decode step must read: every weight except the input embedding table, of
-    # which a step reads one row (unless it is tied to the LM head, which reads it all).
-    model = llm.engine.executor.worker.runner.model
-    seen, weight_bytes = set(), 0
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen or (name.endswith("embed_tokens.weight") and not llm.engine.model_config.tie_word_embeddings):
-            continue
-        seen.add(p.data_ptr())
-        weight_bytes += p.numel() * p.element_size()
+    weight_bytes = decode_weight_bytes(llm.engine.executor.worker.runner.model,
+                                       llm.engine.model_config.tie_word_embeddings)
     llm.shutdown()
     return tok_s, weight_bytes
+
+
+def decode_weight_bytes(model, tied: bool) -> int:
+    """Bytes a decode step must read: every weight except the input embedding table, of
+    which a step reads one row (unless it is tied to the LM head, which reads it all).
+    A layer packed for oneDNN (worker/layers/cpu_backend.py) reads its packed copy."""
+    total, seen = 0, set()
+    for m in model.modules():
+        packed = getattr(m, "_packed", None)
+        if packed is not None:
+            total += packed.numel() * packed.element_size()
+    lm_packed = getattr(getattr(model, "lm_head", None), "_packed", None) is not None
+    for name, p in model.named_parameters():
+        if p.numel() == 0 or p.data_ptr() in seen:  # packed layers keep a 0-element plain weight
+            continue
+        if name.endswith("embed_tokens.weight") and (not tied or lm_packed):
+            continue
+        if name == "lm_head.weight" and lm_packed:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
 
 
 def main(argv=None) -> int:

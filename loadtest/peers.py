@@ -76,14 +76,19 @@ def main():  # under a __main__ guard: vLLM's engine core is a spawned process
     from vllm import LLM, SamplingParams
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
               enforce_eager=spec["enforce_eager"])
-    params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
+    mt = spec["max_tokens"]  # one for all, or one per prompt
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False)
+              for m in (mt if isinstance(mt, list) else [mt] * len(spec["prompts"]))]
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts[:1], params[0], use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
-    print("RESULT " + json.dumps({"elapsed": dt, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-          "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}), flush=True)
+    res = {"elapsed": dt, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+           "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}
+    if spec.get("return_tokens"):
+        res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+    print("RESULT " + json.dumps(res), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -108,10 +113,13 @@ def run_offline_script(python: str, script_text: str, spec: dict, *, env: dict, 
     raise RuntimeError(f"{what} offline run failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def vllm_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
-                 dtype: str = "float32", enforce_eager: bool = True, timeout: float = 900.0) -> dict:
-    """vLLM's offline ``LLM.generate`` throughput on ``prompts`` (token ids), in its venv."""
+def vllm_offline(model: str, prompts: list[list[int]], max_tokens: int | list[int], *, max_model_len: int = 512,
+                 dtype: str = "float32", enforce_eager: bool = True, timeout: float = 900.0,
+                 return_tokens: bool = False, env: dict | None = None) -> dict:
+    """vLLM's offline ``LLM.generate`` throughput on ``prompts`` (token ids), in its venv.
+    ``max_tokens``: one for all or one per prompt; ``env`` adds to vllm_env() (e.g.
+    VLLM_CPU_OMP_THREADS_BIND)."""
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
-            "dtype": dtype, "enforce_eager": enforce_eager}
-    return run_offline_script(str(PY), _OFFLINE_SCRIPT, spec, env={**os.environ, **vllm_env()},
+            "dtype": dtype, "enforce_eager": enforce_eager, "return_tokens": return_tokens}
+    return run_offline_script(str(PY), _OFFLINE_SCRIPT, spec, env={**os.environ, **vllm_env(), **(env or {})},
                               what="vLLM", timeout=timeout)

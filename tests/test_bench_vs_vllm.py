@@ -1,0 +1,23 @@
+"""python -m pagedserve.loadtest.bench_vs_vllm runs end to end in its small form (no vLLM
+peer in CI: --no-vllm) and its last line is the JSON summary the issue asks for."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_vs_vllm_quick_prints_the_summary(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PAGEDSERVE_CACHE"] = os.environ.get("PAGEDSERVE_CACHE", str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.bench_vs_vllm", "--quick", "--no-vllm",
+                           "--hf-prompts", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("cpu", "pagedserve_tok_s", "ratio_vs_hf_static", "b1_tok_s", "b1_bound_tok_s",
+                "b1_fraction_of_bound", "cpu_linear_backend"):
+        assert key in summary, key
+    assert summary["pagedserve_tok_s"] > 0 and 0 < summary["b1_fraction_of_bound"] < 1.5
+    assert 220 < summary["weight_mb_per_step"] < 235  # the 63M bench Llama's 226.5 MB, packed or not
