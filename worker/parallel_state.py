@@ -7,14 +7,21 @@ return their input untouched, so a single-process engine pays nothing for TP-rea
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 _TP_RANK = 0
 _TP_SIZE = 1
+# torch.distributed's default rendezvous timeout.
+_RENDEZVOUS_TIMEOUT_S = 1800
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str,
@@ -27,8 +34,44 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str,
     if world_size > 1 and not dist.is_initialized():
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        url = urlsplit(init_method)
+        if url.scheme == "tcp":
+            host, port = url.hostname or "127.0.0.1", int(url.port or 0)
+            if _is_loopback(host):
+                # gloo/NCCL pick their listening interface from the hostname, which
+                # may resolve to a routable address; pin them to loopback like the store.
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            store = _tcp_store(host, port, rank, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _tcp_store(host: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+    """The rendezvous store. torch's ``tcp://`` init makes rank 0's TCPStore listen on
+    every interface ([::]) whatever host the URL names; here rank 0 binds exactly the
+    address the other ranks are told to dial (127.0.0.1 on one node) and hands the
+    listening socket to the store (``master_listen_fd``)."""
+    timeout = timedelta(seconds=_RENDEZVOUS_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    # The store owns the fd from here on (it closes it on destruction); keep the Python
+    # object from closing it too when it is collected.
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def destroy_tensor_parallel() -> None:

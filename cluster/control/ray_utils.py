@@ -5,11 +5,14 @@ Two quirks of Ray 2.60 shape this file (see /work/shared/PEERS.md):
   ``RAY_AUTH_MODE=disabled`` (set before ``ray.init``, inherited by Ray's processes);
 - Ray binds the host's routable address, and ``_node_ip_address="127.0.0.1"`` alone
   does not help (2.60 rewrites loopback to the routable IP); see ``init_ray``. A dev box
-  should not open ports to the network by accident.
+  should not open ports to the network by accident;
+- every Serve replica opens an inter-deployment gRPC server on ``[::]:0`` (hard-coded in
+  ray/serve/_private/replica.py); ``serve_grpc_on_node_ip`` moves it (deploy/README.md).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -50,6 +53,45 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
                  configure_logging=False)
     else:
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+
+
+def serve_grpc_on_node_ip() -> None:
+    """On a loopback node (``init_ray``'s private instance), bind each Serve replica's
+    inter-deployment gRPC server to 127.0.0.1, not ``[::]``. Callers dial
+    ``node_ip:port`` (the controller publishes the replica's node IP), which is
+    127.0.0.1 there, so nothing that could reach it before is cut off.
+
+    Must run in the replica process before Serve finishes initializing it: the modules
+    that define deployments call it at import, which happens when the replica unpickles
+    its class. Idempotent; if a Ray upgrade moves the hook, it logs and changes nothing
+    (tests/test_serve_security.py then sees the wildcard listener again)."""
+    try:
+        from ray.serve._private import replica
+    except ImportError:  # pragma: no cover - ray without serve
+        return
+    original = getattr(replica, "add_port_to_grpc_server", None)
+    if original is None:
+        logger.warning("ray.serve replica has no add_port_to_grpc_server; its gRPC server "
+                       "keeps Ray's own bind address")
+        return
+    if getattr(original, "_pagedserve_wrapped", False):
+        return
+
+    def add_port(server, address: str):
+        # Only on a loopback node: on a real cluster Ray's own choice stands.
+        if address.startswith("[::]:") and ray.is_initialized() and _is_loopback(node_ip()):
+            address = f"{node_ip()}:{address.rsplit(':', 1)[1]}"
+        return original(server, address)
+
+    add_port._pagedserve_wrapped = True
+    replica.add_port_to_grpc_server = add_port
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return False
 
 
 def shutdown_ray() -> None:

@@ -14,45 +14,56 @@ import json
 import logging
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip
 from pagedserve.cluster.serve import openai_format as fmt
+from pagedserve.cluster.serve.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
+                                           install_error_handlers)
 from pagedserve.cluster.serve.metrics import ServeMetrics
-from pagedserve.cluster.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                              TokenizeResponse, error_body, random_id)
+from pagedserve.cluster.serve.protocol import (ChatCompletionRequest, CompletionRequest,
+                                               DetokenizeRequest, TokenizeRequest)
+from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, ModelList,
+                                                TokenizeResponse, error_body, random_id)
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
 
+# This module is imported in the ingress replica before Serve starts the replica's own
+# gRPC server: keep that server off the wildcard address (cluster/control/ray_utils.py).
+serve_grpc_on_node_ip()
+
 app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
+install_error_handlers(app)
+app.add_middleware(EdgeMiddleware)
 
 
-def error(status: int, message: str, retry_after: int | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    # OpenAI answers 400 (not FastAPI's 422) for a malformed body.
-    parts = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg"))
-             for e in exc.errors()]
-    return error(400, "; ".join(parts) or "invalid request")
+def _remote_error(e: Exception) -> JSONResponse:
+    """An exception raised by a replica method: a ValueError is the user's (400);
+    anything else is the system's: logged, 500."""
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, ValueError):
+        return error(400, str(cause).splitlines()[-1] if str(cause) else type(cause).__name__)
+    logger.error("replica call failed", exc_info=e)
+    return error(500, "internal error; see the server log")
 
 
 @serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine, stats) -> None:
+    def __init__(self, engine, stats, config: IngressConfig | None = None) -> None:
         self.engine = engine
         self.stats = stats
+        self.config = config or IngressConfig()
         self._info: dict | None = None
         self._metrics: ServeMetrics | None = None
+        activate(EdgeGuard(self.config, self._max_model_len))
+
+    async def _max_model_len(self) -> int:
+        return (await self.info())["max_model_len"]
 
     async def info(self) -> dict:
         if self._info is None:
@@ -163,7 +174,9 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self):
         info = await self.info()
-        card = ModelCard(id=info["served_model_name"], root=info.get("model"),
+        # root: the served name, never a path (vLLM shows --model there, but ours may be
+        # resolved, e.g. the demo model's cache directory, which is nobody's business).
+        card = ModelCard(id=info["served_model_name"], root=info["served_model_name"],
                          max_model_len=info["max_model_len"])
         return JSONResponse(ModelList(data=[card]).model_dump())
 
@@ -186,10 +199,16 @@ class OpenAIIngress:
             return bad
         if (body.prompt is None) == (body.messages is None):
             return error(400, "give exactly one of `prompt` or `messages`.")
-        messages = None if body.messages is None else [dict(role=m.role, content=m.text())
-                                                         for m in body.messages]
-        ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                body.add_generation_prompt)
+        try:
+            messages = None if body.messages is None else [dict(role=m.role, content=m.text())
+                                                             for m in body.messages]
+        except ValueError as e:
+            return error(400, str(e))
+        try:
+            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
+                                                    body.add_generation_prompt)
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            return _remote_error(e)
         info = await self.info()
         return TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids)
 
@@ -200,9 +219,6 @@ class OpenAIIngress:
             return bad
         try:
             text = await self.engine.detokenize.remote(body.tokens)
-        except Exception as e:  # ValueError raised in the replica arrives wrapped
-            cause = getattr(e, "cause", None) or e
-            if isinstance(cause, ValueError) or "ValueError" in str(e):
-                return error(400, str(cause).splitlines()[-1])
-            raise
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            return _remote_error(e)
         return DetokenizeResponse(prompt=text)

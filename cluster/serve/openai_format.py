@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestOutput
-from pagedserve.cluster.serve.protocol import (ChatCompletionChoice, ChatCompletionResponse,
+from pagedserve.cluster.serve.responses import (ChatCompletionChoice, ChatCompletionResponse,
                               ChatCompletionStreamResponse, ChatLogprobs, ChatLogprobToken,
                               ChatLogprobTop, ChatResponseMessage, ChatStreamChoice,
                               CompletionChoice, CompletionLogprobs, CompletionResponse,

@@ -1,61 +1,82 @@
-"""OpenAI-compatible request/response schemas (pydantic v2), with vLLM's extensions.
+"""OpenAI-compatible request schemas (pydantic v2), with vLLM's extensions.
 
 Field names and defaults follow the OpenAI API; the vLLM-style extensions (``top_k``,
 ``min_p``, ``min_tokens``, ``ignore_eos``, ``priority``, ``repetition_penalty``,
 ``return_token_ids``) ride in the same body. Range checks live in one place,
 ``SamplingParams._verify``; a schema only converts, so every user mistake yields the
 same message whether it came over HTTP or through the offline ``LLM``.
+
+Converting is strict, because whatever slips past the edge fails later, inside a step
+or a response encoder, where it costs more than one request:
+- an integer is a JSON integer (not ``"5"``, ``5.0`` or ``true``), bounded to int64 as
+  in OpenAI's API and vLLM (it ends up in torch tensors and generators);
+- a boolean is a JSON boolean (not ``"yes"`` or ``1``);
+- a float is a finite number (Python's json accepts ``Infinity`` and ``NaN``);
+- a string encodes as UTF-8: JSON may carry a lone surrogate (``"\\ud800"``), which the
+  tokenizer cannot encode and no UTF-8 response can echo.
+Response shapes are in responses.py.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field
 
+from pagedserve.cluster.serve.responses import OpenAIBase
 from pagedserve.scheduler.sampling_params import SamplingParams
 
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-class OpenAIBase(BaseModel):
-    # Unknown fields are ignored (clients send e.g. ``user``), as the OpenAI server does.
-    model_config = ConfigDict(extra="ignore")
+def _utf8(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid text: a lone surrogate at position {e.start} "
+                         "(strings must be valid Unicode)") from None
+    return s
 
 
-class StreamOptions(OpenAIBase):
+Text = Annotated[str, AfterValidator(_utf8)]
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class RequestBase(OpenAIBase):
+    # Unknown fields are still ignored (clients send e.g. ``user``), as OpenAI does.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(RequestBase):
     include_usage: bool = False
 
 
-class _SamplingFields(OpenAIBase):
+class _SamplingFields(RequestBase):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    n: int = 1
+    model: Text | None = None
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # vLLM extensions.
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    priority: int = 0
+    priority: Int = 0
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values."""
@@ -82,9 +103,9 @@ class _SamplingFields(OpenAIBase):
 class CompletionRequest(_SamplingFields):
     # A string, a list of token ids, or a one-element list of either (batches of
     # prompts are answered 400: one request, one prompt, keeps abort and 429 simple).
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
@@ -103,30 +124,39 @@ class CompletionRequest(_SamplingFields):
         raise ValueError("only one prompt per request is supported; send one request per prompt.")
 
 
-class ChatMessage(OpenAIBase):
-    role: str
-    # A string, or the OpenAI content-part list (only text parts are understood).
-    content: str | list[dict[str, Any]] | None = None
+class ContentPart(RequestBase):
+    """One part of OpenAI's content-part list. ``type`` is required, as in OpenAI's API;
+    only text parts are understood, other types are refused by ``ChatMessage.text``."""
+
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(RequestBase):
+    role: Text
+    # A string, or the OpenAI content-part list.
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
+        """Raises ValueError (-> HTTP 400) for a non-text part."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
-            if part.get("type") != "text":
-                raise ValueError(f"unsupported content part type {part.get('type')!r}; only 'text'.")
-            parts.append(str(part.get("text", "")))
+            if part.type != "text":
+                raise ValueError(f"unsupported content part type {part.type!r}; only 'text'.")
+            parts.append(part.text or "")
         return "".join(parts)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
     def to_sampling_params(self) -> SamplingParams:
@@ -135,163 +165,14 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
 
-class UsageInfo(OpenAIBase):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(OpenAIBase):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(OpenAIBase):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(OpenAIBase):
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatLogprobTop(OpenAIBase):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprobToken(ChatLogprobTop):
-    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
-
-
-class ChatLogprobs(OpenAIBase):
-    content: list[ChatLogprobToken] | None = None
-
-
-class ChatResponseMessage(OpenAIBase):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionChoice(OpenAIBase):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(OpenAIBase):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(OpenAIBase):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(OpenAIBase):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIBase):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionStreamResponse(OpenAIBase):
-    """OpenAI streams completions with the same object name as the final response."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelCard(OpenAIBase):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(OpenAIBase):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeRequest(OpenAIBase):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+class TokenizeRequest(RequestBase):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
-class TokenizeResponse(OpenAIBase):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
-class DetokenizeRequest(OpenAIBase):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(OpenAIBase):
-    prompt: str
-
-
-class ErrorInfo(OpenAIBase):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | None = None
-
-
-class ErrorResponse(OpenAIBase):
-    error: ErrorInfo
-
-
-# HTTP status -> OpenAI error ``type``.
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "APIError"),
-                     param=param, code=status)
-    return ErrorResponse(error=info).model_dump()
+class DetokenizeRequest(RequestBase):
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -18,16 +18,23 @@ from ray import serve
 
 from pagedserve.cluster.serve.engine_actor import AsyncEngine
 from pagedserve.cluster.serve.metrics import StatsAggregator
-from pagedserve.cluster.control.ray_utils import tp_bundles
+from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip, tp_bundles
 from pagedserve.worker.config import EngineConfig
 
 logger = logging.getLogger("pagedserve")
+
+# The engine and stats replicas import this module before Serve starts their own gRPC
+# servers: keep those off the wildcard address (cluster/control/ray_utils.py).
+serve_grpc_on_node_ip()
 
 # Serve-side options a config file or the CLI may set next to the engine fields.
 SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     min_replicas=1, max_replicas=1, target_ongoing_requests=16.0,
     upscale_delay_s=30.0, downscale_delay_s=600.0, look_back_period_s=30.0,
-    metrics_interval_s=10.0, max_ongoing_requests=1024, engine_num_cpus=1.0)
+    metrics_interval_s=10.0, max_ongoing_requests=1024, engine_num_cpus=1.0,
+    # The HTTP front's (cluster/serve/edge.py IngressConfig); api_key falls back to
+    # $PAGEDSERVE_API_KEY, max_request_body_bytes to a bound derived from max_model_len.
+    api_key=None, max_request_body_bytes=None)
 
 
 @serve.deployment(name="StatsAggregator", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -134,13 +141,16 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
 def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: Any):
     """The bound Serve application for ``serve.run``. ``serve_opts``: keys of
     SERVE_OPTION_DEFAULTS (min/max replicas, target ongoing requests, delays...)."""
+    from pagedserve.cluster.serve.edge import IngressConfig
     from pagedserve.cluster.serve.ingress import OpenAIIngress
 
+    ingress_config = IngressConfig.from_options(serve_opts.pop("api_key", None),
+                                                serve_opts.pop("max_request_body_bytes", None))
     stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator").bind()
     engine = EngineDeployment.options(
         name=name_prefix + "EngineDeployment",
         **engine_deployment_options(engine_config, **serve_opts)).bind(engine_config, stats)
-    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress").bind(engine, stats)
+    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress").bind(engine, stats, ingress_config)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:

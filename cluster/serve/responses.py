@@ -1,0 +1,184 @@
+"""OpenAI-compatible response and error shapes (pydantic v2), with vLLM's extensions
+(``stop_reason``, ``token_ids``, ``prompt_token_ids``). Request schemas, which validate
+what users send, are in protocol.py; these only describe what the server answers.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBase(BaseModel):
+    # Unknown fields are ignored (clients send e.g. ``user``), as the OpenAI server does.
+    model_config = ConfigDict(extra="ignore")
+
+
+class UsageInfo(OpenAIBase):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIBase):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBase):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(OpenAIBase):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogprobTop(OpenAIBase):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBase):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(OpenAIBase):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIBase):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(OpenAIBase):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OpenAIBase):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(OpenAIBase):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBase):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(OpenAIBase):
+    """OpenAI streams completions with the same object name as the final response."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBase):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBase):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIBase):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+
+class DetokenizeResponse(OpenAIBase):
+    prompt: str
+
+
+class ErrorInfo(OpenAIBase):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(OpenAIBase):
+    error: ErrorInfo
+
+
+# HTTP status -> OpenAI error ``type`` (the openai SDK's exception class names); other
+# statuses get the HTTP phrase, e.g. 413 -> "RequestEntityTooLargeError".
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                422: "UnprocessableEntityError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def _error_type(status: int) -> str:
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        return re.sub(r"[^A-Za-z]", "", HTTPStatus(status).phrase.title()) + "Error"
+    except ValueError:
+        return "APIError"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    info = ErrorInfo(message=message, type=_error_type(status), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
