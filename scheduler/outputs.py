@@ -96,6 +96,10 @@ class ModelRunnerOutput:
     # when that request did not ask, or sampled nothing).
     logprobs: list[list[Logprobs]] | None = None
     step_id: int = 0
+    # req_id -> why it failed, for requests whose own setup or sampling raised in this
+    # step (every rank fails them alike: same plan, same params). They sampled nothing;
+    # the engine fails them alone and the rest of the batch goes on. None: no failures.
+    failed: dict[str, str] | None = None
 
 
 @dataclass(slots=True)

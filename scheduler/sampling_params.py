@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 
 # Below this temperature sampling is treated as greedy (argmax), as in vLLM.
 _GREEDY_EPS = 1e-5
+# OpenAI's ``seed`` is an int64. torch's generators take [-2**63, 2**64) and raise past
+# it, inside the step: a seed outside int64 must be refused here, before it is queued.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of an ``n > 1`` request: ``seed + index``, wrapped
+    into int64 so that ``seed = 2**63 - 1, n = 2`` stays a valid seed (not an overflow)."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 @dataclass(slots=True)
@@ -77,8 +86,9 @@ class SamplingParams:
             bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a string or a list of non-empty strings.")
         if len(self.stop) > 16:

@@ -22,12 +22,19 @@ import torch
 
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
+from pagedserve.worker import faults
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 
 logger = logging.getLogger(__name__)
+
+
+def _describe(e: BaseException) -> str:
+    """A failed request's error, as the engine logs it and the client may see it."""
+    logger.warning("request failed in the worker: %s: %s", type(e).__name__, e)
+    return f"{type(e).__name__}: {e}"
 
 
 class ModelRunner:
@@ -46,7 +53,7 @@ class ModelRunner:
         self.sampler = Sampler(generator=gen)
 
     # ------------------------------------------------------------------ state
-    def _update_states(self, plan: SchedulerOutput) -> None:
+    def _update_states(self, plan: SchedulerOutput, failed: dict[str, str]) -> None:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
         for req_id in plan.preempted_req_ids:
@@ -55,23 +62,11 @@ class ModelRunner:
                 state.block_ids = []
                 state.num_computed_tokens = 0
         for new in plan.scheduled_new_reqs:
-            params = new.sampling_params
-            stop_ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids.update(self.eos_token_ids)
-            gen = make_generator(params.seed, self.device) if params.seed is not None else None
-            state = CachedRequestState(
-                req_id=new.req_id,
-                prompt_token_ids=new.prompt_token_ids,
-                sampling_params=params,
-                generator=gen,
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                output_token_ids=list(new.output_token_ids),
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                stop_token_ids=stop_ids,
-            )
-            self.requests[new.req_id] = state
+            faults.check("step", new.sampling_params)  # planted, on purpose not isolated
+            try:
+                self.requests[new.req_id] = self._new_state(new)
+            except Exception as e:  # this request's own setup: it fails, the batch goes on
+                failed[new.req_id] = _describe(e)
         cached = plan.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
@@ -81,9 +76,27 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
+    def _new_state(self, new) -> CachedRequestState:
+        params = new.sampling_params
+        faults.check("setup", params)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        gen = make_generator(params.seed, self.device) if params.seed is not None else None
+        return CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=new.prompt_token_ids,
+            sampling_params=params,
+            generator=gen,
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=list(new.output_token_ids),
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            stop_token_ids=stop_ids,
+        )
+
     # ------------------------------------------------------------------ inputs
-    def _prepare_inputs(self, plan: SchedulerOutput):
-        num_scheduled = plan.num_scheduled_tokens
+    def _prepare_inputs(self, num_scheduled: dict[str, int]):
         # Decode rows (query length 1) first, then chunks; stable within each group.
         order = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
         num_decode = sum(1 for r in order if num_scheduled[r] == 1)
@@ -140,39 +153,68 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(plan)
-        if plan.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(step_id=plan.step_id)
-        ids, positions, md, sample_rows, sample_reqs = self._prepare_inputs(plan)
+        failed: dict[str, str] = {}
+        self._update_states(plan, failed)
+        num_scheduled = plan.num_scheduled_tokens
+        if failed:  # the rest of the batch runs without them
+            num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed}
+        req_ids = list(plan.num_scheduled_tokens)
+        if not num_scheduled:
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
+                                     step_id=plan.step_id, failed=failed or None)
+        ids, positions, md, sample_rows, sample_reqs = self._prepare_inputs(num_scheduled)
         hidden = self.model(ids, positions, self.kv_caches, md)
         sampled_by_req: dict[str, int] = {}
         logprobs_by_req: dict[str, Logprobs] = {}
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
-            smd = SamplingMetadata.build(
-                [st.sampling_params for st in sample_reqs],
-                [st.generator for st in sample_reqs],
-                [st.prompt_token_ids for st in sample_reqs],
-                [st.output_token_ids for st in sample_reqs],
-                [st.stop_token_ids for st in sample_reqs],
-                self.vocab_size, self.device)
-            out = self.sampler(logits, smd)
-            tokens = out.sampled_token_ids.tolist()
-            for st, tok in zip(sample_reqs, tokens):
+            for st, (tok, lp) in self._sample(logits, sample_reqs, failed):
                 st.append_output(tok)
                 sampled_by_req[st.req_id] = tok
-            if out.logprobs is not None:
-                for st, lp in zip(sample_reqs, out.logprobs):
-                    if lp is not None:
-                        logprobs_by_req[st.req_id] = lp
-        req_ids = list(plan.num_scheduled_tokens)
+                if lp is not None:
+                    logprobs_by_req[st.req_id] = lp
         sampled = [[sampled_by_req[r]] if r in sampled_by_req else [] for r in req_ids]
         logprobs = None
         if logprobs_by_req:
             logprobs = [[logprobs_by_req[r]] if r in logprobs_by_req else [] for r in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled,
-                                 logprobs=logprobs, step_id=plan.step_id)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                                 step_id=plan.step_id, failed=failed or None)
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequestState]):
+        smd = SamplingMetadata.build(
+            [st.sampling_params for st in reqs], [st.generator for st in reqs],
+            [st.prompt_token_ids for st in reqs], [st.output_token_ids for st in reqs],
+            [st.stop_token_ids for st in reqs], self.vocab_size, self.device)
+        out = self.sampler(logits, smd)
+        for st in reqs:  # planted after the draws: the retry must not redraw
+            faults.check("sample", st.sampling_params)
+        lps = out.logprobs if out.logprobs is not None else [None] * len(reqs)
+        return list(zip(out.sampled_token_ids.tolist(), lps))
+
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                failed: dict[str, str]) -> list[tuple[CachedRequestState, tuple]]:
+        """The batch in one go; if that raises, row by row, so the row at fault fails
+        alone. Generator states are restored before the retry: a seeded row draws the
+        same noise as in a batch without the faulty row (sampling is row-wise), so every
+        other row gets exactly the token it would have got."""
+        gens = [g for g in [self.sampler.generator, *(st.generator for st in reqs)] if g is not None]
+        states = [g.get_state() for g in gens]
+        try:
+            return list(zip(reqs, self._sample_rows(logits, reqs)))
+        except Exception as e:
+            if len(reqs) == 1:
+                failed[reqs[0].req_id] = _describe(e)
+                return []
+        for g, state in zip(gens, states):
+            g.set_state(state)
+        done = []
+        for i, st in enumerate(reqs):
+            try:
+                done.append((st, self._sample_rows(logits[i:i + 1], [st])[0]))
+            except Exception as e:
+                failed[st.req_id] = _describe(e)
+        return done
 
     # ------------------------------------------------------------------ cache
     def initialize_cache(self, num_blocks: int, num_kv_heads: int, dtype: torch.dtype) -> None:

@@ -33,7 +33,7 @@ import time
 import ray
 from ray.dag import InputNode, MultiOutputNode
 
-from pagedserve.cluster.engine.executor import Executor
+from pagedserve.cluster.engine.executor import Executor, ExecutorDeadError
 from pagedserve.cluster.control.ray_utils import get_open_port, in_bundle, init_ray, node_ip, worker_placement
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.config import EngineConfig
@@ -79,6 +79,10 @@ class RayWorkerWrapper:
         times, self.exec_times = self.exec_times, []
         return times
 
+    def ping(self) -> int:
+        """Liveness: answered by the control thread, even while a step runs."""
+        return self.rank
+
     def run_zmq_loop(self, plan_addr: str, result_addr: str) -> int:
         """The ZMQ dispatch loop; occupies one actor thread until the STOP message."""
         from pagedserve.cluster.control.zmq_dispatch import worker_loop
@@ -117,6 +121,7 @@ class RayExecutor(Executor):
         self._dag = None
         self._bcast = None
         self._loops: list = []
+        self._broken = False  # a worker died: shut down by killing, not by asking
         logger.info("RayExecutor: %d worker actors ready (%s, init %s)", tp,
                     "GPU" if use_gpu else "CPU", init_method)
 
@@ -147,14 +152,28 @@ class RayExecutor(Executor):
     def _check_loops(self) -> None:
         done, _ = ray.wait(self._loops, num_returns=len(self._loops), timeout=0)
         if done:
-            ray.get(done)  # re-raises the actor's error
-            raise RuntimeError("a worker's dispatch loop exited")
+            self._broken = True
+            try:
+                ray.get(done)  # re-raises the actor's error
+            except ray.exceptions.RayActorError as e:
+                raise ExecutorDeadError(f"a worker actor died: {e}") from None
+            raise ExecutorDeadError("a worker's dispatch loop exited")
+
+    def check_health(self, timeout_s: float) -> None:
+        try:
+            ray.get([w.ping.remote() for w in self.workers], timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            self._broken = True
+            raise ExecutorDeadError(f"a worker actor died: {e}") from None
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"a worker did not answer a ping within {timeout_s:g} s") from None
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         if self.dispatch == "zmq":
             if self._bcast is None:
                 self._start_zmq()
-            self._bcast.send(plan)
+            # Both directions watch the loops: a send to a dead rank would block forever.
+            self._bcast.send(plan, self._check_loops)
             return self._bcast.recv(self._check_loops)
         if self._dag is None:
             self._compile()
@@ -165,7 +184,20 @@ class RayExecutor(Executor):
         """Per-rank in-worker execution times since the last call (benchmark only)."""
         return ray.get([w.pop_exec_times.remote() for w in self.workers])
 
+    def abandon(self) -> None:
+        # No STOP message, no worker.shutdown: a rank may be stuck in an all-reduce with
+        # a dead peer, and a PUSH to a dead rank blocks. Killing the actors frees all.
+        for w in self.workers:
+            ray.kill(w)
+        self.workers, self._bcast, self._loops = [], None, []
+        if self._owns_pg:
+            ray.util.remove_placement_group(self.placement_group)
+            self._owns_pg = False
+
     def shutdown(self) -> None:
+        if self._broken:
+            self.abandon()
+            return
         if self._bcast is not None:
             self._bcast.stop()
             try:

@@ -85,14 +85,18 @@ class ZmqBroadcast:
     def addresses(self, rank: int) -> tuple[str, str]:
         return self.plan_addrs[rank], self.result_addr
 
-    def send(self, plan) -> None:
+    def send(self, plan, still_alive, poll_ms: int = 200) -> None:
+        """To every rank. A PUSH socket whose peer died has no pipe left and blocks, so
+        the send waits at most ``poll_ms`` at a time, checking ``still_alive()`` between."""
         # A plan that computes tokens runs the model, whose all-reduces need every rank.
         self._all_ranks_read = getattr(plan, "total_num_scheduled_tokens", 0) > 0
         data = pickle.dumps(plan, _PROTOCOL)
         for s in self.plan_socks:
+            while not s.poll(poll_ms, zmq.POLLOUT):
+                still_alive()
             s.send(data, copy=False)
 
-    def recv(self, still_alive, poll_ms: int = 1000):
+    def recv(self, still_alive, poll_ms: int = 200):
         """Rank 0's result. ``still_alive()`` is checked while waiting, so a dead worker
         raises instead of hanging the scheduler forever."""
         while not self.result.poll(poll_ms):

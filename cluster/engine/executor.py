@@ -11,11 +11,25 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.config import EngineConfig
 
 
+class ExecutorDeadError(RuntimeError):
+    """A worker is gone for good (its process died): no step can run any more."""
+
+
 class Executor:
     def __init__(self, engine_config: EngineConfig) -> None:
         # engine_config.model is a resolved local directory by now (LLMEngine resolves
         # the demo model before building the executor).
         self.engine_config = engine_config
+
+    def check_health(self, timeout_s: float) -> None:
+        """Return if every worker answers within ``timeout_s``; ExecutorDeadError if one
+        is dead, TimeoutError if one is only slow. Called from a thread other than the
+        one stepping, while a step may run: it must not touch the step's channels."""
+
+    def abandon(self) -> None:
+        """Release the workers of a dead engine without waiting for them (they may be
+        stuck in a collective with a dead peer). Default: an ordinary shutdown."""
+        self.shutdown()
 
     def determine_num_available_blocks(self) -> int:
         raise NotImplementedError

@@ -22,7 +22,8 @@ from pagedserve.cluster.engine.executor import Executor, default_executor_class
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
+from pagedserve.worker import faults
 from pagedserve.worker.config import EngineConfig
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_source import resolve_model
@@ -37,6 +38,7 @@ class _Sample:
     index: int
     req_id: str
     detok: IncrementalDetokenizer | None
+    params: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     finish_reason: str | None = None
@@ -95,6 +97,9 @@ class LLMEngine:
                                    self.config.cache_config(self.num_gpu_blocks))
         self.kv_sizing = self._log_kv_sizing()
         self._groups: dict[str, _Group] = {}
+        # Requests scheduled for the first time (or again after preemption), cumulative:
+        # the serving layer's measure of how fast the waiting queue drains.
+        self.num_admitted = 0
         self._samples: dict[str, tuple[_Group, _Sample]] = {}
 
     def _log_kv_sizing(self) -> dict:
@@ -127,6 +132,16 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}).")
         return ids
 
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """ValueError unless the prompt and max_tokens fit max_model_len. Reads config
+        only, so any thread may call it (the serving layer's tokenizer pool does)."""
+        n = num_prompt_tokens
+        if n >= self.max_model_len or (max_tokens is not None and n + max_tokens > self.max_model_len):
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + (max_tokens or 1)} tokens ({n} in the prompt, "
+                f"{max_tokens or 1} for the completion). Please reduce the prompt or max_tokens.")
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None) -> None:
@@ -135,14 +150,7 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty.")
-        n_prompt = len(prompt_ids)
-        if n_prompt >= self.max_model_len or (
-                params.max_tokens is not None and n_prompt + params.max_tokens > self.max_model_len):
-            requested = n_prompt + (params.max_tokens or 1)
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {requested} tokens ({n_prompt} in the prompt, "
-                f"{params.max_tokens or 1} for the completion). Please reduce the prompt or max_tokens.")
+        self.check_length(len(prompt_ids), params.max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [],
@@ -150,14 +158,14 @@ class LLMEngine:
         requests = []
         for i in range(params.n):
             child = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
+                n=1, seed=None if params.seed is None else sample_seed(params.seed, i))
             if len(self.eos_token_ids) > 1 and not child.ignore_eos:
                 extra = [t for t in self.eos_token_ids[1:] if t not in child.stop_token_ids]
                 child = child.clone(stop_token_ids=child.stop_token_ids + extra)
             req_id = request_id if params.n == 1 else f"{request_id}#{i}"
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, child)
                      if child.detokenize else None)
-            sample = _Sample(i, req_id, detok, logprobs=[] if child.logprobs is not None else None)
+            sample = _Sample(i, req_id, detok, child, logprobs=[] if child.logprobs is not None else None)
             group.samples.append(sample)
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
                                     priority=priority, cache_salt=cache_salt))
@@ -166,6 +174,28 @@ class LLMEngine:
         self._groups[request_id] = group
         for sample in group.samples:
             self._samples[sample.req_id] = (group, sample)
+
+    def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
+        """End one request with an error of its own (see ``_fail_group``)."""
+        group = self._groups.get(request_id)
+        return None if group is None else self._fail_group(group, message)
+
+    def _fail_group(self, group: _Group, message: str) -> RequestOutput:
+        """Its blocks are freed now, it leaves the batch before the next plan, and its
+        final output carries ``error`` (finish_reason "error" on unfinished samples)."""
+        logger.error("request %s failed on its own: %s", group.request_id, message)
+        self.abort_request(group.request_id)
+        for s in group.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "error"
+        group.num_finished = len(group.samples)
+        group.metrics.finished_time = time.time()
+        out = self._make_output(group, {})
+        out.error = message
+        return out
+
+    def abort_all(self) -> None:
+        self.abort_request(list(self._groups))
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):
@@ -196,20 +226,35 @@ class LLMEngine:
         else:
             result = ModelRunnerOutput(step_id=plan.step_id)
         now = time.time()
+        self.num_admitted += len(plan.scheduled_new_reqs) + sum(
+            plan.scheduled_cached_reqs.resumed_from_preemption)
         for new in plan.scheduled_new_reqs:
             entry = self._samples.get(new.req_id)
             if entry and entry[0].metrics.first_scheduled_time is None:
                 entry[0].metrics.first_scheduled_time = now
+        # Requests that failed on their own in the worker leave before the scheduler
+        # sees the result, so their (empty) rows are skipped like aborted ones.
+        failed: dict[str, RequestOutput] = {}
+        for rid, message in (result.failed or {}).items():
+            entry = self._samples.get(rid)
+            if entry is not None:
+                failed[entry[0].request_id] = self._fail_group(entry[0], message)
         touched: dict[str, _Group] = {}
         deltas: dict[str, tuple[str, list[int], list | None]] = {}
         for out in self.scheduler.update_from_output(plan, result):
             entry = self._samples.get(out.req_id)
             if entry is None:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran (or failed above)
             group, sample = entry
-            deltas[out.req_id] = self._process(group, sample, out, now)
+            try:
+                deltas[out.req_id] = self._process(group, sample, out, now)
+            except Exception as e:  # its detokenizer or stop strings: this request only
+                failed[group.request_id] = self._fail_group(group, f"{type(e).__name__}: {e}")
+                continue
             touched[group.request_id] = group
-        outputs = [self._make_output(g, deltas) for g in touched.values()]
+        outputs = [self._make_output(g, deltas) for g in touched.values()
+                   if g.request_id not in failed]
+        outputs.extend(failed.values())
         for g in touched.values():
             if g.finished:
                 self._groups.pop(g.request_id, None)
@@ -218,6 +263,7 @@ class LLMEngine:
         return outputs
 
     def _process(self, group: _Group, sample: _Sample, out: EngineCoreOutput, now: float):
+        faults.check("detokenize", sample.params)
         new_ids = out.new_token_ids
         if new_ids:
             if group.metrics.first_token_time is None:

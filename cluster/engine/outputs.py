@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     logprobs: list | None = None  # list[scheduler.outputs.Logprobs], one per token
     # What this step added (for streaming); empty when this sample did not move.
@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Set when this request failed on its own (its setup, sampling or detokenization
+    # raised): finished, finish_reason "error", and the rest of the batch unaffected.
+    error: str | None = None

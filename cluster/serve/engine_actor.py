@@ -2,20 +2,30 @@
 block tables, batch membership; TP worker actors behind a RayExecutor when tp > 1) and
 runs its step loop, streaming per-request deltas back to callers.
 
-    caller (ingress) ──generate()──▶ admission ─▶ engine.add_request ─▶ per-request queue
-                                                                            ▲
-    step loop (asyncio task): engine.step() in one thread ─RequestOutputs──┘ ─▶ yielded
+    caller (ingress) ──generate()──▶ size check ─▶ tokenizer pool ─▶ admission ─▶ add_request
+                                                                            ▼
+    step loop (asyncio task): engine.step() in one thread ─RequestOutputs──▶ per-request queue
 
 Every engine call (add_request, abort_request, step, get_stats) runs in ONE worker thread,
 so the engine needs no locks and the event loop never blocks on a step. Calls submitted
 while a step runs are applied in order right after it: an abort frees its blocks before
-the next plan is made, i.e. within one step.
+the next plan is made, i.e. within one step. Tokenization runs in a pool of its own
+(cluster/serve/tokenizer_pool.py), so no prompt ever waits behind a step or delays one.
 
 ``generate`` is an async generator (a Serve streaming method). Its first item is an
 ``Admission``: accepted (with the replica id) or an error with an HTTP status (400 bad
-request, 429 queue full). Then ``(RequestOutput, token_text)`` pairs follow, the last
-one ``finished``; ``token_text`` maps the token ids of new logprobs to their text.
-If the caller goes away (cancellation), the request is aborted in the engine.
+request, 429 overloaded, 503 replica dead). Then ``(RequestOutput, token_text)`` pairs
+follow, the last one ``finished``; ``token_text`` maps the token ids of new logprobs to
+their text. If the caller goes away (cancellation), the request is aborted in the engine.
+
+Failures, by whom they can be blamed on:
+
+    one request (its sampling setup, sampler row,    RequestFailed to that caller only;
+    detokenizer, stop strings: RequestOutput.error)  the batch goes on
+    the step (a worker died, the model raised)       every caller of this replica fails at
+                                                     once; the replica is dead: check_health
+                                                     raises (Serve replaces it), new
+                                                     requests get 503, the loop stops
 """
 
 from __future__ import annotations
@@ -27,41 +37,33 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
-from pagedserve.cluster.serve.metrics import stats_snapshot
+from pagedserve.cluster.engine.executor import ExecutorDeadError
 from pagedserve.cluster.engine.outputs import RequestOutput
+from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, retry_after
+from pagedserve.cluster.serve.metrics import stats_snapshot
+from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import EngineConfig
 
 logger = logging.getLogger("pagedserve")
 
-# Seconds a client is told to wait after a 429.
-RETRY_AFTER_S = 1
 # Stats are pushed at most this often while busy, and at least this often when idle.
 _STATS_MIN_INTERVAL_S = 0.1
 _STATS_HEARTBEAT_S = 1.0
+# A step running longer than this is hung (the longest legitimate step, a full
+# max_num_batched_tokens prefill of a big model on CPU, takes seconds).
+STEP_STALL_S = 120.0
+WORKER_PING_TIMEOUT_S = 5.0
 
 
-@dataclass(slots=True)
-class Admission:
-    accepted: bool
-    replica_id: str
-    status: int = 200
-    message: str = ""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    retry_after_s: int | None = None
+class RequestFailed(RuntimeError):
+    """This request failed on its own; the others in its batch did not."""
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The model's chat template, or a plain "role: content" transcript when the
-    tokenizer has none (tiny test models ship without one)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant:" if add_generation_prompt else "")
+class EngineDeadError(RuntimeError):
+    """The replica's engine cannot step any more; Serve replaces the replica."""
 
 
 class AsyncEngine:
@@ -75,19 +77,26 @@ class AsyncEngine:
             from pagedserve.cluster.control.ray_executor import RayExecutor
 
             executor_class = RayExecutor
-        # The replica enforces max_waiting_requests itself (see _admit); the scheduler's
-        # own bound counts a burst that arrived between two steps as waiting.
+        # The replica enforces max_waiting_requests itself (see admission.py); the
+        # scheduler's own bound counts a burst that arrived between two steps as waiting.
         self.engine = LLMEngine(dataclasses.replace(engine_config, max_waiting_requests=None),
                                 executor_class=executor_class)
         self.replica_id = replica_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.max_waiting = engine_config.max_waiting_requests
+        delay = engine_config.max_queue_delay_s
+        self.max_queue_delay_s = delay if delay is not None and delay > 0 else None
         # stats_sink(replica_id, snapshot) -> anything; e.g. a Serve handle's .remote.
         self._stats_sink = stats_sink
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._tok = TokenizerPool(self.engine.tokenizer, self.engine.max_model_len)
         self._queues: dict[str, asyncio.Queue] = {}
         # Accepted requests that have produced nothing yet, with their prompt blocks:
         # the waiting queue as admission control sees it (exact, not one step stale).
         self._pending_blocks: dict[str, int] = {}
+        self._drain = DrainMeter()
+        self._last_step_end = time.monotonic()
+        self._step_started: float | None = None
+        self._dead: str | None = None  # why this replica can no longer serve
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._stats: dict = stats_snapshot(self.engine.get_stats())
@@ -104,48 +113,95 @@ class AsyncEngine:
                     model=e.config.model)
 
     def stats(self) -> dict:
-        return dict(self._stats)
+        return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
 
-    def _tokenize(self, prompt, messages, add_special_tokens, add_generation_prompt) -> list[int]:
-        tok = self.engine.tokenizer
-        if messages is not None:
-            prompt = render_chat(tok, messages, add_generation_prompt)
-            add_special_tokens = False  # the template already holds BOS etc.
-        return tok.encode(prompt or "", add_special_tokens=add_special_tokens)
-
-    def _detokenize(self, tokens: list[int]) -> str:
-        vocab = self.engine.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
-            raise ValueError(f"token ids must be integers in [0, {vocab}).")
-        return self.engine.tokenizer.decode(tokens)
-
-    # The tokenizer is also used by the step (detokenization): all use goes through the
-    # engine thread, so a Rust tokenizer is never entered from two threads at once.
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
-        return await self._call(self._tokenize, prompt, messages, add_special_tokens,
-                                add_generation_prompt)
+        if prompt is not None:
+            self._tok.check_chars(prompt)
+        return await self._tok.run(self._tok.tokenize, prompt, messages, add_special_tokens,
+                                   add_generation_prompt)
 
     async def detokenize(self, tokens: list[int]) -> str:
-        return await self._call(self._detokenize, tokens)
+        return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size)
+
+    # ---------------------------------------------------------------- health
+    async def check_health(self) -> None:
+        """Raises unless the loop is alive, no step is hung and every worker answers."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._loop_task is not None and self._loop_task.done():
+            self._die("the engine loop exited")
+            raise EngineDeadError(self._dead)
+        started = self._step_started
+        if started is not None and time.monotonic() - started > STEP_STALL_S:
+            self._die(f"an engine step has been running for {time.monotonic() - started:.0f} s")
+            raise EngineDeadError(self._dead)
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.engine.executor.check_health,
+                                                     WORKER_PING_TIMEOUT_S), WORKER_PING_TIMEOUT_S + 1)
+        except ExecutorDeadError as e:  # a worker is gone for good: nothing can step
+            self._die(str(e))
+            raise EngineDeadError(self._dead) from None
+        # A slow answer (TimeoutError) only fails this check: Serve decides after a few.
+
+    def _die(self, reason: str) -> None:
+        """Fail every open request of this replica at once and stop stepping."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("engine replica %s is dead: %s; failing %d open requests", self.replica_id,
+                     reason, len(self._queues))
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(f"the engine replica failed: {reason}"))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        # Free every block, so the gauges tell the truth (nothing stays "running"). This
+        # waits behind the step only if the step itself is what hangs.
+        self._thread.submit(self._abort_all)
+
+    def _abort_all(self) -> None:
+        self.engine.abort_all()
+        self._pending_blocks.clear()
+        self._stats = stats_snapshot(self.engine.get_stats())
+        self._last_push = 0.0
+        self._push_stats(force=True)
 
     # ---------------------------------------------------------------- loop
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
+        if self._dead is None and (self._loop_task is None or self._loop_task.done()):
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     def _step_once(self):
         """Runs in the engine thread: one step when there is work, then fresh stats.
         Each output is paired with the text of the token ids in its new logprobs (the
-        tokenizer lives here; the ingress has none)."""
+        engine thread holds the engine's tokenizer)."""
+        engine = self.engine
         outputs = None
-        if self.engine.has_unfinished_requests():
-            outputs = [(out, self._token_text(out)) for out in self.engine.step()]
-        return outputs, stats_snapshot(self.engine.get_stats())
+        if engine.has_unfinished_requests():
+            waiting_before = len(engine.scheduler.waiting)
+            admitted_before = engine.num_admitted
+            outputs = [self._with_token_text(out) for out in engine.step()]
+            now = time.monotonic()
+            if waiting_before:  # the queue was not empty: this step drained at capacity
+                self._drain.observe(now - self._last_step_end, engine.num_admitted - admitted_before)
+            self._last_step_end = now
+        else:
+            self._last_step_end = time.monotonic()
+        return outputs, stats_snapshot(engine.get_stats())
+
+    def _with_token_text(self, out: RequestOutput):
+        if out.error is not None:
+            return out, None
+        try:
+            return out, self._token_text(out)
+        except Exception as e:  # this request's logprob texts: it fails alone
+            failed = self.engine.fail_request(out.request_id, f"{type(e).__name__}: {e}")
+            return (failed or dataclasses.replace(out, finished=True, error=str(e))), None
 
     def _token_text(self, out: RequestOutput) -> dict[int, str] | None:
         ids = {t for c in out.outputs for lp in (c.delta_logprobs or ()) for t in lp.token_ids}
@@ -155,24 +211,26 @@ class AsyncEngine:
         return {t: decode([t]) for t in ids}
 
     async def _run(self) -> None:
-        while True:
+        while self._dead is None:
             # Cleared before the step, not after: a request added while the step runs
             # sets it again, and the idle wait below then returns at once.
             self._wakeup.clear()
+            self._step_started = time.monotonic()
             try:
                 outputs, self._stats = await self._call(self._step_once)
-            except Exception:
-                # A system error must not leave callers hanging: fail every open request.
+            except Exception as e:
+                # Not attributable to one request: no later step can be trusted either.
                 logger.exception("engine step failed on replica %s", self.replica_id)
-                for q in self._queues.values():
-                    q.put_nowait(RuntimeError("engine step failed; see the server log"))
-                await asyncio.sleep(0.1)
-                continue
+                self._die(f"engine step failed: {type(e).__name__}: {e}")
+                return
+            finally:
+                self._step_started = None
             for out, token_text in outputs or ():
                 self._pending_blocks.pop(out.request_id, None)
                 q = self._queues.get(out.request_id)
                 if q is not None:
-                    q.put_nowait((out, token_text))
+                    q.put_nowait(RequestFailed(f"request {out.request_id} failed: {out.error}")
+                                 if out.error is not None else (out, token_text))
             idle = outputs is None
             self._push_stats(force=idle)
             if idle:
@@ -199,50 +257,47 @@ class AsyncEngine:
             logger.debug("stats push failed", exc_info=True)
 
     # ---------------------------------------------------------------- requests
-    def _admit(self, num_prompt_tokens: int) -> Admission | None:
-        """Engine thread, right before add_request. 429 when the waiting queue is full:
-
-        - by count: the requests that would wait behind a full running batch, this one
-          included, exceed ``max_waiting_requests`` (a burst that still fits the batch is
-          not "waiting", even though it sits in the scheduler's queue until next step);
-        - by projected KV demand: the prompts of the not-yet-started requests plus this
-          one need more blocks than this replica's whole pool.
-        """
-        stats = self.engine.get_stats()
-        if self.max_waiting is not None:
-            would_wait = stats.running + stats.waiting + 1 - self.config.max_num_seqs
-            if would_wait > self.max_waiting:
-                return Admission(False, self.replica_id, 429,
-                                 f"The server is overloaded: {stats.waiting} requests are waiting "
-                                 f"(max_waiting_requests={self.max_waiting}). Retry later.",
-                                 retry_after_s=RETRY_AFTER_S)
-        demand = sum(list(self._pending_blocks.values())) + -(-num_prompt_tokens // self.config.block_size)
-        if self._pending_blocks and demand > self.engine.num_gpu_blocks:
-            return Admission(False, self.replica_id, 429,
-                             f"The server is overloaded: waiting requests need {demand} KV blocks, "
-                             f"more than the {self.engine.num_gpu_blocks} this replica holds. "
-                             "Retry later.", retry_after_s=RETRY_AFTER_S)
-        return None
-
     def _admit_and_add(self, request_id, prompt_ids, params, priority, cache_salt) -> Admission | None:
-        rejected = self._admit(len(prompt_ids))
+        """Engine thread, so the counts admission sees are exact (admission.py)."""
+        rejected = admit(
+            self.engine.get_stats(), replica_id=self.replica_id, max_num_seqs=self.config.max_num_seqs,
+            num_blocks=self.engine.num_gpu_blocks, block_size=self.config.block_size,
+            pending_blocks=self._pending_blocks.copy(), num_prompt_tokens=len(prompt_ids),
+            rate=self._drain.rate, max_waiting=self.max_waiting,
+            max_queue_delay_s=self.max_queue_delay_s)
         if rejected is None:
             self.engine.add_request(request_id, prompt_ids, params, None, priority, cache_salt)
             self._pending_blocks[request_id] = -(-len(prompt_ids) // self.config.block_size)
         return rejected
 
-    def _prepare(self, prompt, messages, add_generation_prompt) -> list[int]:
-        """Engine thread: the tokenizer is shared with detokenization in the step."""
-        if messages is not None:
-            prompt = render_chat(self.engine.tokenizer, messages, add_generation_prompt)
-        return self.engine.tokenize(prompt)
+    def _encode(self, prompt, messages, add_generation_prompt, params: SamplingParams) -> list[int]:
+        """Tokenizer pool thread: text -> ids (or ids checked), then the length check."""
+        if messages is not None or isinstance(prompt, str):
+            ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt)
+        else:
+            ids = self.engine.tokenize(prompt)  # validates ids; reads config only
+        self.engine.check_length(len(ids), params.max_tokens)
+        return ids
+
+    async def _prepare(self, prompt, messages, add_generation_prompt, params) -> list[int]:
+        # O(1) checks first, on the event loop: a 20 MB prompt costs nothing more.
+        if isinstance(prompt, str) and messages is None:
+            self._tok.check_chars(prompt)
+        elif isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len:
+            self.engine.check_length(len(prompt), params.max_tokens)
+        return await self._tok.run(self._encode, prompt, messages, add_generation_prompt, params)
 
     async def generate(self, request_id: str, prompt: str | list[int] | None,
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
                        messages: list[dict] | None = None, add_generation_prompt: bool = True):
+        if self._dead is not None:
+            yield Admission(False, self.replica_id, 503,
+                            f"This engine replica is unavailable ({self._dead}); retry shortly.",
+                            retry_after_s=1)
+            return
         self._ensure_loop()
         try:
-            prompt_ids = await self._call(self._prepare, prompt, messages, add_generation_prompt)
+            prompt_ids = await self._prepare(prompt, messages, add_generation_prompt, params)
         except ValueError as e:
             yield Admission(False, self.replica_id, 400, str(e))
             return
@@ -264,7 +319,7 @@ class AsyncEngine:
             except QueueFullError as e:
                 finished = True
                 yield Admission(False, self.replica_id, 429, f"The server is overloaded: {e}",
-                                retry_after_s=RETRY_AFTER_S)
+                                retry_after_s=retry_after(1, self._drain.rate))
                 return
             self._wakeup.set()
             yield Admission(True, self.replica_id, prompt_token_ids=prompt_ids)
@@ -294,5 +349,11 @@ class AsyncEngine:
     def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
-        self._thread.submit(self.engine.shutdown).result(timeout=60)
+        self._tok.shutdown()
+        if self._dead is not None:
+            # The engine thread may be stuck in the step that killed us: do not queue
+            # behind it, and do not wait for workers that cannot answer.
+            self.engine.executor.abandon()
+        else:
+            self._thread.submit(self.engine.shutdown).result(timeout=60)
         self._thread.shutdown(wait=False)

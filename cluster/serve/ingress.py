@@ -30,10 +30,7 @@ from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, M
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
-
-# This module is imported in the ingress replica before Serve starts the replica's own
-# gRPC server: keep that server off the wildcard address (cluster/control/ray_utils.py).
-serve_grpc_on_node_ip()
+HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
 
 app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
 install_error_handlers(app)
@@ -55,6 +52,7 @@ def _remote_error(e: Exception) -> JSONResponse:
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine, stats, config: IngressConfig | None = None) -> None:
+        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
         self.engine = engine
         self.stats = stats
         self.config = config or IngressConfig()
@@ -182,7 +180,13 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
-        await self.info()
+        # Asks the engine replica (loop alive, every TP worker answers), never cached
+        # info: 503 as vLLM answers when its engine is dead, until Serve has replaced it.
+        try:
+            await asyncio.wait_for(self.engine.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            return error(503, f"The engine is unhealthy: {type(cause).__name__}: {cause}"[:500])
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -23,10 +23,6 @@ from pagedserve.worker.config import EngineConfig
 
 logger = logging.getLogger("pagedserve")
 
-# The engine and stats replicas import this module before Serve starts their own gRPC
-# servers: keep those off the wildcard address (cluster/control/ray_utils.py).
-serve_grpc_on_node_ip()
-
 # Serve-side options a config file or the CLI may set next to the engine fields.
 SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     min_replicas=1, max_replicas=1, target_ongoing_requests=16.0,
@@ -40,6 +36,7 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
 @serve.deployment(name="StatsAggregator", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class StatsAggregatorDeployment:
     def __init__(self) -> None:
+        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
         self.agg = StatsAggregator()
 
     def report(self, replica_id: str, snapshot: dict) -> None:
@@ -57,6 +54,7 @@ class EngineDeployment:
     """One engine replica. This Serve replica actor IS the scheduler actor."""
 
     def __init__(self, engine_config: EngineConfig, stats=None) -> None:
+        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
         try:
             replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:
@@ -86,6 +84,15 @@ class EngineDeployment:
     async def detokenize(self, tokens: list[int]) -> str:
         return await self.core.detokenize(tokens)
 
+    async def check_health(self) -> None:
+        """Serve's health check: the loop is alive and every TP worker answers. Raising
+        here a few times in a row makes Serve replace the replica (fresh placement group)."""
+        await self.core.check_health()
+
+    async def health(self) -> None:
+        """The same check, for the ingress's GET /health."""
+        await self.core.check_health()
+
     async def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (downscaling, serve.shutdown).
         if self._stats is not None:
@@ -109,7 +116,10 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     tp = engine_config.tensor_parallel_size
     use_gpu = _use_gpu(engine_config)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
-                                graceful_shutdown_timeout_s=20, health_check_period_s=10)
+                                graceful_shutdown_timeout_s=20,
+                                # Serve replaces a replica after 3 failed checks in a row: a
+                                # dead worker costs ~3 periods before the new replica starts.
+                                health_check_period_s=2, health_check_timeout_s=15)
     if o["min_replicas"] == o["max_replicas"]:
         opts["num_replicas"] = int(o["min_replicas"])
     else:
@@ -131,8 +141,8 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
         # loadtest/bench_dispatch.py for what a worker actor would add).
         opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"]),
                                      "num_gpus": 1 if use_gpu else 0}
-    env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE")
-           if k in os.environ}
+    env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE",
+                                      "PAGEDSERVE_FAULT_INJECTION") if k in os.environ}
     if env:
         opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     return opts

@@ -1,0 +1,81 @@
+"""Admission control in numbers (cluster/serve/admission.py): the measured drain rate,
+the queueing-delay bound, the projected KV bound, and Retry-After derived from the rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.cluster.serve.admission import DrainMeter, admit, retry_after
+from pagedserve.scheduler.stats import SchedulerStats
+
+
+def _stats(running: int, waiting: int, reason: str | None = "max_seqs") -> SchedulerStats:
+    return SchedulerStats(running=running, waiting=waiting,
+                          waiting_by_reason={reason: waiting} if reason and waiting else {})
+
+
+def _admit(stats, rate, pending=None, tokens=16, max_waiting=None, delay=2.0):
+    return admit(stats, replica_id="r", max_num_seqs=8, num_blocks=64, block_size=16,
+                 pending_blocks=pending or {}, num_prompt_tokens=tokens, rate=rate,
+                 max_waiting=max_waiting, max_queue_delay_s=delay)
+
+
+def test_drain_meter_needs_evidence_then_measures_admissions_per_busy_second():
+    m = DrainMeter(half_life_s=10.0)
+    assert m.rate is None
+    m.observe(0.5, 1)
+    assert m.rate is None  # one admission is not a rate
+    for _ in range(20):
+        m.observe(0.25, 1)  # 4 per second
+    assert m.rate == pytest.approx(4.0, rel=0.1)
+    for _ in range(200):  # the workload changes: 1 per second; the old rate decays away
+        m.observe(0.5, 0)
+        m.observe(0.5, 1)
+    assert m.rate == pytest.approx(1.0, rel=0.05)
+
+
+def test_room_in_the_batch_is_always_admitted():
+    assert _admit(_stats(running=7, waiting=0), rate=0.01) is None  # would_wait = 0
+
+
+def test_no_measurement_no_delay_bound():
+    assert _admit(_stats(running=8, waiting=50), rate=None) is None
+
+
+def test_queueing_delay_bound_and_retry_after_from_the_rate():
+    # 8 running (full), 7 waiting: this one would be the 8th to wait; at 4/s that is 2 s.
+    assert _admit(_stats(running=8, waiting=7), rate=4.0) is None
+    adm = _admit(_stats(running=8, waiting=19), rate=4.0)  # 20 / 4 = 5 s > 2 s
+    assert adm.status == 429 and "would wait about 5.0 s" in adm.message
+    # The excess over what 2 s drains (20 - 8 = 12) at 4/s: 3 s.
+    assert adm.retry_after_s == 3
+    slow = _admit(_stats(running=8, waiting=19), rate=0.5)
+    assert slow.retry_after_s == 38  # (20 - 1) / 0.5: a slower drain, a longer wait
+
+
+def test_a_queue_held_back_by_kv_blocks_counts_as_waiting():
+    # Only 3 run (the pool is full), 5 wait for blocks: this one is the 6th to wait.
+    adm = _admit(_stats(running=3, waiting=5, reason="no_blocks"), rate=2.0)
+    assert adm is not None and adm.status == 429  # 6 / 2 = 3 s > 2 s
+
+
+def test_projected_kv_demand_bound_with_retry_after():
+    pending = {"a": 30, "b": 20, "c": 10}  # 60 of 64 blocks already promised
+    assert _admit(_stats(8, 3), rate=None, pending=pending, tokens=64) is None  # 4 more: 64
+    adm = _admit(_stats(8, 3), rate=2.0, pending=pending, tokens=65, delay=None)  # 5 more
+    assert adm.status == 429 and "KV blocks" in adm.message
+    assert adm.retry_after_s == 1  # the oldest pending prompt (30 blocks) must start: 1 / 2 s
+    adm = _admit(_stats(8, 3), rate=0.25, pending=pending, tokens=65 + 16 * 30, delay=None)
+    assert adm.retry_after_s == 8  # two must start first: 2 / 0.25 s
+
+
+def test_count_bound():
+    adm = _admit(_stats(running=8, waiting=2), rate=None, max_waiting=2)
+    assert adm.status == 429 and "max_waiting_requests=2" in adm.message
+    assert adm.retry_after_s == 1  # no measurement yet
+
+
+def test_retry_after_bounds():
+    assert retry_after(5, None) == 1
+    assert retry_after(0.1, 100.0) == 1
+    assert retry_after(10_000, 0.001) == 60
