@@ -61,10 +61,11 @@ def serve_grpc_on_node_ip() -> None:
     ``node_ip:port`` (the controller publishes the replica's node IP), which is
     127.0.0.1 there, so nothing that could reach it before is cut off.
 
-    Must run in the replica process before Serve finishes initializing it: the modules
-    that define deployments call it at import, which happens when the replica unpickles
-    its class. Idempotent; if a Ray upgrade moves the hook, it logs and changes nothing
-    (tests/test_serve_security.py then sees the wildcard listener again)."""
+    Must run in the replica process before Serve starts that server, i.e. in the
+    deployment's constructor (Serve pickles deployment classes by value, so an
+    import-time call in their module does not reliably run there). Idempotent; if a Ray
+    upgrade moves the hook, it logs and changes nothing (tests/test_serve_security.py
+    then sees the wildcard listener again)."""
     try:
         from ray.serve._private import replica
     except ImportError:  # pragma: no cover - ray without serve
