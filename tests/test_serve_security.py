@@ -89,6 +89,22 @@ def test_api_key_from_environment(monkeypatch):
     assert not guard.authorized(None) and not guard.authorized("Bearer") and not guard.authorized("k")
 
 
+def test_serve_config_args_carry_the_http_options():
+    """``api_key`` / ``max_request_body_bytes`` are Serve-config args next to the engine
+    fields (deploy/serve_config.yaml), and reach the ingress, not the engine."""
+    from pagedserve.cluster.serve.edge import IngressConfig
+    from pagedserve.cluster.serve.serve_app import build_app, split_args
+
+    cfg, opts = split_args({"max-num-seqs": 4, "api_key": "k", "max_request_body_bytes": 1 << 20})
+    assert opts == {"api_key": "k", "max_request_body_bytes": 1 << 20}
+    ingress = build_app(cfg, **opts)._bound_deployment
+    assert ingress.init_args[2] == IngressConfig(api_key="k", max_request_body_bytes=1 << 20)
+    engine_config = ingress.init_args[0]._bound_deployment.init_args[0]
+    assert engine_config.max_num_seqs == 4 and not hasattr(engine_config, "api_key")
+    with pytest.raises(ValueError):
+        IngressConfig.from_options(max_request_body_bytes=0)
+
+
 def _is_loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip)
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
