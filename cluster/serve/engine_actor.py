@@ -158,13 +158,20 @@ class AsyncEngine:
             self._wakeup.set()
         # Free every block, so the gauges tell the truth (nothing stays "running"). This
         # waits behind the step only if the step itself is what hangs.
-        self._thread.submit(self._abort_all)
+        done = asyncio.wrap_future(self._thread.submit(self._abort_all))
+        asyncio.get_running_loop().create_task(self._push_when_done(done))
 
     def _abort_all(self) -> None:
         self.engine.abort_all()
         self._pending_blocks.clear()
         self._stats = stats_snapshot(self.engine.get_stats())
-        self._last_push = 0.0
+
+    async def _push_when_done(self, done) -> None:
+        try:
+            await asyncio.wait_for(done, 30)
+        except Exception:
+            return
+        self._last_push = 0.0  # the loop has stopped: this is the last snapshot it sends
         self._push_stats(force=True)
 
     # ---------------------------------------------------------------- loop
