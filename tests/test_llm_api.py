@@ -1,5 +1,6 @@
 """The offline API as a user sees it: seeds, stop strings, n > 1, logprobs, errors,
-aborts, and the CLI on the built-in demo model."""
+aborts, and the CLI on the built-in demo model (``--model pagedserve-demo``; the default,
+SmolLM2, is tests/test_gguf_model.py's)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_cli_generate_on_the_demo_model(tmp_path):
     # The installed console script, as a user types it.
     proc = subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "pagedserve"), "generate", "--prompt", "hello", "--max-tokens", "8",
-         "--ignore-eos", "--kv-cache-memory", "64MiB"],
+         "--ignore-eos", "--kv-cache-memory", "64MiB", "--model", "pagedserve-demo"],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip()  # the completion text

