@@ -15,7 +15,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF directory; None: the built-in demo model
+    model: str | None = None  # HF dir, .gguf, or a built-in name; None: SmolLM2-135M-Instruct (model_source.py)
     tokenizer: str | None = None  # defaults to ``model``
     served_model_name: str | None = None
     dtype: str = "auto"
