@@ -44,6 +44,8 @@ class RequestResult:
     end_time: float = 0.0
     text: str = ""
     retries: int = 0  # 429s retried before this result
+    retry_after: float | None = None  # the Retry-After header of a non-200 answer, if any
+    replica: str = ""  # the engine replica that answered (x-pagedserve-replica header)
 
     @property
     def tpot(self) -> float:
@@ -94,11 +96,12 @@ async def _send_once(client, base_url, spec, model, extra_body, timeout, live, s
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=timeout) as resp:
             res.status_code = resp.status_code
+            res.replica = resp.headers.get("x-pagedserve-replica", "")
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 res.error = f"HTTP {resp.status_code}: {body[:300]}"
                 try:
-                    retry_after = float(resp.headers.get("retry-after", ""))
+                    retry_after = res.retry_after = float(resp.headers.get("retry-after", ""))
                 except ValueError:
                     pass
                 return _finish(res), retry_after

@@ -22,6 +22,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+from pagedserve.loadtest import robustness
 from pagedserve.loadtest import scenarios as S
 from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_server
 from pagedserve.loadtest.report import format_table, latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
@@ -31,7 +32,11 @@ from pagedserve.loadtest.vs_vllm import vs_vllm
 
 SCENARIOS = {"continuous-batching": S.continuous_batching, "paged-kv": S.paged_kv,
              "chunked-prefill": S.chunked_prefill, "prefix-caching": S.prefix_caching,
-             "mixed-saturation": S.mixed_saturation, "rate-sweep": S.rate_sweep, "vs-vllm": vs_vllm}
+             "mixed-saturation": S.mixed_saturation, "rate-sweep": S.rate_sweep, "vs-vllm": vs_vllm,
+             "overload": robustness.overload, "cancel-soak": robustness.cancel_soak}
+# The robustness scenarios (loadtest/robustness.py) run on request only: they measure
+# the server against itself, not against a baseline, and take minutes each.
+DEFAULT_SCENARIOS = [k for k in SCENARIOS if k not in ("overload", "cancel-soak")]
 SERVER_ORDER = ("default", "static", "no-chunk", "no-prefix", "paged-kv", "contig-kv", "vllm", "none")
 KV_CACHE_GIB = 1  # CPU KV cache of every server, pagedserve and vLLM alike
 MODEL_CACHE = Path(os.environ.get("LOADTEST_MODEL_CACHE", "/tmp/loadtest-models"))
@@ -128,7 +133,7 @@ class Ctx:
 
 def add_compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny workloads: a < 5 min smoke run")
-    p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=list(SCENARIOS))
+    p.add_argument("--scenarios", nargs="+", choices=list(SCENARIOS), default=DEFAULT_SCENARIOS)
     p.add_argument("--model-dir", default=None, help="HF model dir to serve (default: a random Llama, built once)")
     p.add_argument("--offline-model-dir", default=None, help="model for the offline pagedserve/vLLM row")
     p.add_argument("--max-model-len", type=int, default=None)

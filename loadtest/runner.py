@@ -59,7 +59,8 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
                         goodput: dict[str, float] | None = None, label: str = "",
                         sample_interval: float = 0.5, progress: bool = True,
                         drain_timeout: float = 30.0, extra_body: dict | None = None,
-                        arrivals: list[float] | None = None, max_retries: int = 0) -> BenchmarkResult:
+                        arrivals: list[float] | None = None, max_retries: int = 0,
+                        request_timeout: float = 600.0) -> BenchmarkResult:
     """``arrivals`` (seconds from start, one per spec) replaces the Gamma process."""
     base_url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=max(len(specs), 1) + 8, max_keepalive_connections=64)
@@ -86,7 +87,7 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
                 inflight[i] = spec
                 try:
                     results[i] = await send_completion(client, base_url, spec, model, extra_body, live=live,
-                                                       max_retries=max_retries)
+                                                       max_retries=max_retries, timeout=request_timeout)
                 finally:
                     inflight.pop(i, None)
                     if sem:
