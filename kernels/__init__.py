@@ -2,9 +2,12 @@
 
 The model calls exactly two functions per layer and step, in this order:
 
-    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, backend)
-    out = paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend)
+    write_kv_cache(key, value, k_cache, v_cache, slot_mapping, backend[, k_scale, v_scale])
+    out = paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend[, k_scale=, v_scale=])
 
+A quantised cache (``--kv-cache-dtype fp8 | fp8_e5m2 | int8``, see kv_quant.py) is told by
+the caches' dtype and carries per-(token, head) bf16 scales: writes quantise, every
+attention path dequantises as it reads.
 ``backend`` comes from ``resolve_attention_backend("auto", device)`` once, at start-up.
 Triton is imported lazily, so this package imports on a machine without triton or CUDA.
 """
@@ -15,10 +18,13 @@ import torch
 
 from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from pagedserve.kernels.attention_torch import paged_attention_torch
+from pagedserve.kernels.kv_quant import QUANT_DTYPES, kv_cache_torch_dtype
 from pagedserve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
+    "QUANT_DTYPES",
+    "kv_cache_torch_dtype",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_torch",
@@ -55,13 +61,15 @@ def write_kv_cache(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0: skip
     backend: str = "torch",
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if backend == "triton":
         from pagedserve.kernels.triton_cache_write import write_kv_cache_triton
 
-        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     elif backend in ("torch", "ref"):
-        write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+        write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}.")
 
@@ -74,15 +82,19 @@ def paged_attention(
     scale: float,
     backend: str = "torch",
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this step's rows over their cached context (written beforehand)."""
     md = attn_metadata
+    sc = dict(k_scale=k_scale, v_scale=v_scale)
     if backend == "triton":
         from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, md, scale, out=out)
+        return paged_attention_triton(q, k_cache, v_cache, md, scale, out=out, **sc)
     if backend == "torch":
-        return paged_attention_torch(q, k_cache, v_cache, md, scale, out=out)
+        return paged_attention_torch(q, k_cache, v_cache, md, scale, out=out, **sc)
     if backend == "ref":
-        return paged_attention_ref(q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, scale, out=out)
+        return paged_attention_ref(q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, scale,
+                                   out=out, **sc)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}.")

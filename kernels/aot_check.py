@@ -3,6 +3,8 @@ LLVM and ptxas all run, so type errors that the interpreter never sees (a loop-c
 variable changing type, a bad dot shape, too much shared memory) fail on a CPU box.
 
     python -m pagedserve.kernels.aot_check [--arch 90]     # prints one line per variant, exit 1 on failure
+    python -m pagedserve.kernels.aot_check --kv-quant     # the quantised-cache variants: fp8 e4m3 / e5m2 /
+                                                          # int8 at sm_90, and e5m2 / int8 at sm_80
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ def _compile(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int 
     return {"shared_bytes": k.metadata.shared}
 
 
-def _attention_types(dt: str) -> dict[str, str]:
+def _attention_types(dt: str, kv_dt: str | None = None) -> dict[str, str]:
     types = {}
     for n in triton_paged_attention._paged_attention_kernel.arg_names:
-        if n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr"):
+        if n in ("out_ptr", "q_ptr"):
             types[n] = "*" + dt
+        elif n in ("k_cache_ptr", "v_cache_ptr"):
+            types[n] = "*" + (kv_dt or dt)
+        elif n in ("k_scale_ptr", "v_scale_ptr"):
+            types[n] = "*bf16" if kv_dt else "*" + dt
         elif n in ("block_table_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"):
             types[n] = "*i32"
         elif n in ("part_out_ptr", "part_lse_ptr"):
@@ -49,7 +55,8 @@ def variants(quick: bool = False):
     for dt in dtypes:
         for group, gpad, hd, bm, split in (shapes[:3] if quick else shapes):
             consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd, BLOCK_SIZE=16,
-                          TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split, FP32_DOT=dt == "fp32")
+                          TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split, FP32_DOT=dt == "fp32",
+                          KV_QUANT=False, NUM_KV_HEADS=8)
             yield (f"attention {dt} group {group} d{hd} BLOCK_M {bm} split {split}",
                    triton_paged_attention._paged_attention_kernel, _attention_types(dt), consts)
     yield ("split-KV reduce", triton_split_kv_reduce._split_kv_reduce_kernel,
@@ -59,18 +66,47 @@ def variants(quick: bool = False):
     yield ("cache write", triton_cache_write._write_kv_cache_kernel,
            {n: ("*i64" if n == "slot_mapping_ptr" else "*bf16" if n.endswith("_ptr") else "i32")
             for n in triton_cache_write._write_kv_cache_kernel.arg_names},
-           dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16))
+           dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, QUANT=0, QMAX=0.0,
+                MIN_SCALE=2.0 ** -126))
+
+
+# kv format -> (triton pointer type, cache-write QUANT code, QMAX, lowest arch that must compile)
+_KV_FORMATS = {"fp8e4nv": ("fp8e4nv", 1, 448.0, 89), "fp8e5": ("fp8e5", 2, 57344.0, 80), "i8": ("i8", 3, 127.0, 80)}
+
+
+def kv_quant_variants():
+    """(name, fn, types, constexprs, arch): every quantised format with bf16 and fp16 queries,
+    decode and prefill tiles, split-KV; sm_90, and sm_80 for the formats that must work there."""
+    for kv_dt, (ptr, code, qmax, low_arch) in _KV_FORMATS.items():
+        for arch in sorted({90, low_arch} - {89}):
+            for dt in ("bf16", "fp16"):
+                for group, gpad, hd, bm, split in ((4, 4, 128, 16, False), (4, 4, 128, 64, False),
+                                                   (1, 1, 64, 16, True)):
+                    consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd,
+                                  BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split,
+                                  FP32_DOT=False, KV_QUANT=True, NUM_KV_HEADS=8)
+                    yield (f"sm_{arch} attention q {dt} kv {kv_dt} group {group} BLOCK_M {bm} split {split}",
+                           triton_paged_attention._paged_attention_kernel, _attention_types(dt, ptr), consts, arch)
+            types = {n: ("*i64" if n == "slot_mapping_ptr" else "*bf16" if "scale" in n else
+                         f"*{ptr}" if "cache" in n else "*bf16" if n.endswith("_ptr") else "i32")
+                     for n in triton_cache_write._write_kv_cache_kernel.arg_names}
+            yield (f"sm_{arch} cache write bf16 -> {kv_dt}", triton_cache_write._write_kv_cache_kernel, types,
+                   dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, QUANT=code,
+                        QMAX=qmax, MIN_SCALE=2.0 ** -126), arch)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--kv-quant", action="store_true", help="the quantised-cache variants only")
     args = ap.parse_args()
     failed = 0
-    for name, fn, types, consts in variants(args.quick):
+    todo = (kv_quant_variants() if args.kv_quant
+            else ((*v, args.arch) for v in variants(args.quick)))
+    for name, fn, types, consts, arch in todo:
         try:
-            meta = _compile(fn, types, consts, args.arch)
+            meta = _compile(fn, types, consts, arch)
             print(f"OK   {name}: shared {meta['shared_bytes']} B", flush=True)
         except Exception as e:  # report every variant, then fail
             failed += 1

@@ -10,11 +10,16 @@ Layout of one step's batch (``cu_seqlens_q`` = [0, 3, 4, 9]):
 
 Row j of sequence i sits at absolute position ``seq_lens[i] - q_len_i + j`` and attends
 to cached positions ``[0, that position]`` (causal inside the chunk, everything before it).
+
+A quantised cache (kv_quant.py) comes with ``k_scale`` / ``v_scale``: writes quantise each
+(token, head) row, reads dequantise to fp32 before the math.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels.kv_quant import check_scales, dequantize_rows, quantize_rows
 
 
 def write_kv_cache_ref(
@@ -23,14 +28,29 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset; < 0: skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
+    quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-    flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    for x, cache, scales in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if quantized:
+            x, s = quantize_rows(x, cache.dtype)
+            scales.view(-1, scales.shape[2]).index_copy_(0, slot_mapping, s)
+            # index_copy_ has no fp8 kernel on CPU: copy the bytes.
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def gather_kv_ref(cache: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor,
+                  seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one sequence's blocks as fp32 [seq_len, num_kv_heads, head_dim]."""
+    x = cache[blocks].reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    if scales is None:
+        return x.float()
+    return dequantize_rows(x, scales[blocks].reshape(-1, scales.shape[2])[:seq_len])
 
 
 def paged_attention_ref(
@@ -42,9 +62,12 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slow and obviously correct: one sequence at a time, fp32 math."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    check_scales(k_cache, v_cache, k_scale, v_scale)
+    num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
@@ -58,8 +81,8 @@ def paged_attention_ref(
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[i, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = gather_kv_ref(k_cache, k_scale, blocks, seq_len)
+        v = gather_kv_ref(v_cache, v_scale, blocks, seq_len)
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         qi = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]

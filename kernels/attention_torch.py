@@ -22,6 +22,10 @@ built for a 2-core CPU where memory traffic, not flops, sets the time:
 
 Decode math runs in fp32 (bf16/fp16 K/V are gathered, then converted in one copy); prefill runs
 SDPA in fp32 or bf16 (CPU SDPA accumulates bf16 in fp32) and upcasts fp16.
+A quantised cache (kv_quant.py): decode gathers the 1-byte values and their scales with the
+same row index (a scale sits at [slot, head], a value row at [slot, head, :]), converts the
+values in the same one copy, and applies the scales to the scores and the probabilities;
+prefill dequantises the sequence's K/V into the SDPA dtype.
 Not thread-safe: the workspace is shared per process, like the model runner that calls it.
 """
 
@@ -35,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_decode_attention import decode_attention_cpu
+from pagedserve.kernels.kv_quant import check_scales, dequantize_rows
 from pagedserve.kernels.metadata import AttentionMetadata
 
 # Decode groups are padded to their longest member; a sequence joins the current group
@@ -165,6 +170,14 @@ def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int, first_seq: 
     return _PLAN
 
 
+def _gather_scales(scales: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """scales (as [-1]) at the same rows as the values -> fp32 [b, num_kv_heads, 1, padded]."""
+    b, kvh, padded, _ = shape
+    low = torch.index_select(scales.view(-1), 0, rows, out=_workspace(name + "_s16", (rows.numel(),), scales.dtype,
+                                                                       scales.device))
+    return _workspace(name + "_s", (b, kvh, 1, padded), torch.float32, scales.device).copy_(low.view(b, kvh, 1, padded))
+
+
 def _decode_group(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -172,6 +185,8 @@ def _decode_group(
     g: _DecodeGroup,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     num_heads = q.shape[1]
@@ -183,9 +198,13 @@ def _decode_group(
     qg = q.index_select(0, g.rows).view(b, num_kv_heads, group, head_dim).float() * scale
     scores = _workspace("scores", (b, num_kv_heads, group, g.padded), torch.float32, q.device)
     torch.matmul(qg, kp.transpose(-1, -2), out=scores)
+    if k_scale is not None:
+        scores.mul_(_gather_scales(k_scale, g.kv_rows, shape, "k"))
     if g.is_pad is not None:
         scores.masked_fill_(g.is_pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    if v_scale is not None:
+        probs.mul_(_gather_scales(v_scale, g.kv_rows, shape, "v"))
     o = torch.matmul(probs, vp)  # [b, num_kv_heads, group, head_dim]
     out.index_copy_(0, g.rows, o.view(b, num_heads, head_dim).to(out.dtype))
 
@@ -197,6 +216,8 @@ def _prefill_seq(
     blocks_row: torch.Tensor,  # [max_num_blocks_per_seq]
     seq_len: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     q_len = q.shape[0]
@@ -205,6 +226,9 @@ def _prefill_seq(
     k = k_cache.index_select(0, blocks).view(nb * block_size, num_kv_heads, head_dim)[:seq_len]
     v = v_cache.index_select(0, blocks).view(nb * block_size, num_kv_heads, head_dim)[:seq_len]
     dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    if k_scale is not None:
+        k = dequantize_rows(k, k_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len], dtype)
+        v = dequantize_rows(v, v_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len], dtype)
     # 4-D [1, heads, len, head_dim]: CPU SDPA takes its flash kernel only for 4-D inputs;
     # 3-D ones fall back to the math path, 2.5-3x slower at 200-512 tokens (measured).
     qi = q.transpose(0, 1).to(dtype)[None]  # [1, num_heads, q_len, head_dim]
@@ -227,22 +251,26 @@ def paged_attention_torch(
     attn_metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     md = attn_metadata
+    check_scales(k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     # Leading decode rows (one per sequence, as the runner lays them out) go through the
     # fused C++ loop when it is available: it reads each K/V row once instead of three times.
     nd = md.num_decode_tokens
     if nd and md.max_seqlen_q >= 1 and decode_attention_cpu(
-            q[:nd], k_cache, v_cache, md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd]):
+            q[:nd], k_cache, v_cache, md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd], k_scale, v_scale):
         if nd == q.shape[0]:
             return out
     else:
         nd = 0
     plan = _plan(md, k_cache.shape[1], k_cache.shape[2], first_seq=nd)
     for g in plan.decode:
-        _decode_group(q, k_cache, v_cache, g, scale, out)
+        _decode_group(q, k_cache, v_cache, g, scale, out, k_scale, v_scale)
     for i, r0, ql, seq_len in plan.prefill:
-        out[r0:r0 + ql] = _prefill_seq(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i], seq_len, scale)
+        out[r0:r0 + ql] = _prefill_seq(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i], seq_len, scale,
+                                       k_scale, v_scale)
     return out

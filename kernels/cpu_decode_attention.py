@@ -12,8 +12,10 @@ sharing each loaded row (GQA):
             online softmax: m, l, acc[g] += p[g, t] * v[t]
         out[g] = acc[g] / l[g]
 
-fp32 only (the CPU engine's dtype for exactness against transformers); anything else, or a
-machine where the extension cannot be built, falls back to the torch path. Built once per
+q in fp32 only (the CPU engine's dtype for exactness against transformers); the cache in fp32
+or quantised (kv_quant.py: 1-byte fp8 e4m3 / e5m2 / int8 codes, dequantised block by block
+into L1 with their scales folded in, so a quantised context reads a quarter of the bytes).
+Anything else, or a machine where the extension cannot be built, falls back to the torch path. Built once per
 machine into torch's extension cache (~1 min with g++), then loaded in well under a second.
 """
 
@@ -31,20 +33,56 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
-// q [S, H, D] fp32 (one decode row per sequence), caches [NB, BS, KVH, D] fp32,
-// block_table [S, MAXB] int32, seq_lens [S] int32, out [S, H, D] fp32.
-void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                      torch::Tensor out) {
+// Cache formats: 0 fp32; quantised (1 byte + one bf16 scale per (token, kv head)):
+// 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8. A quantised block is dequantised once per (block,
+// kv head) into a [BS, D] fp32 buffer with its scales folded in, so every query head of
+// the group reads it from L1, and the loops below stay the fp32 ones.
+template <int FMT>
+static inline float dequant(uint8_t byte) {
+  if constexpr (FMT == 3) {
+    return static_cast<float>(static_cast<int8_t>(byte));
+  } else {
+    // Build the fp32 bits directly (no fp32 denormals: subnormal codes take the other
+    // branch), so a flush-to-zero mode on the thread cannot change the result.
+    constexpr uint32_t MB = FMT == 1 ? 3 : 2, EB = FMT == 1 ? 4 : 5;
+    constexpr uint32_t BIAS = FMT == 1 ? 7 : 15;
+    const uint32_t b = byte, e = (b >> MB) & ((1u << EB) - 1), m = b & ((1u << MB) - 1);
+    const uint32_t bits = ((b & 0x80u) << 24) | ((e + 127 - BIAS) << 23) | (m << (23 - MB));
+    float normal;
+    std::memcpy(&normal, &bits, 4);
+    const float sub = static_cast<float>(m) * std::ldexp(1.f, 1 - static_cast<int>(BIAS + MB));
+    return e ? normal : ((b & 0x80u) ? -sub : sub);
+  }
+}
+
+template <int FMT>
+static inline void dequant_block(const uint8_t* src, const at::BFloat16* scales, int64_t n, int64_t row_stride,
+                                 int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* row = src + t * row_stride;
+    const float s = static_cast<float>(scales[t * row_stride / D]);
+    float* d_row = dst + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) d_row[d] = dequant<FMT>(row[d]) * s;
+  }
+}
+
+// q [S, H, D] fp32 (one decode row per sequence), caches [NB, BS, KVH, D] (fp32, or
+// 1-byte codes with scales [NB, BS, KVH] bf16), block_table [S, MAXB] int32,
+// seq_lens [S] int32, out [S, H, D] fp32.
+template <int FMT>
+static void decode_attention_impl(torch::Tensor q, const void* k_data, const void* v_data,
+                                  const at::BFloat16* k_scales, const at::BFloat16* v_scales, int64_t BS, int64_t KVH,
+                                  torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                                  torch::Tensor out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH, MAXB = block_table.size(1);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -52,6 +90,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D), m(G), l(G), s(G * BS), qs(G * D);
+    std::vector<float> kbuf(FMT ? BS * D : 0), vbuf(FMT ? BS * D : 0);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t seq = idx / KVH, kh = idx % KVH;
       const int64_t len = lens[seq];
@@ -66,14 +105,29 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
       for (int64_t b = 0; b < nblocks && b < MAXB; ++b) {
         const int64_t blk = bt[seq * MAXB + b];
         const int64_t n = std::min<int64_t>(BS, len - b * BS);
-        const float* kb = kp + (blk * BS * KVH + kh) * D;  // token t at kb + t * KVH * D
-        const float* vb = vp + (blk * BS * KVH + kh) * D;
+        const int64_t first = (blk * BS * KVH + kh) * D;  // token t of this head at first + t * KVH * D
+        const float* kb;
+        const float* vb;
+        int64_t row;  // floats between consecutive tokens of kb / vb
+        if constexpr (FMT == 0) {
+          kb = static_cast<const float*>(k_data) + first;
+          vb = static_cast<const float*>(v_data) + first;
+          row = KVH * D;
+        } else {
+          dequant_block<FMT>(static_cast<const uint8_t*>(k_data) + first, k_scales + first / D, n, KVH * D, D,
+                             kbuf.data());
+          dequant_block<FMT>(static_cast<const uint8_t*>(v_data) + first, v_scales + first / D, n, KVH * D, D,
+                             vbuf.data());
+          kb = kbuf.data();
+          vb = vbuf.data();
+          row = D;
+        }
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qs.data() + g * D;
           float* sg = s.data() + g * BS;
           float mb = m[g];
           for (int64_t t = 0; t < n; ++t) {
-            const float* kt = kb + t * KVH * D;
+            const float* kt = kb + t * row;
             float dot = 0.f;
 #pragma omp simd reduction(+:dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
@@ -87,7 +141,7 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
           for (int64_t t = 0; t < n; ++t) {
             const float p = std::exp(sg[t] - mb);
             sum += p;
-            const float* vt = vb + t * KVH * D;
+            const float* vt = vb + t * row;
             for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
           }
           m[g] = mb;
@@ -102,7 +156,32 @@ void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_ca
     }
   });
 }
+
+void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                      torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                      torch::Tensor out) {
+  decode_attention_impl<0>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr,
+                           k_cache.size(1), k_cache.size(2), block_table, seq_lens, scale, out);
+}
+
+// k_cache / v_cache: the 1-byte codes viewed as uint8; fmt: 1 e4m3, 2 e5m2, 3 int8.
+void decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
+                            torch::Tensor seq_lens, double scale, torch::Tensor out, int64_t fmt) {
+  const void* k = k_cache.data_ptr<uint8_t>();
+  const void* v = v_cache.data_ptr<uint8_t>();
+  const at::BFloat16* ks = k_scale.data_ptr<at::BFloat16>();
+  const at::BFloat16* vs = v_scale.data_ptr<at::BFloat16>();
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, BS, KVH, block_table, seq_lens, scale, out);
+  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, BS, KVH, block_table, seq_lens, scale, out);
+  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, BS, KVH, block_table, seq_lens, scale, out);
+  else TORCH_CHECK(false, "unknown quantised KV format ", fmt);
+}
 """
+
+# cache dtype -> the extension's format code
+_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
 _LOCK = threading.Lock()
 _MODULE = None
@@ -122,9 +201,9 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 _MODULE = load_inline(
-                    name="pagedserve_cpu_decode_attention_v2",
+                    name="pagedserve_cpu_decode_attention_v3",
                     cpp_sources=_SOURCE + "\n",
-                    functions=["decode_attention"],
+                    functions=["decode_attention", "decode_attention_quant"],
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
                     verbose=False)
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
@@ -139,21 +218,31 @@ def available() -> bool:
 
 def decode_attention_cpu(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32, one decode row per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or quantised
     v_cache: torch.Tensor,
     block_table: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Fills ``out`` and returns True, or returns False when it cannot (caller falls back)."""
-    if (q.dtype != torch.float32 or k_cache.dtype != torch.float32 or q.device.type != "cpu"
+    fmt = _FORMATS.get(k_cache.dtype)
+    if (fmt is None or q.dtype != torch.float32 or q.device.type != "cpu" or v_cache.dtype != k_cache.dtype
             or q.stride(-1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or out.stride(-1) != 1 or q.shape[1] % k_cache.shape[2] != 0):
+        return False
+    if fmt and (k_scale is None or v_scale is None or not k_scale.is_contiguous() or not v_scale.is_contiguous()):
         return False
     mod = _load()
     if mod is None:
         return False
-    mod.decode_attention(q, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
-                         seq_lens.to(torch.int32).contiguous(), float(scale), out)
+    bt = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    if fmt == 0:
+        mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out)
+    else:
+        mod.decode_attention_quant(q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, bt,
+                                   lens, float(scale), out, fmt)
     return True

@@ -12,6 +12,8 @@ The one prepared GPU script, with the engine's end-to-end section on top of thes
    and batch 8 x 16k (32 q heads, 8 KV heads, head_dim 128, bf16, block 16), against a
    measured device-to-device copy ((read + write bytes) / time); goal >= 75%. A small
    sweep of tile size / warps / splits reports the best config next to the default;
+3. the quantised KV cache (gpu_check_kv_quant.py): fp8 e4m3 / e5m2 and int8 attention and
+   cache-write correctness, and decode GB/s of the quantised bytes against copy and bf16;
 
 The table is printed last. ``--cpu-smoke`` runs every section with tiny shapes on the
 CPU (Triton interpreter, fp16 only) to check the script itself.
@@ -187,8 +189,12 @@ def main(extra_sections=(), add_args=None, description: str | None = None) -> in
     RESULTS["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     failed = False
+    from pagedserve.kernels import gpu_check_kv_quant as kvq
+
     sections = [("correctness", lambda: check_attention(dev, args.cpu_smoke)),
-                ("bandwidth", lambda: check_bandwidth(dev, args.cpu_smoke))]
+                ("bandwidth", lambda: check_bandwidth(dev, args.cpu_smoke)),
+                ("kv quant correctness", lambda: kvq.check_correctness(dev, args.cpu_smoke, row, RESULTS)),
+                ("kv quant bandwidth", lambda: kvq.check_bandwidth(dev, args.cpu_smoke, row, RESULTS, bench))]
     sections += [(name, (lambda f=fn: f(dev, args))) for name, fn in extra_sections]
     for name, fn in sections:
         RESULTS.setdefault(name, {})

@@ -6,7 +6,9 @@ AttentionMetadata. Block ids are a random permutation, so no sequence owns conti
 blocks; with ``high_block_ids`` they come from the end of the pool, where an int32
 ``block_id * stride_blk`` overflows once the pool passes 2^31 elements. Unused cache
 memory is NaN (``poison``): reading a block or slot the batch does not own poisons the
-output instead of passing silently.
+output instead of passing silently. With ``kv_dtype`` (a quantised format, kv_quant.py) the
+caches are quantised after filling and come with their scales; unused slots then have NaN
+scales, which poison the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.kv_quant import quantize_rows
 from pagedserve.kernels.metadata import AttentionMetadata
 
 
@@ -25,6 +28,8 @@ class PagedBatch:
     v_cache: torch.Tensor
     attn_metadata: AttentionMetadata
     scale: float
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp16 (quantised cache)
+    v_scale: torch.Tensor | None = None
 
 
 def make_paged_batch(
@@ -40,6 +45,7 @@ def make_paged_batch(
     high_block_ids: bool = False,
     seed: int = 0,
     poison: bool = True,  # False: torch.empty pool, so a multi-GB pool costs only the pages written
+    kv_dtype: torch.dtype | None = None,  # a quantised cache format (float8_e4m3fn, float8_e5m2, int8)
 ) -> PagedBatch:
     assert len(query_lens) == len(seq_lens)
     assert all(0 <= ql <= sl for ql, sl in zip(query_lens, seq_lens))
@@ -104,4 +110,7 @@ def make_paged_batch(
         seq_lens_cpu=list(seq_lens),
         query_lens_cpu=list(query_lens),
     )
-    return PagedBatch(q, k_cache, v_cache, md, head_dim ** -0.5)
+    if kv_dtype is None:
+        return PagedBatch(q, k_cache, v_cache, md, head_dim ** -0.5)
+    (k_cache, k_scale), (v_cache, v_scale) = quantize_rows(k_cache, kv_dtype), quantize_rows(v_cache, kv_dtype)
+    return PagedBatch(q, k_cache, v_cache, md, head_dim ** -0.5, k_scale, v_scale)

@@ -1,15 +1,22 @@
-"""KV-cache write in Triton: this step's K/V rows into their slots.
+"""KV-cache write in Triton: this step's K/V rows into their slots, quantised when asked.
 
     slot = block_id * block_size + offset   (slot_mapping[t] < 0: row t is skipped,
                                              e.g. padding of a captured batch)
 
 One program per token copies its [num_kv_heads, head_dim] K and V rows; the block
 offset is computed in int64 because block_id * stride_blk overflows int32 in large pools.
+
+Quantised caches (kv_quant.py): each (token, head) row gets scale = absmax / QMAX rounded
+up to bf16, and its values x / scale, clamped to +-QMAX, are rounded to the format's grid in fp32
+before the cast (round to nearest even, as torch's cast does), so the bytes equal the torch
+reference's whatever rounding mode this Triton's fp8 cast uses.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pagedserve.kernels.kv_quant import MIN_SCALE, QMAX, check_scales, check_fp8_device
 
 try:
     import triton
@@ -17,7 +24,48 @@ try:
 except ImportError:
     triton = None
 
+# QUANT codes (a tl.constexpr): 0 plain copy, 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8
+_QUANT = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
+
 if triton is not None:
+
+    @triton.jit
+    def _to_grid(y, QUANT: tl.constexpr):
+        """fp32 y (|y| <= QMAX) rounded to nearest even on the format's grid, still fp32."""
+        if QUANT == 3:
+            return (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: fp32 addition rounds to an integer
+        MB: tl.constexpr = 3 if QUANT == 1 else 2  # mantissa bits
+        MIN_NORMAL: tl.constexpr = 0.015625 if QUANT == 1 else 6.103515625e-05  # 2^-6, 2^-14
+        SUB_MAGIC: tl.constexpr = 16384.0 if QUANT == 1 else 128.0  # ulp(magic) = subnormal step
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        drop: tl.constexpr = 23 - MB
+        bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
+        normal = bits.to(tl.float32, bitcast=True)
+        sub = (a + SUB_MAGIC) - SUB_MAGIC
+        r = tl.where(a < MIN_NORMAL, sub, normal)
+        return tl.where(y < 0, -r, r)
+
+    @triton.jit
+    def _store_row(cache_ptr, scale_ptr, x, slot, offs_h, mask, h_ok,
+                   stride_blk, stride_tok, stride_head,
+                   NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
+                   QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, offs_d):
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        dst = cache_ptr + blk * stride_blk + off * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
+        if QUANT == 0:
+            tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        else:
+            xf = x.to(tl.float32)
+            amax = tl.max(tl.abs(xf), 1)
+            s = tl.maximum(amax / QMAX, MIN_SCALE)
+            # Round up to bf16 in fp32 bits (carry into the top 16, drop the rest): exact, so
+            # the bf16 store below cannot round again.
+            s = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
+            tl.store(scale_ptr + slot * NUM_KV_HEADS + offs_h, s.to(tl.bfloat16), mask=h_ok)  # [num_slots, heads]
+            y = tl.minimum(tl.maximum(xf / s[:, None], -QMAX), QMAX)
+            tl.store(dst, _to_grid(y, QUANT).to(cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _write_kv_cache_kernel(
@@ -25,6 +73,8 @@ if triton is not None:
         value_ptr,  # [num_tokens, num_kv_heads, head_dim]
         k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (QUANT only)
+        v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (QUANT only)
         slot_mapping_ptr,  # [num_tokens] int64
         stride_key_tok, stride_key_head,
         stride_value_tok, stride_value_head,
@@ -35,23 +85,27 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        QUANT: tl.constexpr,  # 0 copy, 1 fp8 e4m3, 2 fp8 e5m2, 3 int8
+        QMAX: tl.constexpr,
+        MIN_SCALE: tl.constexpr,
     ):
         tok = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
         if slot < 0:
             return
-        blk = slot // BLOCK_SIZE
-        off = slot % BLOCK_SIZE
         offs_h = tl.arange(0, HEADS_PAD)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
-        mask = (offs_h < NUM_KV_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(key_ptr + tok * stride_key_tok + offs_h[:, None] * stride_key_head + offs_d[None, :], mask=mask)
+        h_ok = offs_h < NUM_KV_HEADS
+        mask = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        # Padding lanes load 0: they never raise a row's absmax.
+        k = tl.load(key_ptr + tok * stride_key_tok + offs_h[:, None] * stride_key_head + offs_d[None, :], mask=mask,
+                    other=0.0)
         v = tl.load(value_ptr + tok * stride_value_tok + offs_h[:, None] * stride_value_head + offs_d[None, :],
-                    mask=mask)
-        kc = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + offs_h[:, None] * stride_kc_head + offs_d[None, :]
-        vc = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + offs_h[:, None] * stride_vc_head + offs_d[None, :]
-        tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+                    mask=mask, other=0.0)
+        _store_row(k_cache_ptr, k_scale_ptr, k, slot, offs_h, mask, h_ok, stride_kc_blk, stride_kc_tok,
+                   stride_kc_head, NUM_KV_HEADS, BLOCK_SIZE, QUANT, QMAX, MIN_SCALE, offs_d)
+        _store_row(v_cache_ptr, v_scale_ptr, v, slot, offs_h, mask, h_ok, stride_vc_blk, stride_vc_tok,
+                   stride_vc_head, NUM_KV_HEADS, BLOCK_SIZE, QUANT, QMAX, MIN_SCALE, offs_d)
 
 
 def write_kv_cache_triton(
@@ -60,6 +114,8 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0: skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package; use backend='torch' on this machine.")
@@ -75,15 +131,21 @@ def write_kv_cache_triton(
         raise ValueError("head_dim must be the contiguous (stride 1) dimension of key, value and the caches.")
     if len({t.device for t in (key, value, k_cache, v_cache, slot_mapping)}) != 1:
         raise ValueError("key, value, caches and slot_mapping must be on one device.")
+    quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
+    if quantized:
+        check_fp8_device(k_cache.dtype, k_cache.device)
+    else:
+        k_scale = v_scale = k_cache  # unused pointers
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=1 << max(0, (num_kv_heads - 1).bit_length()),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=1 << max(0, (head_dim - 1).bit_length()),
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0),
+        QMAX=QMAX.get(k_cache.dtype, 0.0), MIN_SCALE=MIN_SCALE,
     )

@@ -20,12 +20,19 @@ Split-KV (flash-decoding, ``SPLIT_KV``): for decode-only batches with few sequen
 the context of each row is cut into num_splits ranges handled by separate programs,
 each writing a normalised partial output and its log2-sum-exp; the reduce kernel in
 triton_split_kv_reduce.py merges them.
+
+Quantised cache (``KV_QUANT``, kv_quant.py): K/V tiles load as 1-byte codes (fp8 e4m3 /
+e5m2 or int8; every code is exact in fp16 and bf16) and are converted in registers to the
+dot's dtype; the per-(token, head) bf16 scales multiply the score columns (``q . s k =
+s (q . k)``) and the probability columns before the PV dot, never the [TILE_N, HEAD_DIM] tiles.
 """
+
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels.kv_quant import check_fp8_device, check_scales
 from pagedserve.kernels.metadata import AttentionMetadata
 
 try:
@@ -62,6 +69,8 @@ if triton is not None:
         q_ptr,  # [num_tokens, num_heads, head_dim]
         k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (KV_QUANT only)
+        v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (KV_QUANT only)
         block_table_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
         seq_lens_ptr,  # [num_seqs] int32
         cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -85,6 +94,8 @@ if triton is not None:
         BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD
         SPLIT_KV: tl.constexpr,
         FP32_DOT: tl.constexpr,  # fp32 inputs: exact ("ieee") dots, not tf32
+        KV_QUANT: tl.constexpr,  # 1-byte K/V codes with per-(token, head) scales
+        NUM_KV_HEADS: tl.constexpr,  # scale row stride (KV_QUANT only)
     ):
         tile_idx = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -133,11 +144,18 @@ if triton is not None:
             k_off = blk * stride_k_blk + in_blk * stride_k_tok + kv_head * stride_k_head
             k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None],
                         mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
+            if KV_QUANT:
+                k = k.to(q.dtype)
+                sc_row = (blk * BLOCK_SIZE + in_blk) * NUM_KV_HEADS + kv_head  # [TILE_N] scale index
+                k_sc = tl.load(k_scale_ptr + sc_row, mask=k_ok, other=0.0).to(tl.float32)
             if FP32_DOT:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
                 s = tl.dot(q, k)
-            s = s * scale_log2
+            if KV_QUANT:
+                s = s * (k_sc * scale_log2)[None, :]
+            else:
+                s = s * scale_log2
             s = tl.where((k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 then, not -inf.
@@ -148,10 +166,14 @@ if triton is not None:
             v_off = blk * stride_v_blk + in_blk * stride_v_tok + kv_head * stride_v_head
             v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+            pv = p
+            if KV_QUANT:
+                v = v.to(q.dtype)
+                pv = p * tl.load(v_scale_ptr + sc_row, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
             m_i = m_new
 
         has_keys = l_i > 0.0
@@ -170,13 +192,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, out) -> None:
+def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, out, k_scale=None, v_scale=None) -> bool:
+    """Raises ValueError on a bad call; returns whether the cache is quantised."""
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"q must be [num_tokens, num_heads, head_dim] and k_cache [num_blocks, block_size, "
                          f"num_kv_heads, head_dim]; got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}.")
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match in shape and strides.")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
+    if not quantized and (q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype):
         raise ValueError(f"q, k_cache, v_cache dtypes must match: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}.")
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported dtype {q.dtype}.")
@@ -200,6 +224,7 @@ def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, out) -> None:
                          f"and block_table >= {num_seqs} rows (got {md.block_table.shape[0]}).")
     if md.block_table.stride(1) != 1 or md.cu_seqlens_q.stride(0) != 1 or md.seq_lens.stride(0) != 1:
         raise ValueError("block_table rows, seq_lens and cu_seqlens_q must be contiguous.")
+    return quantized
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
@@ -229,11 +254,17 @@ def paged_attention_triton(
     tile_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package; use backend='torch' on this machine.")
     md = attn_metadata
-    _check_inputs(q, k_cache, v_cache, md, out)
+    quantized = _check_inputs(q, k_cache, v_cache, md, out, k_scale, v_scale)
+    if quantized:
+        check_fp8_device(k_cache.dtype, k_cache.device)
+    else:
+        k_scale = v_scale = k_cache  # unused pointers
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_heads, head_dim = q.shape
@@ -261,7 +292,7 @@ def paged_attention_triton(
         part_out = part_lse = out  # unused
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, part_out, part_lse,
+        out, q, k_cache, v_cache, k_scale, v_scale, md.block_table, md.seq_lens, md.cu_seqlens_q, part_out, part_lse,
         scale * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -269,7 +300,7 @@ def paged_attention_triton(
         md.block_table.stride(0), num_splits,
         NUM_QUERIES_PER_KV=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
-        SPLIT_KV=split, FP32_DOT=q.dtype == torch.float32,
+        SPLIT_KV=split, FP32_DOT=q.dtype == torch.float32, KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -114,6 +114,7 @@ def simulate(workload, kv_allocation: str, num_blocks: int, max_tokens: int) -> 
         target[rid] = olen
     kv = sched.kv_cache_manager
     utils, peak, steps = [], 0, 0
+    full = []  # running sequences on steps that found the pool >= 95% used (memory-bound)
     t0 = time.perf_counter()
     while sched.has_unfinished_requests():
         plan = sched.schedule()
@@ -122,6 +123,8 @@ def simulate(workload, kv_allocation: str, num_blocks: int, max_tokens: int) -> 
         if used_blocks:
             real = sum(r.num_computed_tokens for r in sched.running)
             utils.append(real / (used_blocks * block_size))
+        if used_blocks >= 0.95 * kv.num_blocks:
+            full.append(len(sched.running))
         peak = max(peak, len(sched.running))
         result = fake_result_partial(sched, plan)
         sched.update_from_output(plan, result)
@@ -131,6 +134,7 @@ def simulate(workload, kv_allocation: str, num_blocks: int, max_tokens: int) -> 
             sched.finish_requests(done, RequestStatus.FINISHED_STOPPED)
     stats = sched.get_stats()
     return {"utilization": statistics.mean(utils), "peak_seqs": peak, "steps": steps,
+            "mean_seqs_when_full": statistics.mean(full) if full else None,
             "preemptions": stats.num_preemptions, "seconds": time.perf_counter() - t0}
 
 

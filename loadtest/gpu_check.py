@@ -4,7 +4,8 @@
 
 1-2. the kernel sections of ``pagedserve.kernels.gpu_check``: paged-attention and
    cache-write correctness vs the torch reference (fp16, bf16, split-KV, a 2^31+ pool),
-   decode-attention GB/s against a measured device-to-device copy, with a config sweep;
+   decode-attention GB/s against a measured device-to-device copy, with a config sweep, and
+   the same for the quantised KV cache (fp8 e4m3 / e5m2, int8; kernels/gpu_check_kv_quant.py);
 3. end-to-end decode tokens/s of the engine on a ~1.1B random Llama (bf16) at batch 1,
    32, 128 next to transformers ``generate()`` with the same batch (guarded: a failure
    there still prints the kernel table).

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from _triton_interp import interpreter_results
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # name: (query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, extra)
@@ -160,15 +162,7 @@ def _child_main() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            out[rec["case"]] = rec["result"]
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return interpreter_results(__file__)
 
 
 def test_kernels_run_in_the_interpreter(results):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -29,6 +30,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + activations + KV
     kv_cache_memory_bytes: int | None = None  # CPU: bytes of KV cache (default 2 GiB, capped by RAM)
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2", "int8": 1-byte values with one
+    # bf16 scale per (token, KV head), counted in the budget (scheduler/kv_cache_dtype.py)
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     scheduling_policy: str = "fcfs"
     kv_allocation: str = "paged"
@@ -48,6 +52,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
 

@@ -10,7 +10,9 @@ import os
 
 import torch
 
-from pagedserve.kernels import AttentionMetadata
+from pagedserve.kernels import AttentionMetadata, kv_cache_torch_dtype
+from pagedserve.kernels.kv_quant import check_fp8_device
+from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import parallel_state
 from pagedserve.worker.config import EngineConfig
@@ -83,10 +85,14 @@ class Worker:
     # ---------------------------------------------------------------- KV sizing
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        return self.model_config.dtype
+        """Storage dtype of the values: the model's ("auto") or a 1-byte quantised format."""
+        return kv_cache_torch_dtype(canonical_kv_cache_dtype(self.config.kv_cache_dtype), self.model_config.dtype)
 
     def kv_bytes_per_block(self) -> int:
-        per_token = self.model_config.kv_cache_bytes_per_token(self.world_size, self.kv_cache_dtype)
+        """This rank's bytes per block, scales included (what the budget is divided by)."""
+        mc = self.model_config
+        per_token = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.get_num_kv_heads(self.world_size),
+                                             mc.head_dim, self.config.kv_cache_dtype, mc.dtype.itemsize)
         return per_token * self.config.block_size
 
     def determine_num_available_blocks(self) -> int:
@@ -136,7 +142,14 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         heads = self.model_config.get_num_kv_heads(self.world_size)
-        self.runner.initialize_cache(num_blocks, heads, self.kv_cache_dtype)
+        dtype = self.kv_cache_dtype
+        check_fp8_device(dtype, self.device)  # e4m3 on a pre-Ada GPU: refuse before allocating
+        self.runner.initialize_cache(num_blocks, heads, dtype)
+        if self.rank == 0:
+            per_block = self.kv_bytes_per_block()
+            logger.info("KV cache: %s (%s), %d B/token/rank, %d blocks = %.3f GiB/rank", self.config.kv_cache_dtype,
+                        str(dtype).removeprefix("torch."), per_block // self.config.block_size, num_blocks,
+                        per_block * num_blocks / 2**30)
 
     # ---------------------------------------------------------------- step
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:

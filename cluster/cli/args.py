@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve.scheduler.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedserve.worker.config import EngineConfig
 
 
@@ -38,6 +39,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     g.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=_memory, default=None,
                    help="KV cache size on CPU, e.g. 2GiB")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte per value plus "
+                        "one bf16 scale per (token, KV head)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--scheduling-policy", default=d.scheduling_policy,
                    choices=["fcfs", "priority", "static"])

@@ -6,10 +6,14 @@ calculator runs on a laptop for a 70B model. Units are the ones people quote:
 KiB per token, GiB per sequence (binary units, 1 GiB = 2**30 bytes).
 
     bytes/token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes
+                + 2 (K and V) x num_layers x num_kv_heads x 2     (quantised caches: one fp16
+                                                                   scale per token and KV head)
 
 With tensor parallelism each GPU holds ``ceil(num_kv_heads / tp)`` KV heads (KV heads
 are replicated, not split, when there are fewer of them than GPUs) and ``1/tp`` of the
-weights. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly.
+weights. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly. The
+quantised formats and their scale layout are scheduler/kv_cache_dtype.py's, the same the
+workers size their pool with.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pagedserve.scheduler.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
 
 GiB = 1 << 30
 KiB = 1 << 10
@@ -38,7 +44,8 @@ class KVSizeReport:
     num_params: int
     weight_dtype: str
     kv_cache_dtype: str
-    kv_bytes_per_token: int  # whole model, all ranks together
+    kv_bytes_per_token: int  # whole model, all ranks together, scales included
+    kv_scale_bytes_per_token: int  # the scales' part of it (0 unless quantised)
     kv_bytes_per_seq: int  # at max_model_len
     max_model_len: int
     num_gpus: int
@@ -127,14 +134,18 @@ def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
     weight_dtype = _canon(_config_dtype(cfg) if dtype == "auto" else dtype)
     kv_dtype = weight_dtype if kv_cache_dtype == "auto" else _canon(kv_cache_dtype)
+    if kv_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
+        kv_dtype = canonical_kv_cache_dtype(kv_dtype)
     for name in (weight_dtype, kv_dtype):
         if name not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16, fp8")
+            raise ValueError(f"unknown dtype {name!r}; use one of fp32, fp16, bf16, fp8, fp8_e4m3, fp8_e5m2, int8")
     kv_elt, w_elt = DTYPE_BYTES[kv_dtype], DTYPE_BYTES[weight_dtype]
+    row_scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_FORMATS else 0  # per (token, KV head)
 
-    per_token = 2 * layers * kv_heads * head_dim * kv_elt
+    per_token = 2 * layers * kv_heads * (head_dim * kv_elt + row_scale)
+    scale_per_token = 2 * layers * kv_heads * row_scale
     kv_heads_per_gpu = math.ceil(kv_heads / tp)  # replicated when kv_heads < tp
-    per_token_per_gpu = 2 * layers * kv_heads_per_gpu * head_dim * kv_elt
+    per_token_per_gpu = 2 * layers * kv_heads_per_gpu * (head_dim * kv_elt + row_scale)
     num_params = count_params(cfg)
     weight_bytes = num_params * w_elt
     weight_per_gpu = math.ceil(weight_bytes / tp)
@@ -146,7 +157,7 @@ def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_
         model_type=str(cfg.get("model_type", "unknown")), num_layers=layers,
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         num_params=num_params, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
-        kv_bytes_per_token=per_token, kv_bytes_per_seq=per_token * max_model_len,
+        kv_bytes_per_token=per_token, kv_scale_bytes_per_token=scale_per_token, kv_bytes_per_seq=per_token * max_model_len,
         max_model_len=max_model_len, num_gpus=num_gpus, tensor_parallel_size=tp,
         gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_per_gpu,
@@ -164,7 +175,10 @@ def format_report(r: KVSizeReport) -> str:
         f"model: {r.model_type}, {r.num_layers} layers, {r.num_attention_heads} heads, "
         f"{r.num_kv_heads} KV heads, head_dim {r.head_dim}, {r.num_params / 1e9:,.2f} B parameters",
         f"dtypes: weights {r.weight_dtype}, KV cache {r.kv_cache_dtype}",
-        f"KV cache per token: {r.kv_bytes_per_token:,} bytes = {_num(r.kib_per_token)} KiB per token",
+        f"KV cache per token: {r.kv_bytes_per_token:,} bytes = {_num(r.kib_per_token)} KiB per token"
+        + (f" ({_num((r.kv_bytes_per_token - r.kv_scale_bytes_per_token) / KiB)} KiB of {r.kv_cache_dtype} values"
+           f" + {_num(r.kv_scale_bytes_per_token / KiB)} KiB of bf16 scales, one per token and KV head)"
+           if r.kv_scale_bytes_per_token else ""),
         f"KV cache per sequence: {_num(r.gib_per_seq)} GiB per {r.max_model_len:,}-token sequence",
         f"GPUs: {r.num_gpus} x {_num(r.gpu_memory_gib)} GiB, tensor parallel {r.tensor_parallel_size}, "
         f"{r.num_replicas} replica(s), gpu_memory_utilization {r.gpu_memory_utilization:g}",
@@ -193,7 +207,9 @@ def add_kv_size_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="sequence length to size for (default: the config's max_position_embeddings)")
     p.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), fp32, fp16, bf16")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16", "fp8"])
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+                   help="fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte per value + one bf16 scale per token and KV head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_kv_size)

@@ -21,6 +21,7 @@ from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.engine.executor import Executor, default_executor_class
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
+from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
 from pagedserve.worker import faults
@@ -104,10 +105,16 @@ class LLMEngine:
 
     def _log_kv_sizing(self) -> dict:
         tp = self.config.tensor_parallel_size
-        per_token = self.model_config.kv_cache_bytes_per_token(tp)
+        mc, kv_dtype = self.model_config, self.config.kv_cache_dtype
+        heads = mc.get_num_kv_heads(tp)
+        # Scales included: the same formula the workers divide their budget by.
+        per_token = kv_cache_bytes_per_token(mc.num_hidden_layers, heads, mc.head_dim, kv_dtype, mc.dtype.itemsize)
+        scale_bytes = kv_cache_scale_bytes_per_token(mc.num_hidden_layers, heads, kv_dtype)
         tokens = self.num_gpu_blocks * self.config.block_size
         info = {
+            "kv_cache_dtype": kv_dtype,
             "kv_bytes_per_token_per_rank": per_token,
+            "kv_scale_bytes_per_token_per_rank": scale_bytes,
             "num_blocks": self.num_gpu_blocks,
             "block_size": self.config.block_size,
             "num_tokens": tokens,
@@ -116,8 +123,8 @@ class LLMEngine:
             "max_concurrency_at_max_model_len": tokens / self.max_model_len,
         }
         logger.info(
-            "KV cache: %d B/token/rank, %d blocks x %d tokens = %d tokens (%.3f GiB/rank); "
-            "%.1f sequences of max_model_len=%d fit", per_token, self.num_gpu_blocks,
+            "KV cache %s: %d B/token/rank (%d of them scales), %d blocks x %d tokens = %d tokens (%.3f GiB/rank); "
+            "%.1f sequences of max_model_len=%d fit", kv_dtype, per_token, scale_bytes, self.num_gpu_blocks,
             self.config.block_size, tokens, info["kv_gib_per_rank"],
             info["max_concurrency_at_max_model_len"], self.max_model_len)
         return info

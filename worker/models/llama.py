@@ -28,7 +28,9 @@ from pagedserve.worker.layers.rotary import RotaryEmbedding, apply_rotary
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import get_tp_size
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+# (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; a quantised
+# cache adds (k_scale, v_scale), each [num_blocks, block_size, num_kv_heads] bf16 (kernels/kv_quant.py).
+KVCache = tuple[torch.Tensor, ...]
 
 
 def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float) -> torch.Tensor:
@@ -78,9 +80,11 @@ class LlamaAttention(nn.Module):
         if kv_cache is None:
             o = _attention_no_cache(q, k, v, md, self.scale)
         else:
-            k_cache, v_cache = kv_cache
-            write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping, backend=self.backend)
-            o = paged_attention(q, k_cache, v_cache, md, self.scale, backend=self.backend)
+            k_cache, v_cache, *scales = kv_cache
+            k_scale, v_scale = scales or (None, None)
+            write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping, self.backend, k_scale, v_scale)
+            o = paged_attention(q, k_cache, v_cache, md, self.scale, backend=self.backend, k_scale=k_scale,
+                                v_scale=v_scale)
         return self.o_proj(o.reshape(n, self.q_size))
 
 

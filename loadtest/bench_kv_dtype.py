@@ -1,0 +1,80 @@
+"""Paged-KV simulation at one fixed memory budget, per KV-cache dtype (no model, no torch).
+
+The same budget in bytes becomes a different number of 16-token blocks for each cache
+format (scheduler/kv_cache_dtype.py, scales included), and the real Scheduler runs
+bench_scheduler's synthetic chat workload to completion on each pool. Reported per format:
+bytes per token, blocks, peak concurrent sequences and their mean over the memory-bound
+steps (pool >= 95% used), preemptions, and the ratios to the model-dtype cache. The peak
+comes at the first fill, and a bigger pool fills later, when its sequences have grown longer,
+so the peak grows a little less than the pool; the memory-bound mean is the steady state.
+The last line is one JSON object.
+
+    python -m pagedserve.loadtest.bench_kv_dtype [--kv-cache-memory 720MiB] [--model DIR] [--requests 600]
+
+The default shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64), the default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedserve.loadtest.bench_scheduler import make_workload, simulate
+from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token
+
+SMOLLM2_135M = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+# (label, kv_cache_dtype, model dtype bytes)
+FORMATS = (("fp32 (auto)", "auto", 4), ("bf16 (auto)", "auto", 2), ("fp8_e4m3", "fp8", 2),
+           ("fp8_e5m2", "fp8_e5m2", 2), ("int8", "int8", 2))
+
+
+def _memory(text: str) -> int:
+    from pagedserve.cluster.cli.args import _memory as parse
+
+    return parse(text)
+
+
+def run(cfg: dict, budget: int, requests: int, seed: int, max_tokens: int) -> dict:
+    layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    workload = make_workload(requests, seed, max_tokens)
+    rows = {}
+    for label, kv, elt in FORMATS:
+        per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, kv, elt)
+        blocks = budget // (16 * per_token)
+        r = simulate(workload, "paged", blocks, max_tokens)
+        rows[label] = {"bytes_per_token": per_token, "num_blocks": blocks, **r}
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv-cache-memory", type=_memory, default=720 << 20, help="the one budget, e.g. 720MiB")
+    ap.add_argument("--model", default=None, help="a config.json (or its directory); default SmolLM2-135M's shape")
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = SMOLLM2_135M
+    if args.model:
+        from pagedserve.cluster.cli.kv_size import load_hf_config
+
+        cfg = load_hf_config(args.model)
+    rows = run(cfg, args.kv_cache_memory, args.requests, args.seed, args.max_tokens)
+    print(f"KV budget {args.kv_cache_memory / 2**20:.0f} MiB, {args.requests} requests "
+          f"(bench_scheduler's workload, seed {args.seed})")
+    bf16, fp32 = rows["bf16 (auto)"], rows["fp32 (auto)"]
+    for label, r in rows.items():
+        full = r["mean_seqs_when_full"]
+        print(f"  {label:12s} {r['bytes_per_token']:6d} B/token  {r['num_blocks']:6d} blocks "
+              f"({r['num_blocks'] / bf16['num_blocks']:.2f}x bf16)  peak seqs {r['peak_seqs']:4d} "
+              f"({r['peak_seqs'] / bf16['peak_seqs']:.2f}x bf16, {r['peak_seqs'] / fp32['peak_seqs']:.2f}x fp32)  "
+              f"memory-bound mean {full:6.1f} ({full / bf16['mean_seqs_when_full']:.2f}x bf16, "
+              f"{full / fp32['mean_seqs_when_full']:.2f}x fp32)  preemptions {r['preemptions']:4d}  steps {r['steps']}")
+    print(json.dumps({"kv_cache_memory": args.kv_cache_memory, "requests": args.requests,
+                      **{label: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                         for label, r in rows.items()}}))
+
+
+if __name__ == "__main__":
+    main()
