@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority", "static"]
@@ -33,6 +33,19 @@ class CacheConfig:
 
 
 @dataclass(slots=True)
+class Reservation:
+    """Capacity held back for one class: a tenant name, or ``"priority:N"`` for the
+    requests of priority N. Others may not take it; the class may preempt others for it."""
+
+    blocks: int = 0  # KV blocks
+    seqs: int = 0  # batch slots (running requests)
+
+    def __post_init__(self) -> None:
+        if self.blocks < 0 or self.seqs < 0:
+            raise ValueError(f"a reservation holds >= 0 blocks and seqs, got {self}.")
+
+
+@dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # per-step token budget
@@ -44,6 +57,16 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "fcfs"
     # Bound on the waiting queue (admission control answers 429 past it); None: unbounded.
     max_waiting_requests: int | None = None
+    # Tenants (scheduler/fair_queue.py): weight of each tenant's fair share (default 1),
+    # capacity reserved per tenant or "priority:N", and whether each tenant gets its own
+    # prefix cache (a tenant's requests share among themselves; a cross-tenant hit would
+    # be a timing side channel between tenants).
+    tenant_weights: dict[str, float] = field(default_factory=dict)
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    isolate_tenant_prefix_cache: bool = True
+    # A request resumed after a preemption is not chosen as a victim again for this many
+    # steps while any other candidate exists (no thrash: its recompute just got paid).
+    preemption_protect_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -55,6 +78,13 @@ class SchedulerConfig:
         if self.scheduling_policy not in ("fcfs", "priority", "static"):
             raise ValueError("scheduling_policy must be 'fcfs', 'priority' or 'static', "
                              f"got {self.scheduling_policy!r}.")
+        if self.preemption_protect_steps < 0:
+            raise ValueError(f"preemption_protect_steps must be >= 0, got {self.preemption_protect_steps}.")
+        self.reservations = {k: v if isinstance(v, Reservation) else Reservation(**v)
+                             for k, v in self.reservations.items()}
+        if self.reservations and sum(r.seqs for r in self.reservations.values()) >= self.max_num_seqs:
+            raise ValueError(f"reserved batch slots ({sum(r.seqs for r in self.reservations.values())}) "
+                             f"must leave at least one of max_num_seqs ({self.max_num_seqs}) unreserved.")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
 from pagedserve.scheduler.config import CacheConfig
-from pagedserve.scheduler.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, hash_cache_salt
+from pagedserve.scheduler.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, request_salt
 from pagedserve.scheduler.request import Request
 
 
@@ -66,7 +66,7 @@ class KVCacheManager:
         cached = self.block_pool.cached_block_hash_to_block
         hits: list[KVCacheBlock] = []
         parent = ROOT_NODE_ID
-        extra = hash_cache_salt(request.cache_salt)
+        extra = request_salt(request)
         for i in range(max_hit_blocks):
             block = cached.get((parent, tuple(tokens[i * bs:(i + 1) * bs]), extra))
             if block is None:
@@ -83,13 +83,15 @@ class KVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
         check_watermark: bool = False,
+        reserve_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (and the
         prefix hit ``new_computed_blocks``, taken over here). Returns the newly taken
         blocks (maybe []), or None if the pool is short: nothing changes then.
 
         ``check_watermark``: admission of a new request must leave ``watermark_blocks``
-        free so that running requests can still grow next step without preempting."""
+        free so that running requests can still grow next step without preempting.
+        ``reserve_blocks``: further blocks to leave free (reserved for other tenants)."""
         req_id = request.req_id
         blocks = self.req_to_blocks.get(req_id)
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
@@ -111,6 +113,7 @@ class KVCacheManager:
         num_free = self.block_pool.free_block_queue.num_free_blocks
         if check_watermark:
             num_free -= self.watermark_blocks
+        num_free -= reserve_blocks
         if num_new_blocks + num_revived > num_free:
             return None
         if blocks is None:
@@ -148,7 +151,7 @@ class KVCacheManager:
         pool = self.block_pool
         parent = node_ids[-1] if node_ids else ROOT_NODE_ID
         for i in range(start, num_full):
-            extra = hash_cache_salt(request.cache_salt) if i == 0 else None
+            extra = request_salt(request) if i == 0 else None
             parent = pool.cache_block(blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]), extra), hashes[i])
             node_ids.append(parent)
 

@@ -40,11 +40,20 @@ ROOT_HASH: int = _sha256_int(b"pagedserve/prefix-cache/root")
 BlockKey = tuple  # (parent_node_id: int, token_ids: tuple[int, ...], extra: int | None)
 
 
-def hash_cache_salt(cache_salt: str | None) -> int | None:
-    """The salt as an int (sha256, so it does not depend on ``PYTHONHASHSEED``)."""
-    if cache_salt is None:
+def hash_cache_salt(cache_salt: str | None, tenant: str | None = None) -> int | None:
+    """The salt of block 0 as an int (sha256, so it does not depend on ``PYTHONHASHSEED``):
+    the request's own ``cache_salt`` and, with per-tenant isolation, its tenant. The two
+    are length-prefixed, so no choice of salt string can reproduce another tenant's key."""
+    if cache_salt is None and tenant is None:
         return None
-    return _sha256_int(cache_salt.encode("utf-8"))
+    if tenant is None:
+        return _sha256_int(cache_salt.encode("utf-8"))
+    t, c = tenant.encode("utf-8"), (cache_salt or "").encode("utf-8")
+    return _sha256_int(b"\x00tenant\x00%d:%s%d:%s%d" % (len(t), t, len(c), c, cache_salt is None))
+
+
+def request_salt(request) -> int | None:
+    return hash_cache_salt(request.cache_salt, request.cache_tenant)
 
 
 def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...], extra: int | None) -> int:
@@ -64,7 +73,7 @@ def extend_block_hashes(request, block_size: int, num_blocks: int | None = None)
         return hashes
     parent = hashes[-1] if hashes else ROOT_HASH
     while i < limit:
-        extra = hash_cache_salt(request.cache_salt) if i == 0 else None
+        extra = request_salt(request) if i == 0 else None
         parent = hash_block_tokens(parent, tuple(tokens[i * block_size:(i + 1) * block_size]), extra)
         hashes.append(parent)
         i += 1

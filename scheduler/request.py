@@ -54,7 +54,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "sampling_params", "eos_token_id",
         "arrival_time", "priority", "cache_salt", "status", "stop_reason", "max_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "stop_token_ids",
-        "min_tokens", "ignore_eos",
+        "min_tokens", "ignore_eos", "tenant", "resumed_step", "cache_tenant",
     )
 
     def __init__(
@@ -66,6 +66,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {req_id!r}: the prompt must contain at least one token.")
@@ -81,6 +82,11 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        # Who pays for this request in the fair share, and whose prefix cache it may read
+        # (the scheduler salts the cache per tenant); None: the shared "default" tenant.
+        self.tenant = tenant or "default"
+        self.resumed_step = -1  # step it last resumed after a preemption (hysteresis)
+        self.cache_tenant: str | None = None  # set by the scheduler when tenants are isolated
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Resolved by Scheduler.add_request against max_model_len and the pool size;

@@ -16,12 +16,15 @@ retires finished requests and caches newly full blocks.
 from __future__ import annotations
 
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.fair_queue import DEFAULT_TENANT, FairRequestQueue
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                NewRequestData, SchedulerOutput)
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagedserve.scheduler.stats import WAITING_REASONS, SchedulerStats
+from pagedserve.scheduler.tenancy import Ledger, classes_of
+from pagedserve.scheduler.tenant_scheduling import TenantScheduling
 
 _RUNNING = RequestStatus.RUNNING
 _STOPPED = RequestStatus.FINISHED_STOPPED
@@ -32,7 +35,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting_requests`` (the HTTP layer answers 429)."""
 
 
-class Scheduler:
+class Scheduler(TenantScheduling):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -47,7 +50,15 @@ class Scheduler:
         # block and would preempt itself forever. Such a request ends with "length".
         self.max_seq_len = min(self.max_model_len, cache_config.num_blocks * cache_config.block_size)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting = PriorityRequestQueue() if self.policy == "priority" else FCFSRequestQueue()
+        sub_queue = PriorityRequestQueue if self.policy == "priority" else FCFSRequestQueue
+        # Tenants share by the Virtual Token Counter (fair_queue.py); "static" stays the
+        # plain FCFS baseline. With one tenant the fair queue is exactly its sub-queue.
+        self.waiting = sub_queue() if self.policy == "static" else FairRequestQueue(
+            sub_queue, scheduler_config.tenant_weights)
+        self.reservations = scheduler_config.reservations if self.policy != "static" else {}
+        self.protect_steps = scheduler_config.preemption_protect_steps
+        self.tenant_tokens: dict[str, int] = {}  # cumulative scheduled tokens per tenant
+        self.admit_rate = 0.0  # requests admitted per step (EMA): the basis of est. start
         self.running: list[Request] = []  # in admission order
         self.finished_req_ids: list[str] = []  # ended since the previous plan
         self.static_batch: set[str] = set()  # policy "static": members of the batch in flight
@@ -80,7 +91,11 @@ class Scheduler:
         room = self.max_seq_len - n
         user_max = request.sampling_params.max_tokens
         request.max_tokens = room if user_max is None else min(user_max, room)
+        if self.reservations:
+            self._check_fits_outside_reservations(request)
         request.status = RequestStatus.WAITING
+        if self.scheduler_config.isolate_tenant_prefix_cache and request.tenant != DEFAULT_TENANT:
+            request.cache_tenant = request.tenant
         self.requests[rid] = request
         self.waiting.add_request(request)
 
@@ -132,6 +147,12 @@ class Scheduler:
         sched_nums: list[int] = []
         sched_new_block_ids: list[list[int]] = []  # blocks added this step
         preempted: list[Request] = []
+        ledger = Ledger(self.reservations, running, blocks_of) if self.reservations else None
+        # 0. A reserved class's waiting head gets its reserved room back first.
+        preempted_for_reserved = self._make_room_for_reserved(ledger) if ledger else []
+        # While a reserved class has a request waiting, others' running requests do not
+        # grow into its unused reservation (when it has none waiting they may).
+        hold_keys = [k for k in ledger.reserved_keys_waiting() if self._reserved_head(ledger, k)] if ledger else []
 
         # 1. Running requests, in admission order, each as far as the budget allows.
         i = 0
@@ -148,9 +169,11 @@ class Scheduler:
             if (num_computed + num_new + bs - 1) // bs <= len(blocks_of[req.req_id]):
                 new_block_ids = []
             else:
-                new_blocks = kv.allocate_slots(req, num_new)
+                hold = sum(ledger.unused(k).blocks for k in hold_keys if k not in classes_of(req)) \
+                    if hold_keys else 0
+                new_blocks = kv.allocate_slots(req, num_new, reserve_blocks=hold)
                 while new_blocks is None:
-                    victim_index = self._pick_victim()
+                    victim_index = self._pick_victim(ledger)
                     victim = running[victim_index]
                     if victim in sched_reqs:  # already scheduled this step: take it back
                         j = sched_reqs.index(victim)
@@ -158,14 +181,16 @@ class Scheduler:
                         del sched_reqs[j], sched_nums[j], sched_new_block_ids[j]
                     if victim_index < i:
                         i -= 1
-                    self._preempt(victim_index)
+                    self._preempt(victim_index, ledger)
                     preempted.append(victim)
                     if victim is req:
                         break
-                    new_blocks = kv.allocate_slots(req, num_new)
+                    new_blocks = kv.allocate_slots(req, num_new, reserve_blocks=hold)
                 if new_blocks is None:  # ``req`` preempted itself: nothing more fits
                     break
                 new_block_ids = [b.block_id for b in new_blocks]
+                if ledger is not None:
+                    ledger.add(req, len(new_blocks), seqs=0)
             sched_reqs.append(req)
             sched_nums.append(num_new)
             sched_new_block_ids.append(new_block_ids)
@@ -178,8 +203,10 @@ class Scheduler:
         if preempted:
             reason = "no_blocks"
         else:
-            reason = self._admit(sched_reqs, sched_nums, new_reqs, resumed, budget)
+            reason = self._admit(sched_reqs, sched_nums, new_reqs, resumed, budget, ledger)
         self._waiting_reason = reason if len(self.waiting) else None
+        preempted = preempted_for_reserved + preempted
+        self.admit_rate += 0.1 * (len(new_reqs) + len(resumed) - self.admit_rate)
 
         # 3. The plan (num_computed_tokens as before this step), then advance the counts.
         num_running = len(sched_new_block_ids)
@@ -195,7 +222,13 @@ class Scheduler:
             cached.resumed_from_preemption.append(True)
             cached.new_block_ids.append(list(block_ids_of[req.req_id]))
             cached.num_computed_tokens.append(req.num_computed_tokens)
+        charge = getattr(self.waiting, "charge", None)
+        tenant_tokens = self.tenant_tokens
         for req, n in zip(sched_reqs, sched_nums):
+            if charge is not None:  # prompt tokens (or recompute) vs decode, for the fair share
+                num_prompt = min(max(req.num_prompt_tokens - req.num_computed_tokens, 0), n)
+                charge(req.tenant, num_prompt, n - num_prompt)
+            tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + n
             req.num_computed_tokens += n
         self.step_id += 1
         plan = SchedulerOutput(
@@ -210,7 +243,7 @@ class Scheduler:
         return plan
 
     def _admit(self, sched_reqs: list[Request], sched_nums: list[int], new_reqs: list[NewRequestData],
-               resumed: list[Request], budget: int) -> str | None:
+               resumed: list[Request], budget: int, ledger: Ledger | None = None) -> str | None:
         """Admit waiting requests while they fit (appending them to ``sched_reqs`` /
         ``sched_nums``); return why admission stopped, None if the queue emptied."""
         kv = self.kv_cache_manager
@@ -223,7 +256,10 @@ class Scheduler:
                 return "no_budget"
             if len(running) >= self.max_num_seqs:
                 return "max_seqs"
-            req = waiting.peek_request()
+            req, key = self._next_candidate(ledger)
+            held = ledger.held_for_others(req) if ledger is not None else None
+            if held is not None and len(running) + held.seqs >= self.max_num_seqs:
+                return "reserved"
             is_resumed = req.status == RequestStatus.PREEMPTED
             if static and not batch_open and req.req_id not in self.static_batch:
                 return "static_batch"
@@ -237,7 +273,17 @@ class Scheduler:
             # one to protect, and skipping it keeps a pool-sized request admissible.
             if kv.allocate_slots(req, num_new, hit_blocks, num_hit, check_watermark=bool(running)) is None:
                 return "no_blocks"
-            waiting.pop_request()
+            if held is not None and held.blocks and kv.num_free_blocks < held.blocks:
+                kv.free(req)  # it fit only into others' reserved blocks: undo, exactly
+                return "reserved"
+            if ledger is not None:
+                ledger.add(req, len(kv.req_to_blocks[req.req_id]))
+            if key is None:
+                waiting.pop_request()
+            elif key.startswith("priority:"):
+                waiting.remove_request(req)
+            else:
+                waiting.pop_tenant(key)
             if req.num_preemptions == 0:  # recompute after preemption is not a hit
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += num_hit
@@ -251,6 +297,7 @@ class Scheduler:
             sched_nums.append(num_new)
             budget -= num_new
             if is_resumed:
+                req.resumed_step = self.step_id
                 resumed.append(req)
             else:
                 new_reqs.append(NewRequestData(
@@ -259,20 +306,12 @@ class Scheduler:
                     block_ids=list(kv.req_to_block_ids[req.req_id]), num_computed_tokens=num_hit))
         return None
 
-    def _pick_victim(self) -> int:
-        """Index in ``running`` of the request to preempt: the lowest priority (largest
-        value; "priority" policy only), then the most recently arrived."""
-        running = self.running
-        if self.policy == "priority":
-            key = lambda j: (running[j].priority, running[j].arrival_time)  # noqa: E731
-        else:
-            key = lambda j: running[j].arrival_time  # noqa: E731
-        return max(range(len(running)), key=key)
-
-    def _preempt(self, index: int) -> None:
+    def _preempt(self, index: int, ledger: Ledger | None = None) -> None:
         """Preempt by recompute: free the blocks, restart from token 0 (maybe a prefix
         hit), back to the front of the waiting queue."""
         req = self.running.pop(index)
+        if ledger is not None:
+            ledger.add(req, -len(self.kv_cache_manager.req_to_blocks.get(req.req_id, ())), seqs=-1)
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -348,7 +387,9 @@ class Scheduler:
         by_reason = dict.fromkeys(WAITING_REASONS, 0)
         if self._waiting_reason is not None:
             by_reason[self._waiting_reason] = len(self.waiting)
+        tenants, demand = self._tenant_stats()
         return SchedulerStats(
+            tenants=tenants, queue_kv_demand_blocks=demand,
             running=len(self.running), waiting=len(self.waiting), waiting_by_reason=by_reason,
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
             prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,

@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 # no_budget  - the step's token budget was used up (or, without chunked prefill, too
 #              small for its whole prompt);
 # max_seqs   - max_num_seqs requests were already running;
-# static_batch - scheduling_policy="static" and a batch is still running.
-WAITING_REASONS = ("no_blocks", "no_budget", "max_seqs", "static_batch")
+# static_batch - scheduling_policy="static" and a batch is still running;
+# reserved   - it would fit only into capacity reserved for another tenant or class.
+# (Per request, Scheduler.waiting_info adds tenant_share and queue_order: tenancy.py.)
+WAITING_REASONS = ("no_blocks", "no_budget", "max_seqs", "static_batch", "reserved")
 
 
 @dataclass(slots=True)
@@ -31,6 +33,10 @@ class SchedulerStats:
     num_prompt_tokens: int = 0  # cumulative, counted when a request samples its first token
     num_generation_tokens: int = 0  # cumulative sampled tokens kept
     step_id: int = 0
+    # Per tenant: {"running", "waiting", "tokens" (cumulative scheduled), "counter" (VTC)}.
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)
+    # KV blocks the waiting queue's prompts would take (prefix hits not subtracted).
+    queue_kv_demand_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

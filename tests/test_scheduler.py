@@ -95,15 +95,28 @@ def test_preemption_by_recompute_and_resume_with_the_whole_new_table():
     assert b.num_cached_tokens == 0 and outs["b"].num_cached_tokens == 0
 
 
-def test_request_that_needs_a_block_with_nobody_younger_preempts_itself():
+def test_the_victim_is_the_cheapest_to_recompute_even_if_that_is_the_requester():
     s = make_scheduler(num_blocks=4)
     add(s, "a", range(6), arrival=0)
     add(s, "b", range(100, 108), arrival=1)
     step(s)  # a [0, 1], b [2, 3]
-    plan, _ = step(s)  # a's token 6 fits; b's token 8 needs a block: b is the victim
-    assert plan.num_scheduled_tokens == {"a": 1} and plan.preempted_req_ids == ["b"]
-    assert [r.req_id for r in s.running] == ["a"] and free_ids(s) == [3, 2]
+    # a's token 6 fits; b's token 8 needs a block. a holds 6 computed tokens, b 8: a is
+    # the cheaper recompute, so a (already scheduled this step) is taken back and preempted.
+    plan, _ = step(s)
+    assert plan.num_scheduled_tokens == {"b": 1} and plan.preempted_req_ids == ["a"]
+    assert [r.req_id for r in s.running] == ["b"] and block_ids(s, "b") == [2, 3, 1] and free_ids(s) == [0]
     assert s.get_stats().waiting_by_reason["no_blocks"] == 1
+    assert s.requests["a"].num_preemptions == 1
+
+
+def test_request_that_needs_a_block_and_is_cheapest_preempts_itself():
+    s = make_scheduler(num_blocks=3)
+    add(s, "a", range(6), arrival=0)
+    add(s, "b", range(100, 104), arrival=1)
+    step(s)  # a [0, 1], b [2]: the pool is full
+    plan, _ = step(s)  # b's token 4 needs a block; b (4 computed) is cheaper than a (6)
+    assert plan.num_scheduled_tokens == {"a": 1} and plan.preempted_req_ids == ["b"]
+    assert [r.req_id for r in s.running] == ["a"] and free_ids(s) == [2]
 
 
 def test_abort_in_every_state_frees_blocks_before_the_next_plan():
@@ -120,13 +133,13 @@ def test_abort_in_every_state_frees_blocks_before_the_next_plan():
     add(s, "r1", range(6), arrival=0)
     add(s, "r2", range(100, 108), arrival=1)
     step(s)
-    step(s)  # r2 preempts itself (see above)
-    assert s.requests["r2"].status == RequestStatus.PREEMPTED
-    s.abort_requests("r2")
+    step(s)  # r1 is preempted for r2 (the cheaper recompute, see above)
+    assert s.requests["r1"].status == RequestStatus.PREEMPTED
+    s.abort_requests("r1")
     assert len(s.waiting) == 0
-    used = block_ids(s, "r1")
-    s.abort_requests(["r1"])  # running: its blocks are free right now
-    assert block_ids(s, "r1") == [] and sorted(free_ids(s)) == [0, 1, 2, 3] and used
+    used = block_ids(s, "r2")
+    s.abort_requests(["r2"])  # running: its blocks are free right now
+    assert block_ids(s, "r2") == [] and sorted(free_ids(s)) == [0, 1, 2, 3] and used
     plan, outs = step(s)
     assert plan.is_empty and outs == {}
     assert sorted(plan.finished_req_ids) == ["r1", "r2"] and not s.has_unfinished_requests()

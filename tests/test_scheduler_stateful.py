@@ -1,6 +1,6 @@
 """Hypothesis drives random add / step / abort sequences against random configurations
 (block size, pool size, budget, max_num_seqs, policy, paged or contiguous, chunked
-prefill and prefix caching on or off) and checks after every step:
+prefill and prefix caching on or off, tenants and a reservation) and checks after every step:
 
 - every block is either free (in the free queue, ref_cnt 0) or referenced, never both;
 - each block's ref_cnt equals the number of block tables that hold it;
@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams,
-                       Scheduler, SchedulerConfig)
+                                  Scheduler, SchedulerConfig)
+from pagedserve.scheduler.config import Reservation
 
 EOS = 0
 
@@ -35,15 +36,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(2, 40), max_seqs=st.integers(1, 6), max_model_len=st.integers(6, 40),
         policy=st.sampled_from(["fcfs", "priority", "static"]),
         kv_allocation=st.sampled_from(["paged", "paged", "contiguous"]),
-        chunked=st.booleans(), caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]))
+        chunked=st.booleans(), caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
+        reserve=st.sampled_from([None, None, ("t1", 2, 0), ("t2", 3, 1), ("priority:0", 0, 1)]))
     def setup(self, block_size, num_blocks, budget, max_seqs, max_model_len, policy,
-              kv_allocation, chunked, caching, watermark):
+              kv_allocation, chunked, caching, watermark, reserve):
         if not chunked:
             budget = max(budget, max_model_len)
+        # Tenants t1/t2 (and "default") share by the fair queue; maybe one reservation.
+        reservations = {} if reserve is None or reserve[2] >= max_seqs else {
+            reserve[0]: Reservation(blocks=min(reserve[1], num_blocks - 1), seqs=reserve[2])}
         self.sched = Scheduler(
             SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                             max_model_len=max_model_len, enable_chunked_prefill=chunked,
-                            scheduling_policy=policy),
+                            scheduling_policy=policy, reservations=reservations),
             CacheConfig(num_blocks=num_blocks, block_size=block_size, kv_allocation=kv_allocation,
                         enable_prefix_caching=caching, watermark=watermark))
         self.bs = block_size
@@ -59,21 +64,22 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(reqs=st.lists(st.tuples(
         st.integers(0, 2), st.lists(st.integers(1, 3), max_size=14),
         st.one_of(st.none(), st.integers(1, 16)), st.integers(0, 2),
-        st.sampled_from([None, None, "t1"]), st.booleans()), min_size=1, max_size=4))
+        st.sampled_from([None, None, "t1"]), st.booleans(), st.sampled_from([None, "t1", "t2"])),
+        min_size=1, max_size=4))
     def add(self, reqs):
         s = self.sched
-        for prefix, suffix, max_tokens, priority, salt, use_eos in reqs:
+        for prefix, suffix, max_tokens, priority, salt, use_eos, tenant in reqs:
             prompt = self.PREFIXES[prefix] + suffix or [1]
             rid = f"r{self.next_id}"
             self.next_id += 1
             req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens),
                           eos_token_id=EOS if use_eos else None, arrival_time=float(self.next_id),
-                          priority=priority, cache_salt=salt)
+                          priority=priority, cache_salt=salt, tenant=tenant)
             too_long = len(prompt) >= min(s.max_model_len, s.cache_config.num_blocks * self.bs)
             try:
                 s.add_request(req)
-            except ValueError:
-                assert too_long
+            except ValueError as e:
+                assert too_long or "reserved for other" in str(e), e
                 continue
             assert not too_long
 
