@@ -211,3 +211,26 @@ def test_kv_size_cli_reports_values_and_scales(tmp_path):
                          check=True).stdout
     assert ("KV cache per token: 166,400 bytes = 162.5 KiB per token (160 KiB of fp8_e4m3 values + 2.5 KiB of "
             "bf16 scales, one per token and KV head)") in out
+
+
+# ---------------------------------------------------------------- the engine, unchanged paths
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_prefix_caching_and_preemption_unchanged_on_a_quantised_cache(tmp_path, kv):
+    """A cached block's bytes depend only on its tokens, so a prefix-cache hit, and the
+    recompute after a preemption, give the outputs of a plain run on the same cache format."""
+    from test_engine_oracle import PROMPT_LENS, _engine, _params, _prompts, _run
+
+    from pagedserve.worker.testing import make_test_model
+
+    path = make_test_model("llama-gqa4-hd128", tmp_path)
+    prompts = _prompts(512)
+    plain = _run(_engine(path, enable_prefix_caching=False, kv_cache_dtype=kv), prompts, _params())
+    small = _engine(path, num_gpu_blocks_override=24, max_num_batched_tokens=128, enable_prefix_caching=False,
+                    kv_cache_dtype=kv)
+    assert _run(small, prompts, _params()) == plain
+    assert small.get_stats().num_preemptions > 0
+    cached = _engine(path, enable_prefix_caching=True, kv_cache_dtype=kv)
+    first = PROMPT_LENS.index(150)
+    _run(cached, [prompts[first]], [_params()[first]])
+    assert _run(cached, prompts, _params()) == plain
+    assert cached.get_stats().prefix_cache_hits >= 5 * 64
