@@ -35,7 +35,9 @@ def test_engine_scales_from_one_to_two_replicas_and_both_serve(serve_url, serve_
     from pagedserve.cluster.serve.serve_app import build_app
     from pagedserve.worker.config import EngineConfig
 
-    cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None})
+    # Shedding off: this test overloads one replica on purpose, so that Serve adds one.
+    cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None,
+                                             "max_queue_delay_s": None})
     app = build_app(cfg, min_replicas=1, max_replicas=2, target_ongoing_requests=1,
                     upscale_delay_s=0.0, downscale_delay_s=600.0, look_back_period_s=1.0,
                     metrics_interval_s=0.5, engine_num_cpus=0.5)
