@@ -42,22 +42,17 @@ _SOURCE = r"""
 // 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8. A quantised block is dequantised once per (block,
 // kv head) into a [BS, D] fp32 buffer with its scales folded in, so every query head of
 // the group reads it from L1, and the loops below stay the fp32 ones.
+// fp8 code -> fp32 in integer ops the d loop vectorises: the code's exponent and mantissa
+// bits placed at fp32's positions give the value times 2^-(127 - BIAS) (its subnormals land
+// on fp32 denormals, exactly), and one multiply rebiases. Were denormals flushed on this
+// thread (DAZ), only subnormal codes (|x| < 2^-6 of a row's scale step) would read as 0.
 template <int FMT>
-static inline float dequant(uint8_t byte) {
-  if constexpr (FMT == 3) {
-    return static_cast<float>(static_cast<int8_t>(byte));
-  } else {
-    // Build the fp32 bits directly (no fp32 denormals: subnormal codes take the other
-    // branch), so a flush-to-zero mode on the thread cannot change the result.
-    constexpr uint32_t MB = FMT == 1 ? 3 : 2, EB = FMT == 1 ? 4 : 5;
-    constexpr uint32_t BIAS = FMT == 1 ? 7 : 15;
-    const uint32_t b = byte, e = (b >> MB) & ((1u << EB) - 1), m = b & ((1u << MB) - 1);
-    const uint32_t bits = ((b & 0x80u) << 24) | ((e + 127 - BIAS) << 23) | (m << (23 - MB));
-    float normal;
-    std::memcpy(&normal, &bits, 4);
-    const float sub = static_cast<float>(m) * std::ldexp(1.f, 1 - static_cast<int>(BIAS + MB));
-    return e ? normal : ((b & 0x80u) ? -sub : sub);
-  }
+static inline float fp8_to_float(uint8_t byte) {
+  constexpr uint32_t MB = FMT == 1 ? 3 : 2;
+  constexpr float REBIAS = FMT == 1 ? 0x1p120f : 0x1p112f;  // 2^(127 - 7), 2^(127 - 15)
+  const uint32_t b = byte;
+  const uint32_t bits = ((b & 0x80u) << 24) | ((b & 0x7Fu) << (23 - MB));
+  return __builtin_bit_cast(float, bits) * REBIAS;
 }
 
 template <int FMT>
@@ -67,8 +62,13 @@ static inline void dequant_block(const uint8_t* src, const at::BFloat16* scales,
     const uint8_t* row = src + t * row_stride;
     const float s = static_cast<float>(scales[t * row_stride / D]);
     float* d_row = dst + t * D;
+    if constexpr (FMT == 3) {
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) d_row[d] = dequant<FMT>(row[d]) * s;
+      for (int64_t d = 0; d < D; ++d) d_row[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) d_row[d] = fp8_to_float<FMT>(row[d]) * s;
+    }
   }
 }
 
@@ -201,7 +201,7 @@ def _load():
                 from torch.utils.cpp_extension import load_inline
 
                 _MODULE = load_inline(
-                    name="pagedserve_cpu_decode_attention_v3",
+                    name="pagedserve_cpu_decode_attention_v4",
                     cpp_sources=_SOURCE + "\n",
                     functions=["decode_attention", "decode_attention_quant"],
                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd"],
