@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
+from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfig
 from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -44,6 +44,13 @@ class EngineConfig:
     max_queue_delay_s: float | None = 3.0
     num_threads: int | None = None  # CPU intra-op threads per worker (None: torch's default)
     watermark: float = 0.01
+    # Tenants (scheduler/fair_queue.py, tenancy.py): fair-share weight per tenant (default
+    # 1), {"tenant" or "priority:N": {"blocks": n, "seqs": m}} held back for that class, a
+    # prefix cache of its own per tenant, and hysteresis for resumed requests (in steps).
+    tenant_weights: dict[str, float] | None = None
+    reservations: dict[str, dict[str, int]] | None = None
+    isolate_tenant_prefix_cache: bool = True
+    preemption_protect_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -76,6 +83,10 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             scheduling_policy=self.scheduling_policy,
             max_waiting_requests=self.max_waiting_requests,
+            tenant_weights=dict(self.tenant_weights or {}),
+            reservations={k: Reservation(**v) for k, v in (self.reservations or {}).items()},
+            isolate_tenant_prefix_cache=self.isolate_tenant_prefix_cache,
+            preemption_protect_steps=self.preemption_protect_steps,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

@@ -53,12 +53,49 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="429 when a request would wait longer than this to start, at the measured "
                         "drain rate (default %(default)s; 0 turns it off)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per worker")
+    t = parser.add_argument_group("tenants")
+    t.add_argument("--tenant-weight", action="append", type=_tenant_weight, default=None,
+                   metavar="NAME=W", help="fair-share weight of a tenant (default 1); repeatable")
+    t.add_argument("--reserve", action="append", type=_reservation, default=None,
+                   metavar="CLASS:blocks=N,seqs=M",
+                   help="KV blocks and batch slots held for a tenant or priority:N; repeatable")
+    t.add_argument("--isolate-tenant-prefix-cache", action=argparse.BooleanOptionalAction,
+                   default=d.isolate_tenant_prefix_cache,
+                   help="a prefix cache per tenant (default on: no cross-tenant timing channel)")
+    t.add_argument("--preemption-protect-steps", type=int, default=d.preemption_protect_steps,
+                   help="steps a resumed request is spared from preemption")
     return parser
+
+
+def _tenant_weight(text: str):
+    from pagedserve.cluster.serve.tenants import parse_tenant_weight
+
+    try:
+        return parse_tenant_weight(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _reservation(text: str):
+    from pagedserve.cluster.serve.tenants import parse_reservation
+
+    try:
+        return parse_reservation(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.field_names()
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    weights, reserve = getattr(args, "tenant_weight", None), getattr(args, "reserve", None)
+    if weights:
+        kw["tenant_weights"] = dict(weights)
+    if reserve:
+        if len({c for c, _ in reserve}) < len(reserve):
+            raise SystemExit("error: --reserve names one class twice")
+        kw["reservations"] = dict(reserve)
+    return EngineConfig(**kw)
 
 
 def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:

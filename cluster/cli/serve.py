@@ -42,6 +42,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (401 without it); "
                         "default: $PAGEDSERVE_API_KEY, else no key. /health and /metrics stay open")
+    s.add_argument("--api-keys-file", default=None,
+                   help="YAML/JSON file of API key -> tenant (or {tenant, weight}); each is a valid "
+                        "key on /v1/* next to --api-key")
+    s.add_argument("--allow-tenant-header", action="store_true",
+                   help="let an x-tenant header name the tenant (of a key the file does not map)")
     s.add_argument("--max-request-body-bytes", type=parse_size, default=None,
                    help="413 for a larger request body, e.g. 8MiB (default: 4 MiB + 32 bytes "
                         "per token of max_model_len, room for any prompt the model can take)")
@@ -79,7 +84,8 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(cfg, min_replicas=args.min_replicas, max_replicas=max_replicas,
                         target_ongoing_requests=args.target_ongoing_requests,
                         upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
-                        api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes)
+                        api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                        api_keys_file=args.api_keys_file, allow_tenant_header=args.allow_tenant_header)
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:

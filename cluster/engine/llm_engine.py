@@ -102,6 +102,7 @@ class LLMEngine:
         # the serving layer's measure of how fast the waiting queue drains.
         self.num_admitted = 0
         self._samples: dict[str, tuple[_Group, _Sample]] = {}
+        self.last_plan = None
 
     def _log_kv_sizing(self) -> dict:
         tp = self.config.tensor_parallel_size
@@ -151,7 +152,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, tenant: str | None = None) -> None:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use.")
         prompt_ids = self.tokenize(prompt)
@@ -175,12 +176,31 @@ class LLMEngine:
             sample = _Sample(i, req_id, detok, child, logprobs=[] if child.logprobs is not None else None)
             group.samples.append(sample)
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
-                                    priority=priority, cache_salt=cache_salt))
+                                    priority=priority, cache_salt=cache_salt, tenant=tenant))
         self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
         group.pending = requests[1:]
         self._groups[request_id] = group
         for sample in group.samples:
             self._samples[sample.req_id] = (group, sample)
+
+    def request_status(self, request_id: str) -> dict | None:
+        """Where a live request stands (its first sample's scheduler request, which every
+        sibling waits behind): running or waiting, and why (Scheduler.waiting_info)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        req = self.scheduler.get_request(group.samples[0].req_id)
+        if req is None:
+            return None
+        info = self.scheduler.waiting_info(req.req_id)
+        out = {"status": "waiting" if info is not None else "running", "tenant": req.tenant,
+               "priority": req.priority, "num_preemptions": req.num_preemptions,
+               "num_computed_tokens": req.num_computed_tokens,
+               "num_prompt_tokens": len(group.prompt_token_ids),
+               "num_output_tokens": sum(len(s.token_ids) for s in group.samples)}
+        if info is not None:
+            out.update(info)
+        return out
 
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End one request with an error of its own (see ``_fail_group``)."""
@@ -228,6 +248,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
         if plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids:
             result = self.executor.execute_model(plan)
         else:

@@ -38,6 +38,9 @@ class Admission:
     message: str = ""
     prompt_token_ids: list[int] = field(default_factory=list)
     retry_after_s: int | None = None
+    # Accepted: the request's status after its first step (engine.request_status), None
+    # if it already finished; the ingress turns a waiting one into x-pagedserve-queue.
+    queue: dict | None = None
 
 
 class DrainMeter:

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.serve.responses import error_body
+from pagedserve.cluster.serve.tenants import DEFAULT_TENANT, TENANT_HEADER, check_tenant_name
 
 logger = logging.getLogger("pagedserve")
 
@@ -54,16 +55,21 @@ class IngressConfig:
 
     api_key: str | None = None  # /v1/* needs "Authorization: Bearer <api_key>"
     max_request_body_bytes: int | None = None  # None: default_max_request_body_bytes
+    # {key: tenant} from --api-keys-file (tenants.py); any of them is a valid key too.
+    api_keys: dict[str, str] | None = None
+    allow_tenant_header: bool = False  # x-tenant names the tenant of an unmapped key
 
     @classmethod
-    def from_options(cls, api_key: str | None = None,
-                     max_request_body_bytes: int | None = None) -> "IngressConfig":
+    def from_options(cls, api_key: str | None = None, max_request_body_bytes: int | None = None,
+                     api_keys: dict[str, str] | None = None,
+                     allow_tenant_header: bool = False) -> "IngressConfig":
         """``api_key`` falls back to $PAGEDSERVE_API_KEY of the process that builds the app
         (the CLI, or ``serve run``), so a key need not be written into a config file."""
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if max_request_body_bytes is not None and max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}.")
-        return cls(api_key=key or None, max_request_body_bytes=max_request_body_bytes)
+        return cls(api_key=key or None, max_request_body_bytes=max_request_body_bytes,
+                   api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header))
 
 
 class EdgeGuard:
@@ -76,13 +82,42 @@ class EdgeGuard:
         # Compared as digests: equal length, so compare_digest's time says nothing.
         self._key_digest = (None if config.api_key is None
                             else hashlib.sha256(config.api_key.encode()).digest())
+        # Mapped keys are looked up by digest: the dict never holds a key itself, and a
+        # lookup's time depends on the digest, which says nothing about the key.
+        self._tenant_of = {hashlib.sha256(k.encode()).digest(): t
+                           for k, t in (config.api_keys or {}).items()}
+        self.keys_required = self._key_digest is not None or bool(self._tenant_of)
 
-    def authorized(self, authorization: str | None) -> bool:
-        if self._key_digest is None:
-            return True
+    def identify(self, authorization: str | None) -> tuple[bool, str | None]:
+        """(authorized, the key's tenant or None)."""
+        if not self.keys_required:
+            return True, None
         scheme, _, token = (authorization or "").partition(" ")
         given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._key_digest)
+        if scheme.lower() != "bearer":
+            return False, None
+        tenant = self._tenant_of.get(given)
+        if tenant is not None:
+            return True, tenant
+        return (self._key_digest is not None and hmac.compare_digest(given, self._key_digest)), None
+
+    def authorized(self, authorization: str | None) -> bool:
+        return self.identify(authorization)[0]
+
+    def tenant(self, key_tenant: str | None, header: str | None) -> tuple[str | None, str]:
+        """(error message or None, tenant) for a request with this key tenant and x-tenant."""
+        if header is None:
+            return None, key_tenant or DEFAULT_TENANT
+        if not self.config.allow_tenant_header:
+            return (f"the {TENANT_HEADER} header is not accepted by this server (start it with "
+                    f"--allow-tenant-header)"), DEFAULT_TENANT
+        try:
+            check_tenant_name(header, TENANT_HEADER)
+        except ValueError as e:
+            return str(e), DEFAULT_TENANT
+        if key_tenant is not None and header != key_tenant:
+            return f"this API key belongs to another tenant than {header!r}", DEFAULT_TENANT
+        return None, header
 
     async def body_limit(self) -> int:
         if self._limit is None:  # max_model_len is the engine's; ask once
@@ -169,12 +204,20 @@ class EdgeMiddleware:
             path = path[len(root):]
         # As vLLM's --api-key: /v1/* only (/health, /metrics, /tokenize stay open), and
         # never an OPTIONS preflight.
-        if (path.startswith("/v1") and scope["method"] != "OPTIONS"
-                and not guard.authorized(headers.get("authorization"))):
-            await _send(send, error(401, "invalid or missing API key: send "
-                                         "'Authorization: Bearer <key>'",
-                                    headers={"WWW-Authenticate": "Bearer"}), scope, receive)
-            return
+        if path.startswith("/v1") and scope["method"] != "OPTIONS":
+            ok, key_tenant = guard.identify(headers.get("authorization"))
+            if not ok:
+                await _send(send, error(401, "invalid or missing API key: send "
+                                             "'Authorization: Bearer <key>'",
+                                        headers={"WWW-Authenticate": "Bearer"}), scope, receive)
+                return
+            bad, tenant = guard.tenant(key_tenant, headers.get(TENANT_HEADER))
+            if bad is not None:
+                await _send(send, error(400 if key_tenant is None else 403, bad, param=TENANT_HEADER),
+                            scope, receive)
+                return
+            # Routes read it as request.state.tenant (Starlette's scope["state"]).
+            scope.setdefault("state", {})["tenant"] = tenant
         has_body = "content-length" in headers or "transfer-encoding" in headers
         if not has_body:
             await self.app(scope, receive, send)

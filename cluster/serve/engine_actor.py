@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedserve.cluster.engine.executor import ExecutorDeadError
 from pagedserve.cluster.engine.outputs import RequestOutput
 from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, retry_after
+from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
 from pagedserve.scheduler import QueueFullError
@@ -66,7 +67,7 @@ class EngineDeadError(RuntimeError):
     """The replica's engine cannot step any more; Serve replaces the replica."""
 
 
-class AsyncEngine:
+class AsyncEngine(EngineStatus):
     def __init__(self, engine_config: EngineConfig, stats_sink=None,
                  replica_id: str | None = None) -> None:
         from pagedserve.cluster.engine.llm_engine import LLMEngine
@@ -102,6 +103,7 @@ class AsyncEngine:
         self._stats: dict = stats_snapshot(self.engine.get_stats())
         self._last_push = 0.0
         self._last_pushed: dict | None = None
+        self._init_status()
 
     # ---------------------------------------------------------------- info
     def info(self) -> dict:
@@ -189,17 +191,21 @@ class AsyncEngine:
         engine thread holds the engine's tokenizer)."""
         engine = self.engine
         outputs = None
+        statuses = None
         if engine.has_unfinished_requests():
             waiting_before = len(engine.scheduler.waiting)
             admitted_before = engine.num_admitted
+            t0 = time.monotonic()
             outputs = [self._with_token_text(out) for out in engine.step()]
             now = time.monotonic()
+            self._observe_step(now - t0)
+            statuses = self._first_statuses()
             if waiting_before:  # the queue was not empty: this step drained at capacity
                 self._drain.observe(now - self._last_step_end, engine.num_admitted - admitted_before)
             self._last_step_end = now
         else:
             self._last_step_end = time.monotonic()
-        return outputs, stats_snapshot(engine.get_stats())
+        return outputs, self._with_view(stats_snapshot(engine.get_stats())), statuses
 
     def _with_token_text(self, out: RequestOutput):
         if out.error is not None:
@@ -224,7 +230,7 @@ class AsyncEngine:
             self._wakeup.clear()
             self._step_started = time.monotonic()
             try:
-                outputs, self._stats = await self._call(self._step_once)
+                outputs, self._stats, statuses = await self._call(self._step_once)
             except Exception as e:
                 # Not attributable to one request: no later step can be trusted either.
                 logger.exception("engine step failed on replica %s", self.replica_id)
@@ -232,6 +238,10 @@ class AsyncEngine:
                 return
             finally:
                 self._step_started = None
+            for rid, st in (statuses or {}).items():
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(QueueStatus(st))
             for out, token_text in outputs or ():
                 self._pending_blocks.pop(out.request_id, None)
                 q = self._queues.get(out.request_id)
@@ -264,7 +274,8 @@ class AsyncEngine:
             logger.debug("stats push failed", exc_info=True)
 
     # ---------------------------------------------------------------- requests
-    def _admit_and_add(self, request_id, prompt_ids, params, priority, cache_salt) -> Admission | None:
+    def _admit_and_add(self, request_id, prompt_ids, params, priority, cache_salt,
+                       tenant=None) -> Admission | None:
         """Engine thread, so the counts admission sees are exact (admission.py)."""
         rejected = admit(
             self.engine.get_stats(), replica_id=self.replica_id, max_num_seqs=self.config.max_num_seqs,
@@ -273,7 +284,8 @@ class AsyncEngine:
             rate=self._drain.rate, max_waiting=self.max_waiting,
             max_queue_delay_s=self.max_queue_delay_s)
         if rejected is None:
-            self.engine.add_request(request_id, prompt_ids, params, None, priority, cache_salt)
+            self.engine.add_request(request_id, prompt_ids, params, None, priority, cache_salt, tenant)
+            self._new_ids.append(request_id)
             self._pending_blocks[request_id] = -(-len(prompt_ids) // self.config.block_size)
         return rejected
 
@@ -296,7 +308,8 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int] | None,
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                       messages: list[dict] | None = None, add_generation_prompt: bool = True):
+                       messages: list[dict] | None = None, add_generation_prompt: bool = True,
+                       tenant: str | None = None):
         if self._dead is not None:
             yield Admission(False, self.replica_id, 503,
                             f"This engine replica is unavailable ({self._dead}); retry shortly.",
@@ -314,7 +327,7 @@ class AsyncEngine:
         try:
             try:
                 rejected = await self._call(self._admit_and_add, request_id, prompt_ids, params,
-                                            priority, cache_salt)
+                                            priority, cache_salt, tenant)
                 if rejected is not None:
                     finished = True
                     yield rejected
@@ -329,9 +342,15 @@ class AsyncEngine:
                                 retry_after_s=retry_after(1, self._drain.rate))
                 return
             self._wakeup.set()
-            yield Admission(True, self.replica_id, prompt_token_ids=prompt_ids)
-            while True:
+            # Accepted: the admission goes out after the first step that saw the request,
+            # with its queue status (at most one step later; its first token cannot come
+            # sooner anyway), so the ingress can put why-waiting in the response header.
+            item = await queue.get()
+            status = item.status if isinstance(item, QueueStatus) else None
+            yield Admission(True, self.replica_id, prompt_token_ids=prompt_ids, queue=status)
+            if isinstance(item, QueueStatus):
                 item = await queue.get()
+            while True:
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -339,6 +358,7 @@ class AsyncEngine:
                 yield item  # (RequestOutput, {token id: text} | None)
                 if finished:
                     return
+                item = await queue.get()
         finally:
             self._queues.pop(request_id, None)
             self._pending_blocks.pop(request_id, None)

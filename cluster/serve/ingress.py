@@ -14,8 +14,8 @@ import json
 import logging
 import time
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip
@@ -27,9 +27,13 @@ from pagedserve.cluster.serve.protocol import (ChatCompletionRequest, Completion
                                                DetokenizeRequest, TokenizeRequest)
 from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, ModelList,
                                                 TokenizeResponse, error_body, random_id)
+from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
+                                                     request_object)
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
+REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
+QUEUE_HEADER = "x-pagedserve-queue"  # why-waiting at admission (request_status.py)
 HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
 
 app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
@@ -58,6 +62,7 @@ class OpenAIIngress:
         self.config = config or IngressConfig()
         self._info: dict | None = None
         self._metrics: ServeMetrics | None = None
+        self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
         activate(EdgeGuard(self.config, self._max_model_len))
 
     async def _max_model_len(self) -> int:
@@ -77,11 +82,11 @@ class OpenAIIngress:
         return None
 
     # ------------------------------------------------------------ generation
-    async def _start(self, rid: str, prompt, params, body, messages=None):
+    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None):
         """Open the engine stream; return (stream, admission) or (None, error response)."""
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages,
-            getattr(body, "add_generation_prompt", True))
+            getattr(body, "add_generation_prompt", True), tenant)
         try:
             adm = await stream.__anext__()
         except asyncio.CancelledError:
@@ -91,7 +96,16 @@ class OpenAIIngress:
             return None, error(adm.status, adm.message, adm.retry_after_s)
         return stream, adm
 
-    async def _generate(self, body, chat: bool):
+    async def _generate(self, body, chat: bool, request: Request):
+        tenant = getattr(request.state, "tenant", None)
+        rid = random_id("chatcmpl" if chat else "cmpl")
+        self._live.add(rid, tenant)
+        try:
+            return await self._generate_as(body, chat, rid, tenant)
+        finally:
+            self._live.release(rid)  # a stream keeps it until its body generator ends
+
+    async def _generate_as(self, body, chat: bool, rid: str, tenant):
         bad = await self._check_model(body.model)
         if bad is not None:
             return bad
@@ -105,14 +119,19 @@ class OpenAIIngress:
             return error(400, str(e))
         info = await self.info()
         model = info["served_model_name"]
-        rid = random_id("chatcmpl" if chat else "cmpl")
         created = int(time.time())
-        stream, adm = await self._start(rid, prompt, params, body, messages)
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant)
         if stream is None:
             return adm
-        headers = {REPLICA_HEADER: adm.replica_id}
+        self._live.placed(rid, adm.replica_id)
+        # The id as GET /v1/requests/{id} takes it, before a streamed body names it.
+        headers = {REPLICA_HEADER: adm.replica_id, REQUEST_ID_HEADER: rid}
+        queued = queue_header(adm.queue)
+        if queued is not None:
+            headers[QUEUE_HEADER] = queued
         if body.stream:
             state = fmt.StreamState(rid, created, model, chat, body.return_token_ids)
+            self._live.hold(rid)
             return StreamingResponse(self._sse(stream, state, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
         final, token_text = None, {}
@@ -153,6 +172,7 @@ class OpenAIIngress:
             yield fmt.SSE_DONE
             self._observe(final)
         finally:
+            self._live.release(state.rid)
             if final is None or not final.finished:
                 stream.cancel()  # disconnect mid-stream: abort in the engine
 
@@ -161,12 +181,42 @@ class OpenAIIngress:
             self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs))
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        return await self._generate(body, chat=False)
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._generate(body, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
-        return await self._generate(body, chat=True)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        return await self._generate(body, chat=True, request=request)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_status(self, request_id: str, request: Request):
+        """Where a live request stands. Only its own tenant sees it (404 for anyone else,
+        the same answer as for an id that never was, so ids of others cannot be probed)."""
+        live = self._live.get(request_id)
+        if live is None or live[0] != getattr(request.state, "tenant", None):
+            return error(404, f"no live request {request_id!r} (finished, or never was)",
+                         param="request_id")
+        # A Serve handle cannot pick the replica: ask until the one holding it answers
+        # (one replica by default; with k, each try hits it with chance ~1/k).
+        if live[1] is None:  # accepted by the ingress, not yet by a replica (tokenizing)
+            return JSONResponse(request_object(request_id, {"status": "admitting", "tenant": live[0]}))
+        merged = await self.stats.merged.remote()
+        for _ in range(4 * max(1, merged.get("num_replicas", 1))):
+            st = await self.engine.request_info.remote(request_id)
+            if st is not None:
+                return JSONResponse(request_object(request_id, st))
+            if self._live.get(request_id) is None:
+                break  # it just finished
+        return error(404, f"request {request_id!r} is not in any replica's queue or batch now",
+                     param="request_id")
+
+    @app.get("/dashboard")
+    async def dashboard(self):
+        return HTMLResponse(DASHBOARD_HTML)
+
+    @app.get("/dashboard/state")
+    async def dashboard_state(self):
+        return JSONResponse({"replicas": await self.stats.views.remote()})
 
     # ------------------------------------------------------------ the rest
     @app.get("/v1/models")

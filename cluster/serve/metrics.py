@@ -21,10 +21,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pagedserve.scheduler.stats import WAITING_REASONS
+
 PREFIX = "pagedserve:"
 
 # Snapshot keys summed across replicas. Counters are monotonic per replica.
 GAUGE_KEYS = ("running", "waiting", "num_free_blocks", "num_blocks", "num_used_blocks")
+TENANT_KEYS = ("running", "waiting", "tokens")  # tokens: cumulative scheduled (a counter)
 COUNTER_KEYS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
                 "num_prompt_tokens", "num_generation_tokens")
 
@@ -38,6 +41,10 @@ def stats_snapshot(stats: Any) -> dict[str, Any]:
     # Blocks held by requests (cached-but-free prefix blocks are not "used").
     snap["num_used_blocks"] = round(snap["kv_cache_usage"] * int(snap["num_blocks"]))
     snap["waiting_by_reason"] = dict(raw.get("waiting_by_reason") or {})
+    snap["queue_kv_demand_blocks"] = int(raw.get("queue_kv_demand_blocks", 0) or 0)
+    # {tenant: {"running", "waiting", "tokens"}}; the VTC counter stays inside the scheduler.
+    snap["tenants"] = {t: {k: v.get(k, 0) for k in TENANT_KEYS}
+                       for t, v in (raw.get("tenants") or {}).items()}
     return snap
 
 
@@ -48,16 +55,28 @@ class StatsAggregator:
     def __init__(self, stale_after_s: float = 10.0) -> None:
         self.stale_after_s = stale_after_s
         self._latest: dict[str, tuple[float, dict[str, Any]]] = {}
+        self._views: dict[str, dict] = {}
         self._retired = {k: 0 for k in COUNTER_KEYS}
+        self._retired_tenant_tokens: dict[str, float] = {}
 
     def report(self, replica_id: str, snapshot: dict[str, Any], now: float | None = None) -> None:
+        view = snapshot.pop("view", None)  # the dashboard's; not summed
+        if view is not None:
+            self._views[replica_id] = view
         self._latest[replica_id] = (time.monotonic() if now is None else now, snapshot)
+
+    def views(self) -> dict[str, dict]:
+        """{replica id: its latest live view (live_view.py)}, live replicas only."""
+        return {rid: self._views[rid] for rid in sorted(self._latest) if rid in self._views}
 
     def remove(self, replica_id: str) -> None:
         entry = self._latest.pop(replica_id, None)
+        self._views.pop(replica_id, None)
         if entry is not None:
             for k in COUNTER_KEYS:
                 self._retired[k] += entry[1].get(k, 0)
+            for t, v in entry[1].get("tenants", {}).items():
+                self._retired_tenant_tokens[t] = self._retired_tenant_tokens.get(t, 0) + v.get("tokens", 0)
 
     def merged(self, now: float | None = None) -> dict[str, Any]:
         now = time.monotonic() if now is None else now
@@ -73,6 +92,17 @@ class StatsAggregator:
             for r, c in s.get("waiting_by_reason", {}).items():
                 reasons[r] = reasons.get(r, 0) + c
         out["waiting_by_reason"] = reasons
+        out["queue_kv_demand_blocks"] = sum(s.get("queue_kv_demand_blocks", 0) for s in snaps)
+        tenants: dict[str, dict[str, float]] = {}
+        for s in snaps:
+            for t, v in s.get("tenants", {}).items():
+                acc = tenants.setdefault(t, dict.fromkeys(TENANT_KEYS, 0))
+                for k in TENANT_KEYS:
+                    acc[k] += v.get(k, 0)
+        # Tokens of a retired replica's tenants keep counting (the counter never drops).
+        for t, n in self._retired_tenant_tokens.items():
+            tenants.setdefault(t, dict.fromkeys(TENANT_KEYS, 0))["tokens"] += n
+        out["tenants"] = tenants
         # Pool-weighted usage: used blocks over all blocks of all live replicas.
         out["kv_cache_usage"] = (out["num_used_blocks"] / out["num_blocks"]) if out["num_blocks"] else 0.0
         out["num_replicas"] = len(snaps)
@@ -113,9 +143,16 @@ class _EngineCollector:
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", m["waiting"])
         by_reason = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason",
                                       "Waiting requests by reason.", labels=["model_name", "reason"])
-        for reason, count in sorted(m["waiting_by_reason"].items()):
+        # Every reason always (0 when none wait for it), so a dashboard's series exist.
+        reasons = {**dict.fromkeys(WAITING_REASONS, 0), **m["waiting_by_reason"]}
+        for reason, count in sorted(reasons.items()):
             by_reason.add_metric([self.model_name, str(reason)], count)
         yield by_reason
+        yield gauge("num_free_blocks", "Free KV-cache blocks (cached-free included).",
+                    m["num_free_blocks"])
+        yield gauge("queue_kv_demand_blocks", "KV blocks the waiting prompts would take.",
+                    m.get("queue_kv_demand_blocks", 0))
+        yield from _tenant_families(self.model_name, m.get("tenants", {}))
         yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
                     m["kv_cache_usage"])
         yield gauge("num_gpu_blocks", "KV-cache blocks over all replicas.", m["num_blocks"])
@@ -127,6 +164,20 @@ class _EngineCollector:
                       m["prefix_cache_hits"])
         yield counter("prompt_tokens", "Prefill tokens processed.", m["num_prompt_tokens"])
         yield counter("generation_tokens", "Tokens generated.", m["num_generation_tokens"])
+
+
+def _tenant_families(model_name: str, tenants: dict[str, dict[str, float]]):
+    fams = (GaugeMetricFamily(PREFIX + "tenant_requests_running", "Running requests per tenant.",
+                              labels=["model_name", "tenant"]),
+            GaugeMetricFamily(PREFIX + "tenant_requests_waiting", "Waiting requests per tenant.",
+                              labels=["model_name", "tenant"]),
+            CounterMetricFamily(PREFIX + "tenant_tokens", "Tokens scheduled per tenant "
+                                "(prefill and decode: the fair share's measure).",
+                                labels=["model_name", "tenant"]))
+    for t, v in sorted(tenants.items()):
+        for fam, k in zip(fams, TENANT_KEYS):
+            fam.add_metric([model_name, t], v.get(k, 0))
+    yield from fams
 
 
 class ServeMetrics:

@@ -18,7 +18,8 @@ from pagedserve.cluster.serve.responses import (ChatCompletionChoice, ChatComple
                               ChatCompletionStreamResponse, ChatLogprobs, ChatLogprobToken,
                               ChatLogprobTop, ChatResponseMessage, ChatStreamChoice,
                               CompletionChoice, CompletionLogprobs, CompletionResponse,
-                              CompletionStreamResponse, DeltaMessage, UsageInfo)
+                              CompletionStreamResponse, DeltaMessage, PromptTokensDetails,
+                              UsageInfo)
 
 
 def sse(obj) -> str:
@@ -33,7 +34,8 @@ def usage_of(out: RequestOutput) -> UsageInfo:
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
 def _text_of(tok: int, token_text: dict[int, str]) -> str:

@@ -23,10 +23,15 @@ class OpenAIBase(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class PromptTokensDetails(OpenAIBase):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (this tenant's own)
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(OpenAIBase):

@@ -30,7 +30,10 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     metrics_interval_s=10.0, max_ongoing_requests=1024, engine_num_cpus=1.0,
     # The HTTP front's (cluster/serve/edge.py IngressConfig); api_key falls back to
     # $PAGEDSERVE_API_KEY, max_request_body_bytes to a bound derived from max_model_len.
-    api_key=None, max_request_body_bytes=None)
+    api_key=None, max_request_body_bytes=None,
+    # Tenants (cluster/serve/tenants.py): a YAML/JSON file of API key -> tenant (+ weight),
+    # and whether an x-tenant header may name the tenant of a request.
+    api_keys_file=None, allow_tenant_header=False)
 
 
 @serve.deployment(name="StatsAggregator", num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -47,6 +50,9 @@ class StatsAggregatorDeployment:
 
     def merged(self) -> dict:
         return self.agg.merged()
+
+    def views(self) -> dict:
+        return self.agg.views()
 
 
 @serve.deployment(name="EngineDeployment")
@@ -66,10 +72,13 @@ class EngineDeployment:
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
     async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                       messages=None, add_generation_prompt=True):
+                       messages=None, add_generation_prompt=True, tenant=None):
         async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
-                                             messages, add_generation_prompt):
+                                             messages, add_generation_prompt, tenant):
             yield item
+
+    async def request_info(self, request_id: str) -> dict | None:
+        return await self.core.request_info(request_id)
 
     def info(self) -> dict:
         return self.core.info()
@@ -154,8 +163,19 @@ def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: 
     from pagedserve.cluster.serve.edge import IngressConfig
     from pagedserve.cluster.serve.ingress import OpenAIIngress
 
-    ingress_config = IngressConfig.from_options(serve_opts.pop("api_key", None),
-                                                serve_opts.pop("max_request_body_bytes", None))
+    import dataclasses
+
+    from pagedserve.cluster.serve.tenants import key_weights, load_api_keys
+
+    keys_file = serve_opts.pop("api_keys_file", None)
+    keys = load_api_keys(keys_file) if keys_file else {}
+    if keys:  # the file's weights join the engine's; a flag names a weight the file does not
+        weights = {**key_weights(keys), **(engine_config.tenant_weights or {})}
+        engine_config = dataclasses.replace(engine_config, tenant_weights=weights or None)
+    ingress_config = IngressConfig.from_options(
+        serve_opts.pop("api_key", None), serve_opts.pop("max_request_body_bytes", None),
+        api_keys={k: v.tenant for k, v in keys.items()},
+        allow_tenant_header=serve_opts.pop("allow_tenant_header", False))
     stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator").bind()
     engine = EngineDeployment.options(
         name=name_prefix + "EngineDeployment",
