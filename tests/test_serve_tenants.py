@@ -184,3 +184,82 @@ def test_two_tenants_10_to_1_get_even_token_shares(url):
           f"waiting at the end {waiting}")
     assert waiting.get("heavy", 0) > 0  # heavy was backlogged
     assert 0.45 <= share <= 0.55
+
+
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None,
+                    reason="needs Debian's chromium (apt-get install -y chromium)")
+def test_dashboard_in_headless_chromium(url, tmp_path):
+    """Under load, in a real browser: the block map (canvas) differs between two
+    screenshots, and the newest timeline row names the running requests' ids."""
+    import threading
+
+    from pagedserve.loadtest.browser import Browser
+
+    stop, ids = threading.Event(), set()
+
+    async def worker(http, k):
+        i = 0
+        while not stop.is_set():
+            i += 1
+            body = {"prompt": f"dashboard load {k} {i} " * 3, "max_tokens": 48, "ignore_eos": True,
+                    "stream": True}
+            async with http.stream("POST", f"{url}/v1/completions", json=body,
+                                   headers=headers("dash")) as r:
+                ids.add(r.headers["x-pagedserve-request-id"])
+                async for _ in r.aiter_bytes():
+                    pass
+
+    async def load():
+        async with httpx.AsyncClient(timeout=120) as http:
+            await asyncio.gather(*(worker(http, k) for k in range(6)))
+
+    t = threading.Thread(target=asyncio.run, args=(load(),), daemon=True)
+    t.start()
+    try:
+        time.sleep(2)
+        with Browser() as b:
+            b.goto(f"{url}/dashboard")
+            assert b.wait_for("document.querySelectorAll('table.tl .chip').length > 0")
+            shots = []
+            for n in (1, 2):
+                shots.append(b.screenshot(selector="canvas"))
+                (tmp_path / f"dashboard-{n}.png").write_bytes(shots[-1])
+                row = b.evaluate("[...document.querySelector('table.tl tr').querySelectorAll('.chip')]"
+                                 ".map(c => c.title.split(':')[0])")
+                time.sleep(1.5)
+            full = b.screenshot()
+            (tmp_path / "dashboard-page.png").write_bytes(full)
+    finally:
+        stop.set()
+        t.join(60)
+    print(f"dashboard screenshots in {tmp_path}; newest timeline row {row}")
+    assert shots[0] != shots[1]  # the block map moved under load
+    assert len(row) == ENGINE["max_num_seqs"] and set(row) <= ids, (row, sorted(ids)[:8])
+
+
+def test_guard_and_keys_file_units(tmp_path):
+    """No Serve: the x-tenant rule without --allow-tenant-header, and the keys file's checks."""
+    from pagedserve.cluster.serve.edge import EdgeGuard, IngressConfig
+    from pagedserve.cluster.serve.tenants import (key_weights, load_api_keys, parse_reservation,
+                                                  parse_tenant_weight)
+
+    closed = EdgeGuard(IngressConfig(api_keys={"k1": "gold"}), None)
+    assert closed.identify("Bearer k1") == (True, "gold")
+    assert closed.identify("Bearer nope") == (False, None)
+    assert closed.tenant(None, None) == (None, "default")
+    err, _ = closed.tenant(None, "acme")
+    assert "--allow-tenant-header" in err  # refused, and says how to allow it
+    keys = tmp_path / "k.json"
+    keys.write_text('{"a": "t1", "b": {"tenant": "t2", "weight": 2}}')
+    loaded = load_api_keys(str(keys))
+    assert {k: v.tenant for k, v in loaded.items()} == {"a": "t1", "b": "t2"}
+    assert key_weights(loaded) == {"t2": 2.0}
+    keys.write_text('{"a": {"tenant": "t1", "colour": "red"}}')
+    with pytest.raises(ValueError, match="each key maps to"):
+        load_api_keys(str(keys))
+    assert parse_tenant_weight("gold=3") == ("gold", 3.0)
+    assert parse_reservation("gold:blocks=64,seqs=2") == ("gold", {"blocks": 64, "seqs": 2})
+    assert parse_reservation("priority:0:seqs=1") == ("priority:0", {"seqs": 1})
+    for bad in ("gold", "gold:blocks=x", "gold:cpus=1", "priority:x:seqs=1"):
+        with pytest.raises(ValueError):
+            parse_reservation(bad)

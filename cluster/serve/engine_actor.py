@@ -268,6 +268,8 @@ class AsyncEngine(EngineStatus):
             return  # idle and unchanged: the next heartbeat will do
         self._last_push = now
         self._last_pushed = dict(self._stats)
+        if "view" in self._last_pushed:  # the next view is due VIEW_INTERVAL_S after this one went
+            self._last_view = now
         try:
             self._stats_sink(self.replica_id, self._last_pushed)
         except Exception:  # metrics must never take requests down

@@ -57,9 +57,9 @@ class EngineStatus:
         return st
 
     def _with_view(self, snap: dict) -> dict:
-        now = time.monotonic()
-        if now - self._last_view >= VIEW_INTERVAL_S:
-            self._last_view = now
+        # Built on every step once due, until a push carries it (pushes are rate-limited,
+        # so a view on a step whose stats were not sent would be lost; _push_stats resets).
+        if self._stats_sink is not None and time.monotonic() - self._last_view >= VIEW_INTERVAL_S:
             snap["view"] = replica_view(self.engine, self._timeline, self._step_time_s)
         return snap
 

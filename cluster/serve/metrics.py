@@ -60,9 +60,9 @@ class StatsAggregator:
         self._retired_tenant_tokens: dict[str, float] = {}
 
     def report(self, replica_id: str, snapshot: dict[str, Any], now: float | None = None) -> None:
-        view = snapshot.pop("view", None)  # the dashboard's; not summed
-        if view is not None:
-            self._views[replica_id] = view
+        if "view" in snapshot:  # the dashboard's; not summed
+            snapshot = dict(snapshot)
+            self._views[replica_id] = snapshot.pop("view")
         self._latest[replica_id] = (time.monotonic() if now is None else now, snapshot)
 
     def views(self) -> dict[str, dict]:
