@@ -94,7 +94,9 @@ async def _send_once(client, base_url, spec, model, extra_body, timeout, live, s
     last = time.perf_counter()
     retry_after = None
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=timeout) as resp:
+        headers = {"x-tenant": spec.tenant} if spec.tenant else None
+        async with client.stream("POST", f"{base_url}/v1/completions", json=payload, timeout=timeout,
+                                 headers=headers) as resp:
             res.status_code = resp.status_code
             res.replica = resp.headers.get("x-pagedserve-replica", "")
             if resp.status_code != 200:

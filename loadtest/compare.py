@@ -22,7 +22,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from pagedserve.loadtest import robustness
+from pagedserve.loadtest import robustness, tenants_scenario
 from pagedserve.loadtest import scenarios as S
 from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_server
 from pagedserve.loadtest.report import format_table, latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
@@ -33,11 +33,12 @@ from pagedserve.loadtest.vs_vllm import vs_vllm
 SCENARIOS = {"continuous-batching": S.continuous_batching, "paged-kv": S.paged_kv,
              "chunked-prefill": S.chunked_prefill, "prefix-caching": S.prefix_caching,
              "mixed-saturation": S.mixed_saturation, "rate-sweep": S.rate_sweep, "vs-vllm": vs_vllm,
-             "overload": robustness.overload, "cancel-soak": robustness.cancel_soak}
+             "overload": robustness.overload, "cancel-soak": robustness.cancel_soak,
+             "tenants": tenants_scenario.tenants}
 # The robustness scenarios (loadtest/robustness.py) run on request only: they measure
 # the server against itself, not against a baseline, and take minutes each.
-DEFAULT_SCENARIOS = [k for k in SCENARIOS if k not in ("overload", "cancel-soak")]
-SERVER_ORDER = ("default", "static", "no-chunk", "no-prefix", "paged-kv", "contig-kv", "vllm", "none")
+DEFAULT_SCENARIOS = [k for k in SCENARIOS if k not in ("overload", "cancel-soak", "tenants")]
+SERVER_ORDER = ("default", "tenants", "static", "no-chunk", "no-prefix", "paged-kv", "contig-kv", "vllm", "none")
 KV_CACHE_GIB = 1  # CPU KV cache of every server, pagedserve and vLLM alike
 MODEL_CACHE = Path(os.environ.get("LOADTEST_MODEL_CACHE", "/tmp/loadtest-models"))
 # Serving model: small enough for quick runs on 2 cores, big enough that a long prompt's
@@ -103,6 +104,7 @@ class Ctx:
         return {"default": base, "static": {**base, "scheduling_policy": "static"},
                 "no-chunk": {**base, "enable_chunked_prefill": False, "max_num_batched_tokens": self.max_model_len},
                 "no-prefix": {**base, "enable_prefix_caching": False},
+                "tenants": {**base, "allow_tenant_header": True, "max_queue_delay_s": 0},
                 "paged-kv": {**base, **kv}, "contig-kv": {**base, **kv, "kv_allocation": "contiguous"}}[key]
 
     def start(self, key: str):

@@ -45,6 +45,7 @@ class RequestSpec:
     parent: int | None = None  # index of the request that must finish first (multi-turn)
     kind: str = ""
     cache_salt: str | None = None  # isolates this request's prefix-cache lookups (vLLM's field)
+    tenant: str | None = None  # sent as x-tenant (the server needs --allow-tenant-header)
 
     @property
     def expected_output_len(self) -> int:

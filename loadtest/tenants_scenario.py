@@ -1,0 +1,70 @@
+"""The "tenants" scenario (issue 15): one tenant bursts at 5x its fair share while another
+sends a steady trickle; the steady tenant's p99 TTFT must stay within 2x of its p99 when
+it runs alone. Server "tenants": the default engine with --allow-tenant-header (requests
+name their tenant in x-tenant) and admission's queue-delay bound off, so what is measured
+is the scheduler's fair share (scheduler/fair_queue.py), not load shedding.
+
+    capacity   64-token streams at max_num_seqs concurrency           -> C req/s
+    alone      steady: Poisson at STEADY_FRAC x C for T s             -> p99 TTFT alone
+    burst      steady as above + bursty: Poisson at 5 x C/2 for T s   -> steady's p99 TTFT
+               (two equal weights: each tenant's share is C/2)
+"""
+
+from __future__ import annotations
+
+import random
+
+from pagedserve.loadtest.arrivals import arrival_times
+from pagedserve.loadtest.metrics import percentile
+from pagedserve.loadtest.robustness import OUT_LEN
+from pagedserve.loadtest.scenarios import Row, Run, Scenario, _ids
+from pagedserve.loadtest.workloads import RequestSpec
+
+STEADY_FRAC = 0.2
+BURST_X_SHARE = 5.0
+
+
+def _specs(ctx, n: int, seed: int, tenant: str) -> list[RequestSpec]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = rng.randint(16, 48)
+        out.append(RequestSpec(f"{tenant}-{i}", _ids(rng, p, ctx.vocab_size), p, OUT_LEN,
+                               kind=tenant, tenant=tenant))
+    return out
+
+
+def tenants(ctx) -> Scenario:
+    window_s = ctx.n(30, 12)
+
+    def run(server):
+        cap_specs = _specs(ctx, ctx.n(48, 16), ctx.seed + 40, "cap")
+        cap = ctx.bench(server, cap_specs, label="tenants-capacity", max_concurrency=ctx.max_num_seqs)
+        capacity = cap.metrics["request_throughput"]
+        rate_s, rate_b = STEADY_FRAC * capacity, BURST_X_SHARE * capacity / 2
+        steady = _specs(ctx, max(8, round(rate_s * window_s)), ctx.seed + 41, "steady")
+        t_steady = arrival_times(len(steady), rate_s, 1.0, ctx.seed + 42)
+        alone = ctx.bench(server, steady, label="tenants-steady-alone", arrivals=t_steady)
+        bursty = _specs(ctx, round(rate_b * window_s), ctx.seed + 43, "bursty")
+        t_bursty = arrival_times(len(bursty), rate_b, 1.0, ctx.seed + 44)
+        mixed = ctx.bench(server, steady + bursty, label="tenants-burst", arrivals=t_steady + t_bursty,
+                          drain_timeout=120.0, sample_interval=1.0)
+
+        def p99(res, kind):
+            return percentile([r.ttft for r in res.results if r.kind == kind and r.success], 99)
+
+        return {"capacity": capacity, "rate_steady": rate_s, "rate_bursty": rate_b,
+                "alone_p99": p99(alone, "steady"), "mixed_p99": p99(mixed, "steady"),
+                "bursty_p99": p99(mixed, "bursty"), "n_steady": len(steady), "n_bursty": len(bursty),
+                "failed": mixed.metrics["failed"] + alone.metrics["failed"]}
+
+    def rows(_, res):
+        r = res["tenants"]
+        ratio = r["mixed_p99"] / r["alone_p99"] if r["alone_p99"] else float("inf")
+        note = (f"capacity {r['capacity']:.2f} req/s; steady {r['rate_steady']:.2f} req/s x {r['n_steady']}, "
+                f"bursty {r['rate_bursty']:.2f} req/s x {r['n_bursty']} (5x its share); bursty p99 TTFT "
+                f"{r['bursty_p99']:.2f} s; {r['failed']} failed")
+        return [Row("tenants", "steady tenant p99 TTFT (s), with a 5x-share burst vs alone", "alone",
+                    r["alone_p99"], "with burst", r["mixed_p99"], ratio and 1 / ratio, "<= 2x its alone",
+                    ratio <= 2.0 and r["failed"] == 0, note)]
+    return Scenario("tenants", [Run("tenants", "tenants", run)], rows)
