@@ -143,11 +143,13 @@ def test_scraper_reads_pagedserve_exposition_and_vllm_names():
     after = parse_prometheus(sm.render(agg.merged()).decode())
     assert during.prefix == "pagedserve:"
     assert during.gauges["kv_cache_usage_perc"] == pytest.approx(0.4)
-    assert during.waiting_by_reason == {"capacity": 2.0}
+    # Every known reason is exported (0 when none waits for it), the snapshot's own too.
+    from pagedserve.scheduler.stats import WAITING_REASONS
+    assert during.waiting_by_reason == {**dict.fromkeys(WAITING_REASONS, 0.0), "capacity": 2.0}
     v = server_view(before, [before, during, after], after)
     assert v["peak_kv_cache_usage_perc"] == pytest.approx(0.4) and v["peak_num_requests_running"] == 5
     assert v["num_preemptions"] == 3 and v["prefix_cache_hit_rate"] == pytest.approx(0.5)
-    assert v["leaked_blocks"] == 0 and v["peak_waiting_by_reason"] == {"capacity": 2.0}
+    assert v["leaked_blocks"] == 0 and v["peak_waiting_by_reason"] == {**dict.fromkeys(WAITING_REASONS, 0.0), "capacity": 2.0}
     vllm_text = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="x"} 3\n'
                  '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="x"} 0.25\n'
                  '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0",model_name="x"} 64\n')
