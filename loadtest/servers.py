@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,10 +50,13 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, name: str, cmd: list[str], port: int, *, env: dict | None = None,
-                 log_dir: str | Path | None = None, cwd: str | Path = ROOT) -> None:
+                 log_dir: str | Path | None = None, cwd: str | Path | None = None) -> None:
         self.name, self.cmd, self.port = name, cmd, port
         self.env = {**os.environ, **(env or {})}
-        self.cwd = cwd
+        # Not the checkout: its top-level folders (kernels/, scheduler/, ...) would shadow
+        # PyPI packages of those names for a `python -m` server started there (transformers
+        # imports Hugging Face's `kernels` if it finds one; vLLM's server then died on ours).
+        self.cwd = cwd or tempfile.gettempdir()
         log_dir = Path(log_dir or "/tmp/loadtest-logs")
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{port}.log"
