@@ -220,12 +220,14 @@ def test_dashboard_in_headless_chromium(url, tmp_path):
         with Browser() as b:
             b.goto(f"{url}/dashboard")
             assert b.wait_for("document.querySelectorAll('table.tl .chip').length > 0")
-            shots = []
-            for n in (1, 2):
+            shots, row = [], []
+            for n in range(1, 9):  # bounded: up to 8 looks 1.5 s apart, until the map has moved
                 shots.append(b.screenshot(selector="canvas"))
                 (tmp_path / f"dashboard-{n}.png").write_bytes(shots[-1])
                 row = b.evaluate("[...document.querySelector('table.tl tr').querySelectorAll('.chip')]"
-                                 ".map(c => c.title.split(':')[0])")
+                                 ".map(c => c.title.split(':')[0])") or row
+                if len(shots) >= 2 and shots[-1] != shots[0] and row:
+                    break
                 time.sleep(1.5)
             full = b.screenshot()
             (tmp_path / "dashboard-page.png").write_bytes(full)
@@ -233,8 +235,10 @@ def test_dashboard_in_headless_chromium(url, tmp_path):
         stop.set()
         t.join(60)
     print(f"dashboard screenshots in {tmp_path}; newest timeline row {row}")
-    assert shots[0] != shots[1]  # the block map moved under load
-    assert len(row) == ENGINE["max_num_seqs"] and set(row) <= ids, (row, sorted(ids)[:8])
+    assert shots[-1] != shots[0]  # the block map moved under load
+    # The newest step ran some of our streams (not always all max_num_seqs: a finished one's
+    # successor may not have joined yet), and only ours.
+    assert 1 <= len(row) <= ENGINE["max_num_seqs"] and set(row) <= ids, (row, sorted(ids)[:8])
 
 
 def test_guard_and_keys_file_units(tmp_path):
