@@ -222,13 +222,8 @@ class Scheduler(TenantScheduling):
             cached.resumed_from_preemption.append(True)
             cached.new_block_ids.append(list(block_ids_of[req.req_id]))
             cached.num_computed_tokens.append(req.num_computed_tokens)
-        charge = getattr(self.waiting, "charge", None)
-        tenant_tokens = self.tenant_tokens
+        self._charge_tenants(sched_reqs, sched_nums)
         for req, n in zip(sched_reqs, sched_nums):
-            if charge is not None:  # prompt tokens (or recompute) vs decode, for the fair share
-                num_prompt = min(max(req.num_prompt_tokens - req.num_computed_tokens, 0), n)
-                charge(req.tenant, num_prompt, n - num_prompt)
-            tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + n
             req.num_computed_tokens += n
         self.step_id += 1
         plan = SchedulerOutput(

@@ -27,6 +27,17 @@ class TenantScheduling:
                 return None
         return max(candidates, key=lambda j: victim_key(running[j], step, protect, prio, ledger))
 
+    def _charge_tenants(self, sched_reqs: list[Request], sched_nums: list[int]) -> None:
+        """Bill this step's tokens (before num_computed_tokens advances) to each tenant's fair
+        share: prompt tokens (or recompute) vs decode tokens."""
+        charge = getattr(self.waiting, "charge", None)
+        tenant_tokens = self.tenant_tokens
+        for req, n in zip(sched_reqs, sched_nums):
+            if charge is not None:
+                num_prompt = min(max(req.num_prompt_tokens - req.num_computed_tokens, 0), n)
+                charge(req.tenant, num_prompt, n - num_prompt)
+            tenant_tokens[req.tenant] = tenant_tokens.get(req.tenant, 0) + n
+
     def _check_fits_outside_reservations(self, request: Request) -> None:
         """What admission takes must fit outside the others' reservations, or the request
         could never start: refuse it up front (a ValueError, as for a too-long prompt)."""
