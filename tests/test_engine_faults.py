@@ -82,9 +82,13 @@ def test_a_failing_request_fails_alone_while_another_streams(core, site):
 
 def test_a_failing_step_fails_everyone_once_and_the_engine_goes_quiet(core):
     async def scenario():
-        streams = [asyncio.create_task(_collect(core.generate(f"s{i}", [5 + i] * 8, _greedy(200))))
+        streams = [asyncio.create_task(_collect(core.generate(f"s{i}", [5 + i] * 8, _greedy(240))))
                    for i in range(MAX_NUM_SEQS - 1)]  # room left for the poison to join them
-        await asyncio.sleep(0.2)
+        # The poison comes once the streams run (a fixed sleep let a fast machine finish
+        # all 240 tokens first): they are far from done when it joins the next step.
+        deadline = time.monotonic() + 5
+        while core.stats()["running"] < MAX_NUM_SEQS - 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         t0 = time.monotonic()
         poison = asyncio.create_task(_collect(core.generate("p", [7] * 8,
                                                             _greedy(8, stop=[faults.marker("step")]))))
