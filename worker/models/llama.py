@@ -21,6 +21,7 @@ from torch import nn
 
 from pagedserve.kernels import AttentionMetadata, paged_attention, write_kv_cache
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedserve.worker.layers.kv_rotation import kv_rotation
 from pagedserve.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                   copy_checked, read_full)
 from pagedserve.worker.layers.norm import RMSNorm
@@ -82,9 +83,17 @@ class LlamaAttention(nn.Module):
         else:
             k_cache, v_cache, *scales = kv_cache
             k_scale, v_scale = scales or (None, None)
+            rot = None
+            if scales:  # a quantised cache: store rotated K and V (kv_rotation.py)
+                rot = kv_rotation(self.head_dim, qk.dtype, qk.device)
+                qk = qk @ rot
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+                v = v @ rot
             write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping, self.backend, k_scale, v_scale)
             o = paged_attention(q, k_cache, v_cache, md, self.scale, backend=self.backend, k_scale=k_scale,
                                 v_scale=v_scale)
+            if rot is not None:
+                o = o @ rot.mT  # o was computed from rotated V: rotate back (R R^T = I)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
