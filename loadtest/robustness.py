@@ -63,7 +63,9 @@ def _phase(res) -> dict:
             "p99_ttft_s": percentile([r.ttft for r in admitted], 99),
             "p50_ttft_s": percentile([r.ttft for r in admitted], 50),
             "admitted_per_s": len(admitted) / res.metrics["duration"] if res.metrics["duration"] else 0.0,
-            "replicas": {r.replica for r in admitted if r.replica}}
+            "replicas": {r.replica for r in admitted if r.replica},
+            "client_lag_p99_s": res.metrics.get("client_loop_lag_p99_s", 0.0),
+            "client_lag_max_s": res.metrics.get("client_loop_lag_max_s", 0.0)}
 
 
 def overload(ctx) -> Scenario:
@@ -94,7 +96,8 @@ def overload(ctx) -> Scenario:
         restarts = max(0, len(r["replicas"]) - 1)
         note = "; ".join(f"{m}x: {p['sent']} sent, {p['admitted']} admitted ({p['admitted_per_s']:.1f}/s), "
                          f"{p['429']} x 429 (Retry-After {p['retry_after_values'][:6]}), "
-                         f"p50/p99 TTFT {p['p50_ttft_s']:.2f}/{p['p99_ttft_s']:.2f} s"
+                         f"p50/p99 TTFT {p['p50_ttft_s']:.2f}/{p['p99_ttft_s']:.2f} s, "
+                         f"client loop lag p99/max {p['client_lag_p99_s']:.2f}/{p['client_lag_max_s']:.2f} s"
                          for m, p in sorted(ph.items()))
         out = [Row("overload", "capacity (req/s, 64-token streams)", "-", 0, "measured", r["capacity_req_s"],
                    None, "reported", None, note),

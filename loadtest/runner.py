@@ -23,6 +23,9 @@ from pagedserve.loadtest.metrics import ServerSample, compute_metrics, parse_pro
 from pagedserve.loadtest.workloads import RequestSpec, summarize
 
 
+LAG_PROBE_S = 0.01
+
+
 @dataclass
 class BenchmarkResult:
     label: str
@@ -116,12 +119,25 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
                 except asyncio.TimeoutError:
                     pass
 
+        lags: list[float] = []
+
+        async def lag_probe() -> None:
+            # The client's own event-loop lag: how late a 10 ms sleep wakes. A client
+            # that lags measures its lag into every TTFT (a token that arrived waits
+            # to be read), so a saturated load generator shows here, not as server time.
+            while not stop.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(LAG_PROBE_S)
+                lags.append(max(0.0, time.perf_counter() - t - LAG_PROBE_S))
+
         sampler_task = asyncio.create_task(sampler()) if sample_interval > 0 else None
+        lag_task = asyncio.create_task(lag_probe())
         await asyncio.gather(*(one(i) for i in range(len(specs))))
         duration = time.perf_counter() - start
         stop.set()
         if sampler_task:
             await sampler_task
+        await lag_task
         if bar:
             bar.close()
         after = await _drain(client, base_url, drain_timeout)
@@ -133,6 +149,9 @@ async def run_benchmark(base_url: str, specs: list[RequestSpec], *, model: str |
     metrics = compute_metrics(done, duration, goodput)
     if times and times[-1] > 0:  # the rate this sample of arrivals actually offered
         metrics["offered_request_rate"] = len(times) / times[-1]
+    lags.sort()
+    metrics["client_loop_lag_p99_s"] = lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
+    metrics["client_loop_lag_max_s"] = lags[-1] if lags else 0.0
     return BenchmarkResult(label, config, metrics,
                            server_view(before, samples, after), done, timeline)
 

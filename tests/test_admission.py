@@ -79,3 +79,37 @@ def test_retry_after_bounds():
     assert retry_after(5, None) == 1
     assert retry_after(0.1, 100.0) == 1
     assert retry_after(10_000, 0.001) == 60
+
+
+def test_refusals_tell_the_ingress_gate_how_long_to_shed():
+    adm = _admit(_stats(running=8, waiting=19), rate=4.0)
+    assert adm.shed_s == pytest.approx(3.0)  # unrounded: 12 excess at 4/s
+    adm = _admit(_stats(running=8, waiting=8), rate=4.0)  # 9 / 4 = 2.25 s > 2 s
+    assert adm.retry_after_s == 1 and adm.shed_s == pytest.approx(0.25)
+    assert _admit(_stats(8, 2), rate=None, max_waiting=2).shed_s is None  # no rate, no gate
+    # The KV bound depends on the prompt's size (a shorter one may fit): no gate.
+    kv = _admit(_stats(8, 3), rate=2.0, pending={"a": 30, "b": 30}, tokens=65, delay=None)
+    assert kv.status == 429 and kv.shed_s is None
+
+
+def test_shed_gate_refuses_only_while_every_live_replica_sheds():
+    from pagedserve.cluster.serve.shed_gate import LIVE_TTL_S, MAX_CLOSED_S, ShedGate
+
+    g = ShedGate()
+    assert g.refuse(0.0) is None  # no replica heard from: ask them
+    g.refused("a", 0.25, now=10.0)
+    msg, retry = g.refuse(10.1)
+    assert "overloaded" in msg and retry == 1 and g.num_refused == 1
+    assert g.refuse(10.26) is None  # a's drain time is over: a decides again
+    g.refused("a", 30.0, now=20.0)
+    assert g.closed_for(20.0) == pytest.approx(MAX_CLOSED_S)  # never longer than the cap
+    g.accepted("b", now=20.1)  # another replica admits: the door stays open
+    assert g.refuse(20.2) is None
+    g.refused("b", 0.5, now=20.3)
+    assert g.closed_for(20.4) == pytest.approx(0.4)  # both shed: until the first reopens
+    g.accepted("a", now=20.45)
+    assert g.refuse(20.5) is None
+    g.refused("a", 0.5, now=20.6)  # b went quiet long ago by now: only a counts
+    assert g.closed_for(20.3 + LIVE_TTL_S + 0.1) is None  # a's window is over too
+    g.refused("a", 0.5, now=40.0)
+    assert g.closed_for(40.1) == pytest.approx(0.4)  # b is no longer live: a alone decides

@@ -41,6 +41,9 @@ class Admission:
     # Accepted: the request's status after its first step (engine.request_status), None
     # if it already finished; the ingress turns a waiting one into x-pagedserve-queue.
     queue: dict | None = None
+    # A 429's unrounded time for the measured rate to drain the excess (None before any
+    # measurement): the ingress's ShedGate (shed_gate.py) refuses for that long itself.
+    shed_s: float | None = None
 
 
 class DrainMeter:
@@ -72,6 +75,19 @@ def retry_after(excess: float, rate: float | None) -> int:
     return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(excess / rate))))
 
 
+def drain_seconds(excess: float, rate: float | None) -> float | None:
+    return None if not rate else min(float(RETRY_AFTER_MAX_S), max(0.0, excess / rate))
+
+
+def _refuse(replica_id: str, message: str, excess: float, rate: float | None,
+            any_request: bool = True) -> Admission:
+    """``any_request``: the bound refuses any request now, whatever its size (the count and
+    delay bounds; not the KV one, which a shorter prompt may pass): only then does it tell
+    the ingress's gate to shed for ``shed_s``."""
+    return Admission(False, replica_id, 429, message, retry_after_s=retry_after(excess, rate),
+                     shed_s=drain_seconds(excess, rate) if any_request else None)
+
+
 def admit(stats, *, replica_id: str, max_num_seqs: int, num_blocks: int, block_size: int,
           pending_blocks: dict[str, int], num_prompt_tokens: int, rate: float | None,
           max_waiting: int | None, max_queue_delay_s: float | None) -> Admission | None:
@@ -84,18 +100,17 @@ def admit(stats, *, replica_id: str, max_num_seqs: int, num_blocks: int, block_s
     if stats.waiting and (stats.waiting_by_reason or {}).get("no_blocks"):
         would_wait = max(would_wait, stats.waiting + 1)
     if max_waiting is not None and would_wait > max_waiting:
-        return Admission(False, replica_id, 429,
-                         f"The server is overloaded: {stats.waiting} requests are waiting "
-                         f"(max_waiting_requests={max_waiting}). Retry later.",
-                         retry_after_s=retry_after(would_wait - max_waiting, rate))
+        return _refuse(replica_id, f"The server is overloaded: {stats.waiting} requests are waiting "
+                                   f"(max_waiting_requests={max_waiting}). Retry later.",
+                       would_wait - max_waiting, rate)
     if max_queue_delay_s is not None and would_wait and rate is not None:
         delay = would_wait / rate
         if delay > max_queue_delay_s:
-            return Admission(False, replica_id, 429,
-                             f"The server is overloaded: this request would wait about {delay:.1f} s "
-                             f"to start ({would_wait - 1} requests ahead, draining at {rate:.1f}/s; "
-                             f"max_queue_delay_s={max_queue_delay_s:g}). Retry later.",
-                             retry_after_s=retry_after(would_wait - rate * max_queue_delay_s, rate))
+            return _refuse(replica_id,
+                           f"The server is overloaded: this request would wait about {delay:.1f} s "
+                           f"to start ({would_wait - 1} requests ahead, draining at {rate:.1f}/s; "
+                           f"max_queue_delay_s={max_queue_delay_s:g}). Retry later.",
+                           would_wait - rate * max_queue_delay_s, rate)
     need = -(-num_prompt_tokens // block_size)
     demand = sum(pending_blocks.values()) + need
     if pending_blocks and demand > num_blocks:
@@ -106,8 +121,7 @@ def admit(stats, *, replica_id: str, max_num_seqs: int, num_blocks: int, block_s
                 break
             excess -= blocks
             to_drain += 1
-        return Admission(False, replica_id, 429,
-                         f"The server is overloaded: waiting requests need {demand} KV blocks, "
-                         f"more than the {num_blocks} this replica holds. Retry later.",
-                         retry_after_s=retry_after(to_drain, rate))
+        return _refuse(replica_id, f"The server is overloaded: waiting requests need {demand} KV blocks, "
+                                   f"more than the {num_blocks} this replica holds. Retry later.",
+                       to_drain, rate, any_request=False)
     return None

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.cluster.engine.executor import ExecutorDeadError
 from pagedserve.cluster.engine.outputs import RequestOutput
-from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, retry_after
+from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, drain_seconds, retry_after
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
@@ -341,7 +341,8 @@ class AsyncEngine(EngineStatus):
             except QueueFullError as e:
                 finished = True
                 yield Admission(False, self.replica_id, 429, f"The server is overloaded: {e}",
-                                retry_after_s=retry_after(1, self._drain.rate))
+                                retry_after_s=retry_after(1, self._drain.rate),
+                                shed_s=drain_seconds(1, self._drain.rate))
                 return
             self._wakeup.set()
             # Accepted: the admission goes out after the first step that saw the request,

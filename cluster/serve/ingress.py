@@ -29,6 +29,7 @@ from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, M
                                                 TokenizeResponse, error_body, random_id)
 from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
                                                      request_object)
+from pagedserve.cluster.serve.shed_gate import ShedGate
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
@@ -63,6 +64,7 @@ class OpenAIIngress:
         self._info: dict | None = None
         self._metrics: ServeMetrics | None = None
         self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
+        self._gate = ShedGate()  # replicas' recent 429s: refuse at the door while all shed
         activate(EdgeGuard(self.config, self._max_model_len))
 
     async def _max_model_len(self) -> int:
@@ -84,6 +86,9 @@ class OpenAIIngress:
     # ------------------------------------------------------------ generation
     async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None):
         """Open the engine stream; return (stream, admission) or (None, error response)."""
+        shed = self._gate.refuse(time.monotonic())
+        if shed is not None:  # every replica is shedding: no trip (shed_gate.py)
+            return None, error(429, shed[0], shed[1])
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages,
             getattr(body, "add_generation_prompt", True), tenant)
@@ -93,7 +98,10 @@ class OpenAIIngress:
             stream.cancel()
             raise
         if not adm.accepted:
+            if adm.status == 429:
+                self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic())
             return None, error(adm.status, adm.message, adm.retry_after_s)
+        self._gate.accepted(adm.replica_id, time.monotonic())
         return stream, adm
 
     async def _generate(self, body, chat: bool, request: Request):
