@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (AfterValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from pagedserve.cluster.serve.responses import OpenAIBase
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -160,8 +161,19 @@ class ContentPart(RequestBase):
     """One part of OpenAI's content-part list. ``type`` is required, as in OpenAI's API;
     only text parts are understood, other types are refused by ``ChatMessage.text``."""
 
+    # Other part types (image_url, input_audio, ...) bring their own payload fields: those
+    # are allowed through, for ChatMessage.text to refuse the part by its type (a clearer
+    # 400 than "unknown field image_url"); a text part's unknown fields are refused here.
+    model_config = ConfigDict(extra="allow")
+
     type: Text
     text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_part_fields(self):
+        if self.type == "text" and self.model_extra:
+            raise ValueError(f"unknown field(s) {sorted(self.model_extra)} in a text content part")
+        return self
 
 
 class ChatMessage(RequestBase):
