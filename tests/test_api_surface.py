@@ -97,6 +97,11 @@ def test_chat_return_tokens_as_token_ids_and_top_logprobs(client, model_id):
         assert len(x.top_logprobs) == 3 and all(TOKEN_ID.match(t.token) for t in x.top_logprobs)
         assert x.top_logprobs[0].token == x.token  # greedy: the most likely one
         assert x.top_logprobs[0].logprob == pytest.approx(x.logprob)
+    streamed = [lp.token for chunk in client.chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        logprobs=True, stream=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        if chunk.choices and chunk.choices[0].logprobs for lp in chunk.choices[0].logprobs.content]
+    assert streamed == [x.token for x in content]
 
 
 def test_logprobs_bounds_are_400_naming_the_field(openai_app, client, model_id):

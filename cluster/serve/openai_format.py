@@ -5,7 +5,8 @@ Streaming shape (one ``data:`` line per chunk, blank line after each):
     completions: {choices:[{index, text: delta}]} ... {choices:[{index, text:"", finish_reason}]}
     chat:        {choices:[{index, delta:{role:"assistant", content:""}}]}   (once per choice)
                  {choices:[{index, delta:{content: delta}}]} ... {.., finish_reason}
-    both:        [{choices: [], usage}]  when stream_options.include_usage
+    both:        every chunk also carries usage (so far) with continuous_usage_stats
+                 [{choices: [], usage}]  when stream_options.include_usage
                  data: [DONE]
 """
 
