@@ -27,7 +27,7 @@ def check_vocab_limits(params: SamplingParams, vocab_size: int, max_logprobs: in
     limit = vocab_size if max_logprobs == -1 else max_logprobs
     wanted = vocab_size if n == -1 else n
     if wanted > limit:
-        raise ValueError(f"{logprobs_field}: requested {wanted if n != -1 else '-1 (the whole vocabulary)'} "
-                         f"logprobs per token, more than the maximum allowed, {limit} "
-                         "(the server's --max-logprobs).")
+        asked = f"{n} (the whole vocabulary, {vocab_size})" if n == -1 else str(n)
+        raise ValueError(f"{logprobs_field}: requested {asked} logprobs per token, more than the "
+                         f"maximum allowed, {limit} (the server's --max-logprobs).")
     return params.clone(logprobs=wanted) if n == -1 else params
