@@ -9,7 +9,7 @@ Client side (from the per-request results):
     {mean,median,std,p90,p99}_{ttft,tpot,itl,e2el}_ms
     max_concurrent_requests peak number of requests in flight at once
 
-Server side (``pagedserve:`` names, which are vLLM's with our prefix; ``vllm:`` read too):
+Server side (``pagedserve:`` names, which are vLLM's with our prefix; ``vllm:`` from a server without them):
 gauges sampled during the run (peak KV usage, peak running, peak waiting by reason),
 counter deltas over the run (preemptions, prefix-cache queries/hits, tokens).
 """
@@ -111,8 +111,11 @@ class ServerSample:
 
 def parse_prometheus(text: str) -> ServerSample:
     out = ServerSample()
-    for fam in text_string_to_metric_families(text):
-        prefix = next((p for p in PREFIXES if fam.name.startswith(p)), None)
+    families = list(text_string_to_metric_families(text))
+    # pagedserve serves both prefixes for the same numbers: read one, or counts double.
+    found = [p for p in PREFIXES if any(f.name.startswith(p) for f in families)]
+    for fam in families:
+        prefix = next((p for p in found[:1] if fam.name.startswith(p)), None)
         if prefix is None or fam.type == "histogram":
             continue
         out.prefix = prefix

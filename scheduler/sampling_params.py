@@ -36,7 +36,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-N logprobs per sampled token (0: only the sampled one)
+    # top-N logprobs per sampled token (0: only the sampled one; -1: the whole vocabulary,
+    # resolved by the engine, which also bounds N by --max-logprobs: vocab_limits.py)
+    logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -78,8 +80,8 @@ class SamplingParams:
             bad(f"min_tokens must be >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}.")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
+            bad(f"logprobs must be -1 (the whole vocabulary) or >= 0, got {self.logprobs!r}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

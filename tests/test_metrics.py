@@ -57,3 +57,46 @@ def test_render_uses_vllm_names_with_prefix():
     assert v("e2e_request_latency_seconds_sum") == 3.0
     assert v("request_queue_time_seconds_sum") == 0.5
     assert 'model_name="demo"' in text
+
+
+def test_vllm_names_types_and_buckets_and_one_prefix_for_the_loadtest_scraper():
+    from pagedserve.cluster.serve.metrics import VLLM_ITL_BUCKETS
+    from pagedserve.loadtest.metrics import parse_prometheus
+
+    agg = StatsAggregator()
+    agg.report("a", _snap(1, 2, 0.5, 64, 7, num_preemptions=3, prefix_cache_queries=20,
+                          prefix_cache_hits=16, num_prompt_tokens=20))
+    sm = ServeMetrics("demo")
+    sm.observe_finished(RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5,
+                                       first_token_time=11.0, last_token_time=13.0,
+                                       finished_time=13.0), num_output_tokens=5,
+                        finish_reasons=["length", "stop"])
+    sm.count_finished(["abort"])
+    text = sm.render(agg.merged()).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:num_preemptions": "counter",
+             "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+             "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+             "vllm:request_success": "counter", "vllm:time_to_first_token_seconds": "histogram",
+             "vllm:inter_token_latency_seconds": "histogram",
+             "vllm:e2e_request_latency_seconds": "histogram",
+             "vllm:request_queue_time_seconds": "histogram"}
+    assert {n: fams[n].type for n in kinds} == kinds
+    values = {(s.name, s.labels.get("finished_reason"), s.labels.get("le")): s.value
+              for f in fams.values() for s in f.samples}
+    assert values[("vllm:generation_tokens_total", None, None)] == 7
+    assert values[("vllm:num_preemptions_total", None, None)] == 3
+    assert [values[("vllm:request_success_total", r, None)] for r in ("stop", "length", "abort", "error")] \
+        == [1, 1, 1, 0]
+    # 4 gaps of 0.5 s (13 - 11 over 5 - 1), each its own observation, in vLLM's buckets.
+    assert values[("vllm:inter_token_latency_seconds_count", None, None)] == 4
+    assert values[("vllm:inter_token_latency_seconds_sum", None, None)] == 2.0
+    assert values[("vllm:inter_token_latency_seconds_bucket", None, "0.4")] == 0
+    assert values[("vllm:inter_token_latency_seconds_bucket", None, "0.5")] == 4
+    les = [s.labels["le"] for s in fams["vllm:inter_token_latency_seconds"].samples if "le" in s.labels]
+    assert les == [str(b) for b in VLLM_ITL_BUCKETS] + ["+Inf"]
+    # Both prefixes carry the same numbers: the scraper reads one, not their sum.
+    sample = parse_prometheus(text)
+    assert sample.prefix == "pagedserve:" and sample.counters["generation_tokens"] == 7
+    assert sample.gauges["num_requests_waiting"] == 2

@@ -40,7 +40,10 @@ def test_serve_cli_starts_answers_and_leaves_nothing_behind(serve_model, tmp_pat
         assert any("raylet" in p.name() for p in tree)  # it started its own Ray
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        r = client.completions.create(model="llama-gqa2-hd64", prompt="hi", max_tokens=5,
+        # vLLM's id and root: --model as given (the CLI resolved it, and must not show that).
+        [card] = client.models.list().data
+        assert card.id == card.root == serve_model
+        r = client.completions.create(model=serve_model, prompt="hi", max_tokens=5,
                                       temperature=0, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 5
 
@@ -53,3 +56,24 @@ def test_serve_cli_starts_answers_and_leaves_nothing_behind(serve_model, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_names_the_model_as_vllm_does(serve_model):
+    """--served-model-name wins for the id; root (and the default id) is --model as given,
+    a built-in name included. No Ray: only the argument parsing and resolution the serve
+    command runs first."""
+    from pagedserve.cluster.cli.args import engine_config_from_args, resolve_model_or_exit
+    from pagedserve.cluster.cli.main import build_parser
+
+    def cfg(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return resolve_model_or_exit(engine_config_from_args(args))
+
+    plain = cfg("--model", serve_model)
+    assert (plain.served_model_name, plain.model_root) == (serve_model, serve_model)
+    named = cfg("--model", serve_model, "--served-model-name", "my-llama", "--max-logprobs", "-1")
+    assert (named.served_model_name, named.model_root, named.max_logprobs) == ("my-llama", serve_model, -1)
+    demo = cfg("--model", "pagedserve-demo")
+    assert (demo.served_model_name, demo.model_root) == ("pagedserve-demo", "pagedserve-demo")
+    assert demo.model != "pagedserve-demo"  # the engine loads the resolved directory
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--max-logprobs", "5"]).max_logprobs == 5

@@ -35,7 +35,7 @@ def url(serve_url, serve_model, tmp_path_factory):
 
     keys = tmp_path_factory.mktemp("tenants") / "keys.yaml"
     keys.write_text(KEYS_YAML)
-    cfg = EngineConfig(model=serve_model, **ENGINE)
+    cfg = EngineConfig(model=serve_model, served_model_name=MODEL, **ENGINE)
     serve.run(build_app(cfg, name_prefix="tenants-", api_key=PLAIN_KEY, api_keys_file=str(keys),
                         allow_tenant_header=True), name="tenants-test", route_prefix="/tenants")
     yield f"{serve_url}/tenants"

@@ -18,7 +18,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 class EngineConfig:
     model: str | None = None  # HF dir, .gguf, or a built-in name; None: SmolLM2-135M-Instruct (model_source.py)
     tokenizer: str | None = None  # defaults to ``model``
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # the id /v1/models lists; None: ``model`` as given
+    # What /v1/models shows as ``root``: ``model`` as the user gave it. The CLI resolves
+    # ``model`` to a directory before the engine starts, and keeps the given one here.
+    model_root: str | None = None
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     block_size: int = 16
@@ -34,6 +37,9 @@ class EngineConfig:
     # bf16 scale per (token, KV head), counted in the budget (scheduler/kv_cache_dtype.py)
     kv_cache_dtype: str = "auto"
     seed: int = 0
+    # The most logprobs a request may ask for per token (vLLM's --max-logprobs); -1: the
+    # whole vocabulary. A request's -1 means the whole vocabulary too.
+    max_logprobs: int = 20
     scheduling_policy: str = "fcfs"
     kv_allocation: str = "paged"
     device: str = "auto"  # "auto": cuda if available, else cpu
@@ -60,6 +66,8 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or >= 0, got {self.max_logprobs}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
 

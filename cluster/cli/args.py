@@ -24,7 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="HF model directory, .gguf file (or a directory holding one), or a built-in "
                         "name: SmolLM2-135M-Instruct (the default) or pagedserve-demo (random weights)")
     g.add_argument("--tokenizer", default=None)
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id /v1/models lists and requests name (default: --model as given)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     g.add_argument("--block-size", type=int, default=d.block_size)
@@ -43,6 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte per value plus "
                         "one bf16 scale per (token, KV head)")
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="most logprobs a request may ask for per token (default %(default)s; -1: the "
+                        "whole vocabulary)")
     g.add_argument("--scheduling-policy", default=d.scheduling_policy,
                    choices=["fcfs", "priority", "static"])
     g.add_argument("--kv-allocation", default=d.kv_allocation, choices=["paged", "contiguous"])
@@ -113,5 +117,8 @@ def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     except (OSError, ValueError) as e:
         what = "the default model" if cfg.model is None else f"--model {cfg.model!r}"
         raise SystemExit(f"error: {what}: {e}") from None
-    return dataclasses.replace(cfg, model=resolved.path,
-                               served_model_name=cfg.served_model_name or resolved.served_model_name)
+    # The engine loads the resolved directory; /v1/models shows --model as given (vLLM's
+    # id and root), or the built-in default's name when --model was omitted.
+    given = cfg.model_root or cfg.model or resolved.served_model_name
+    return dataclasses.replace(cfg, model=resolved.path, model_root=given,
+                               served_model_name=cfg.served_model_name or given)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from pagedserve.scheduler import Request, RequestStatus, Scheduler
 from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
+from pagedserve.scheduler.vocab_limits import check_vocab_limits
 from pagedserve.worker import faults
 from pagedserve.worker.config import EngineConfig
 from pagedserve.worker.model_config import ModelConfig
@@ -86,7 +88,11 @@ class LLMEngine:
         self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
         self.max_model_len = self.model_config.max_model_len
         self.config.max_model_len = self.max_model_len
-        self.served_model_name = self.config.served_model_name or resolved.served_model_name
+        # vLLM's naming: the id is --served-model-name, else --model as given; root is
+        # --model as given (never the directory it resolved to, e.g. a cache entry).
+        given = engine_config.model_root or engine_config.model
+        self.model_root = os.fspath(given) if given is not None else resolved.served_model_name
+        self.served_model_name = self.config.served_model_name or self.model_root
         self.tokenizer = load_tokenizer(self.config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
 
@@ -155,6 +161,7 @@ class LLMEngine:
                     cache_salt: str | None = None, tenant: str | None = None) -> None:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use.")
+        params = check_vocab_limits(params, self.model_config.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty.")

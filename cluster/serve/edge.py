@@ -165,6 +165,11 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = e.get("msg", "invalid")
             if e.get("type") == "json_invalid":
                 msg = f"the body is not valid JSON ({(e.get('ctx') or {}).get('error', msg)})"
+            elif e.get("type") == "extra_forbidden":  # protocol.py: unknown fields are refused
+                msg = ("unknown field: this server does not implement it (deploy/README.md lists "
+                       "the fields it accepts and ignores)")
+            elif e.get("type") == "value_error":  # our own validators' messages, as written
+                msg = msg.removeprefix("Value error, ")
             parts.append(f"{_loc(e) or 'body'}: {msg}")
         param = _loc(errors[0]) if errors else None
         return error(400, "; ".join(parts) or "invalid request", param=param or None)

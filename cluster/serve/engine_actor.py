@@ -112,7 +112,8 @@ class AsyncEngine(EngineStatus):
                     num_gpu_blocks=e.num_gpu_blocks, block_size=self.config.block_size,
                     tensor_parallel_size=self.config.tensor_parallel_size,
                     replica_id=self.replica_id, kv_sizing=getattr(e, "kv_sizing", None),
-                    model=e.config.model)
+                    model=e.config.model, model_root=e.model_root,
+                    vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs)
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)

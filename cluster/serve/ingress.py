@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from pagedserve import __version__
 from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip
 from pagedserve.cluster.serve import openai_format as fmt
 from pagedserve.cluster.serve.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
@@ -30,6 +31,7 @@ from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, M
 from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
                                                      request_object)
 from pagedserve.cluster.serve.shed_gate import ShedGate
+from pagedserve.scheduler.vocab_limits import check_vocab_limits
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
@@ -117,15 +119,17 @@ class OpenAIIngress:
         bad = await self._check_model(body.model)
         if bad is not None:
             return bad
+        info = await self.info()
         try:
-            params = body.to_sampling_params()
+            # Checked here too (the engine checks again) to name the field as it was sent.
+            params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"],
+                                        info["max_logprobs"], "top_logprobs" if chat else "logprobs")
             if chat:
                 prompt, messages = None, [dict(role=m.role, content=m.text()) for m in body.messages]
             else:
                 prompt, messages = body.single_prompt(), None
         except ValueError as e:
             return error(400, str(e))
-        info = await self.info()
         model = info["served_model_name"]
         created = int(time.time())
         stream, adm = await self._start(rid, prompt, params, body, messages, tenant)
@@ -138,7 +142,8 @@ class OpenAIIngress:
         if queued is not None:
             headers[QUEUE_HEADER] = queued
         if body.stream:
-            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids)
+            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids,
+                                    body.return_tokens_as_token_ids, body.continuous_usage)
             self._live.hold(rid)
             return StreamingResponse(self._sse(stream, state, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
@@ -149,17 +154,19 @@ class OpenAIIngress:
                 token_text.update(tt or {})
         except asyncio.CancelledError:  # client went away: the engine aborts the request
             stream.cancel()
+            self._observe_abort()
             raise
         except Exception:  # a system error: logged with the request id, this request only
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
         self._observe(final)
         if chat:
-            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids)
+            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
+                                     body.return_tokens_as_token_ids)
         else:
             echo = prompt if body.echo and isinstance(prompt, str) else None
             resp = fmt.completion_response(rid, created, model, final, token_text,
-                                           body.return_token_ids, echo)
+                                           body.return_token_ids, echo, body.return_tokens_as_token_ids)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):
@@ -183,10 +190,16 @@ class OpenAIIngress:
             self._live.release(state.rid)
             if final is None or not final.finished:
                 stream.cancel()  # disconnect mid-stream: abort in the engine
+                self._observe_abort()
 
     def _observe(self, final) -> None:
         if final is not None and final.metrics is not None and self._metrics is not None:
-            self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs))
+            self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs),
+                                           [c.finish_reason for c in final.outputs])
+
+    def _observe_abort(self) -> None:
+        if self._metrics is not None:
+            self._metrics.count_finished(["abort"])
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
@@ -230,11 +243,15 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self):
         info = await self.info()
-        # root: the served name, never a path (vLLM shows --model there, but ours may be
-        # resolved, e.g. the demo model's cache directory, which is nobody's business).
-        card = ModelCard(id=info["served_model_name"], root=info["served_model_name"],
+        # As vLLM: root is --model as the user gave it, never the directory it resolved to
+        # (the default model's prepared cache entry is nobody's business).
+        card = ModelCard(id=info["served_model_name"], root=info["model_root"],
                          max_model_len=info["max_model_len"])
         return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/version")
+    async def version(self):
+        return JSONResponse({"version": __version__})  # vLLM's shape
 
     @app.get("/health")
     async def health(self):

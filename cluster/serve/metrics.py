@@ -1,4 +1,10 @@
-"""Prometheus metrics with vLLM's names under a ``pagedserve:`` prefix.
+"""Prometheus metrics: vLLM's series under vLLM's own names (``vllm:*``, so a vLLM
+dashboard or alert works unchanged), and every series under a ``pagedserve:`` prefix too,
+including ours that vLLM has no name for (waiting by reason, tenants, replicas).
+
+The ``pagedserve:`` copies of vLLM's series stay: existing dashboards, the /dashboard
+page and loadtest/ read them. The ``vllm:`` histograms use vLLM's bucket boundaries
+(vllm/v1/metrics/buckets.py); the ``pagedserve:`` ones keep their trimmed sets.
 
 Where each number comes from:
 
@@ -15,15 +21,20 @@ the summed counters never go backwards. Gauges of a replica that stopped reporti
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from pagedserve.scheduler.stats import WAITING_REASONS
 
 PREFIX = "pagedserve:"
+VLLM_PREFIX = "vllm:"
+# vLLM's FinishReason values, each with a series from the start (0 until one happens).
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # Snapshot keys summed across replicas. Counters are monotonic per replica.
 GAUGE_KEYS = ("running", "waiting", "num_free_blocks", "num_blocks", "num_used_blocks")
@@ -119,6 +130,15 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     50.0, 60.0, 120.0, 240.0, 480.0)
 
 
+# vLLM's own boundaries (seconds), for the vllm: histograms.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                        60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
 class _EngineCollector:
     """Yields the summed replica snapshot as gauge/counter families at scrape time."""
 
@@ -164,6 +184,30 @@ class _EngineCollector:
                       m["prefix_cache_hits"])
         yield counter("prompt_tokens", "Prefill tokens processed.", m["num_prompt_tokens"])
         yield counter("generation_tokens", "Tokens generated.", m["num_generation_tokens"])
+        yield from self._vllm_families()
+
+    def _vllm_families(self):
+        """vLLM's names and types for the same numbers (no ``engine`` label: ours are summed
+        over replicas, as a vLLM dashboard's sum by (model_name) would)."""
+        m, labels = self.merged, [self.model_name]
+        for name, doc, value in (
+                ("num_requests_running", "Number of requests in model execution batches.", m["running"]),
+                ("num_requests_waiting", "Number of requests waiting to be processed.", m["waiting"]),
+                ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m["kv_cache_usage"])):
+            g = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            yield g
+        for name, doc, key in (
+                ("num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+                ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                 "prefix_cache_queries"),
+                ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 "prefix_cache_hits"),
+                ("prompt_tokens", "Number of prefill tokens processed.", "num_prompt_tokens"),
+                ("generation_tokens", "Number of generation tokens processed.", "num_generation_tokens")):
+            c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(labels, m[key])
+            yield c
 
 
 def _tenant_families(model_name: str, tenants: dict[str, dict[str, float]]):
@@ -178,6 +222,28 @@ def _tenant_families(model_name: str, tenants: dict[str, dict[str, float]]):
         for fam, k in zip(fams, TENANT_KEYS):
             fam.add_metric([model_name, t], v.get(k, 0))
     yield from fams
+
+
+class _RepeatedHistogram:
+    """A histogram that takes one value k times in O(buckets), not k observe() calls on
+    the ingress's event loop (a 32k-token answer is 32k gaps)."""
+
+    def __init__(self, name: str, doc: str, model_name: str, buckets) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = tuple(buckets) + (float("inf"),)
+        self.counts = [0] * len(self.bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[next(i for i, b in enumerate(self.bounds) if value <= b)] += count
+        self.sum += value * count
+
+    def collect(self):
+        h = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        cumulative = list(itertools.accumulate(self.counts))
+        h.add_metric([self.model_name], [(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)],
+                     self.sum)
+        yield h
 
 
 class ServeMetrics:
@@ -201,9 +267,33 @@ class ServeMetrics:
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
                           _LATENCY_BUCKETS)
 
-    def observe_finished(self, metrics: Any, num_output_tokens: int) -> None:
+        def vhist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(VLLM_PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.v_ttft = vhist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                            VLLM_TTFT_BUCKETS)
+        self.v_itl = _RepeatedHistogram(VLLM_PREFIX + "inter_token_latency_seconds",
+                                        "Histogram of inter-token latency in seconds.", model_name,
+                                        VLLM_ITL_BUCKETS)
+        self.registry.register(self.v_itl)
+        self.v_e2e = vhist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                           VLLM_LATENCY_BUCKETS)
+        self.v_queue = vhist("request_queue_time_seconds",
+                             "Histogram of time spent in WAITING phase for request.", VLLM_LATENCY_BUCKETS)
+        success = Counter(VLLM_PREFIX + "request_success", "Count of successfully processed requests.",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self.v_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+
+    def count_finished(self, finish_reasons) -> None:
+        """vllm:request_success_total, one per sample (vLLM counts each of n)."""
+        for r in finish_reasons:
+            self.v_success.get(r or "abort", self.v_success["error"]).inc()
+
+    def observe_finished(self, metrics: Any, num_output_tokens: int, finish_reasons=()) -> None:
         """Record one finished request from its RequestMetrics (engine-process clock:
         only differences of its own timestamps are used)."""
+        self.count_finished(finish_reasons)
         arrival = getattr(metrics, "arrival_time", None)
         if arrival is None:
             return
@@ -213,12 +303,20 @@ class ServeMetrics:
         finished = getattr(metrics, "finished_time", None)
         if first_sched is not None:
             self.queue.observe(max(0.0, first_sched - arrival))
+            self.v_queue.observe(max(0.0, first_sched - arrival))
         if first_tok is not None:
             self.ttft.observe(max(0.0, first_tok - arrival))
+            self.v_ttft.observe(max(0.0, first_tok - arrival))
             if last_tok is not None and num_output_tokens > 1:
-                self.tpot.observe(max(0.0, (last_tok - first_tok) / (num_output_tokens - 1)))
+                tpot = max(0.0, (last_tok - first_tok) / (num_output_tokens - 1))
+                self.tpot.observe(tpot)
+                # vLLM observes each gap; the ingress sees a request's first and last token
+                # only, so each of its n - 1 gaps counts as their mean: sum and count are
+                # exact, the buckets hold per-request means.
+                self.v_itl.observe(tpot, num_output_tokens - 1)
         if finished is not None:
             self.e2e.observe(max(0.0, finished - arrival))
+            self.v_e2e.observe(max(0.0, finished - arrival))
 
     def render(self, merged: dict[str, Any]) -> bytes:
         self.engine.merged = merged

@@ -5,7 +5,8 @@ Streaming shape (one ``data:`` line per chunk, blank line after each):
     completions: {choices:[{index, text: delta}]} ... {choices:[{index, text:"", finish_reason}]}
     chat:        {choices:[{index, delta:{role:"assistant", content:""}}]}   (once per choice)
                  {choices:[{index, delta:{content: delta}}]} ... {.., finish_reason}
-    both:        [{choices: [], usage}]  when stream_options.include_usage
+    both:        every chunk also carries usage (so far) with continuous_usage_stats
+                 [{choices: [], usage}]  when stream_options.include_usage
                  data: [DONE]
 """
 
@@ -42,46 +43,69 @@ def _text_of(tok: int, token_text: dict[int, str]) -> str:
     return token_text.get(tok, f"<{tok}>")
 
 
+# What a logprob of -inf is sent as: JSON has no -Infinity (OpenAI's and vLLM's choice).
+MIN_LOGPROB = -9999.0
+
+
+def _lp(v: float) -> float:
+    return max(v, MIN_LOGPROB)
+
+
+def _name_of(tok: int, token_text: dict[int, str], as_ids: bool) -> str:
+    """A token as the client sees it in logprobs: its text, or vLLM's ``token_id:{id}``
+    (return_tokens_as_token_ids: tokens that are not valid UTF-8 alone stay tellable apart)."""
+    return f"token_id:{tok}" if as_ids else _text_of(tok, token_text)
+
+
 def completion_logprobs(lps: list | None, token_text: dict[int, str],
-                        offset: int = 0) -> CompletionLogprobs | None:
-    """``lps``: one scheduler.outputs.Logprobs per token (sampled token first, then top-N)."""
+                        offset: int = 0, as_ids: bool = False) -> CompletionLogprobs | None:
+    """``lps``: one scheduler.outputs.Logprobs per token (sampled token first, then top-N).
+
+    As OpenAI's legacy completions (and vLLM): each ``top_logprobs`` entry holds the
+    sampled token and the N most likely ones, so up to N + 1 entries (N when the sampled
+    token is among the top N), and ``logprobs: 0`` gives just the sampled token."""
     if lps is None:
         return None
     out = CompletionLogprobs()
     for lp in lps:
-        tok = _text_of(lp.token_ids[0], token_text)
+        tok = _name_of(lp.token_ids[0], token_text, as_ids)
         out.tokens.append(tok)
-        out.token_logprobs.append(lp.logprobs[0])
+        out.token_logprobs.append(_lp(lp.logprobs[0]))
         out.text_offset.append(offset)
-        offset += len(tok)
-        out.top_logprobs.append({_text_of(t, token_text): v
-                                 for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])} or None)
+        offset += len(_text_of(lp.token_ids[0], token_text))  # an offset into the text
+        top: dict[str, float] = {}
+        for t, v in zip(lp.token_ids, lp.logprobs):  # sampled first: it keeps its own logprob
+            top.setdefault(_name_of(t, token_text, as_ids), _lp(v))
+        out.top_logprobs.append(top)
     return out
 
 
-def chat_logprobs(lps: list | None, token_text: dict[int, str]) -> ChatLogprobs | None:
+def chat_logprobs(lps: list | None, token_text: dict[int, str],
+                  as_ids: bool = False) -> ChatLogprobs | None:
+    """``top_logprobs``: the N most likely tokens (OpenAI's meaning), N = top_logprobs.
+    ``bytes`` are always the token's text, also when it is named by id."""
     if lps is None:
         return None
     content = []
     for lp in lps:
-        tok = _text_of(lp.token_ids[0], token_text)
-        tops = [ChatLogprobTop(token=_text_of(t, token_text), logprob=v,
+        tok = lp.token_ids[0]
+        tops = [ChatLogprobTop(token=_name_of(t, token_text, as_ids), logprob=_lp(v),
                                bytes=list(_text_of(t, token_text).encode()))
                 for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])]
-        content.append(ChatLogprobToken(token=tok, logprob=lp.logprobs[0],
-                                        bytes=list(tok.encode()), top_logprobs=tops))
+        content.append(ChatLogprobToken(token=_name_of(tok, token_text, as_ids), logprob=_lp(lp.logprobs[0]),
+                                        bytes=list(_text_of(tok, token_text).encode()), top_logprobs=tops))
     return ChatLogprobs(content=content)
 
 
 def completion_response(rid: str, created: int, model: str, out: RequestOutput,
                         token_text: dict[int, str], return_token_ids: bool,
-                        echo_prompt: str | None = None) -> CompletionResponse:
+                        echo_prompt: str | None = None, as_token_ids: bool = False) -> CompletionResponse:
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
         text = (echo_prompt or "") + c.text
         choices.append(CompletionChoice(
             index=c.index, text=text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-            logprobs=completion_logprobs(c.logprobs, token_text),
+            logprobs=completion_logprobs(c.logprobs, token_text, as_ids=as_token_ids),
             token_ids=list(c.token_ids) if return_token_ids else None,
             prompt_token_ids=list(out.prompt_token_ids) if return_token_ids else None))
     return CompletionResponse(id=rid, created=created, model=model, choices=choices,
@@ -89,11 +113,12 @@ def completion_response(rid: str, created: int, model: str, out: RequestOutput,
 
 
 def chat_response(rid: str, created: int, model: str, out: RequestOutput,
-                  token_text: dict[int, str], return_token_ids: bool) -> ChatCompletionResponse:
+                  token_text: dict[int, str], return_token_ids: bool,
+                  as_token_ids: bool = False) -> ChatCompletionResponse:
     choices = [ChatCompletionChoice(
         index=c.index, message=ChatResponseMessage(content=c.text),
         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        logprobs=chat_logprobs(c.logprobs, token_text),
+        logprobs=chat_logprobs(c.logprobs, token_text, as_ids=as_token_ids),
         token_ids=list(c.token_ids) if return_token_ids else None)
         for c in sorted(out.outputs, key=lambda c: c.index)]
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
@@ -101,11 +126,16 @@ def chat_response(rid: str, created: int, model: str, out: RequestOutput,
 
 
 class StreamState:
-    """Per-request bookkeeping of what was already sent, per choice index."""
+    """Per-request bookkeeping of what was already sent, per choice index.
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, return_token_ids: bool):
+    ``continuous_usage`` (stream_options.continuous_usage_stats with include_usage, as in
+    vLLM): every chunk carries usage, with the completion tokens of its own choice so far."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, return_token_ids: bool,
+                 as_token_ids: bool = False, continuous_usage: bool = False):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.return_token_ids = return_token_ids
+        self.as_token_ids, self.continuous_usage = as_token_ids, continuous_usage
         self.role_sent: set[int] = set()
         self.finish_sent: set[int] = set()
 
@@ -114,15 +144,23 @@ class StreamState:
         for c in sorted(out.outputs, key=lambda c: c.index):
             if self.chat and c.index not in self.role_sent:
                 self.role_sent.add(c.index)
-                lines.append(sse(self._chat_chunk(c.index, DeltaMessage(role="assistant", content=""))))
+                role = self._chat_chunk(c.index, DeltaMessage(role="assistant", content=""))
+                lines.append(sse(self._with_usage(role, out, 0)))
             moved = bool(c.delta_text or c.delta_token_ids)
             ending = c.finish_reason is not None and c.index not in self.finish_sent
             if not moved and not ending:
                 continue
             if ending:
                 self.finish_sent.add(c.index)
-            lines.append(sse(self._chunk(c, token_text, ending)))
+            lines.append(sse(self._with_usage(self._chunk(c, token_text, ending), out, len(c.token_ids))))
         return lines
+
+    def _with_usage(self, chunk, out: RequestOutput, num_completion_tokens: int):
+        if self.continuous_usage:
+            prompt = len(out.prompt_token_ids)
+            chunk.usage = UsageInfo(prompt_tokens=prompt, completion_tokens=num_completion_tokens,
+                                    total_tokens=prompt + num_completion_tokens)
+        return chunk
 
     def _chat_chunk(self, index: int, delta: DeltaMessage, **kw) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=self.rid, created=self.created, model=self.model,
@@ -135,10 +173,11 @@ class StreamState:
         if self.chat:
             return self._chat_chunk(c.index, DeltaMessage(content=c.delta_text), finish_reason=finish,
                                     stop_reason=stop, token_ids=ids,
-                                    logprobs=chat_logprobs(c.delta_logprobs, token_text))
+                                    logprobs=chat_logprobs(c.delta_logprobs, token_text, self.as_token_ids))
         choice = CompletionChoice(index=c.index, text=c.delta_text, finish_reason=finish,
                                   stop_reason=stop, token_ids=ids,
-                                  logprobs=completion_logprobs(c.delta_logprobs, token_text))
+                                  logprobs=completion_logprobs(c.delta_logprobs, token_text,
+                                                               as_ids=self.as_token_ids))
         return CompletionStreamResponse(id=self.rid, created=self.created, model=self.model,
                                         choices=[choice])
 

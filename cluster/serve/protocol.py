@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import AfterValidator, ConfigDict, Field
+from pydantic import (AfterValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from pagedserve.cluster.serve.responses import OpenAIBase
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -43,16 +44,36 @@ Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
+# Fields accepted and ignored: OpenAI's, whose ignoring cannot change what a client gets
+# back (bookkeeping for OpenAI's own services). Listed in deploy/README.md; every other
+# field is implemented, and an unknown one is a 400 that names it: silently dropping a
+# field a client relies on (say ``logit_bias``) gives it a different answer with no hint.
+# tests/test_api_field_coverage.py holds code, this list and the README to that.
+ACCEPTED_AND_IGNORED = frozenset({"user", "safety_identifier", "metadata", "store",
+                                  "prompt_cache_key"})
+
+
 class RequestBase(OpenAIBase):
-    # Unknown fields are still ignored (clients send e.g. ``user``), as OpenAI does.
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _IgnoredFields(RequestBase):
+    """ACCEPTED_AND_IGNORED, typed as OpenAI types them (a wrong type is still a 400)."""
+
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    store: bool | None = None
+    prompt_cache_key: Text | None = None
 
 
 class StreamOptions(RequestBase):
     include_usage: bool = False
+    # vLLM's: usage on every chunk too (only with include_usage, as vLLM).
+    continuous_usage_stats: bool = False
 
 
-class _SamplingFields(RequestBase):
+class _SamplingFields(_IgnoredFields):
     """Fields shared by completions and chat completions."""
 
     model: Text | None = None
@@ -76,7 +97,15 @@ class _SamplingFields(RequestBase):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
     cache_salt: Text | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):  # declared before: validated first
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return v
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values."""
@@ -98,6 +127,10 @@ class _SamplingFields(RequestBase):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -128,8 +161,19 @@ class ContentPart(RequestBase):
     """One part of OpenAI's content-part list. ``type`` is required, as in OpenAI's API;
     only text parts are understood, other types are refused by ``ChatMessage.text``."""
 
+    # Other part types (image_url, input_audio, ...) bring their own payload fields: those
+    # are allowed through, for ChatMessage.text to refuse the part by its type (a clearer
+    # 400 than "unknown field image_url"); a text part's unknown fields are refused here.
+    model_config = ConfigDict(extra="allow")
+
     type: Text
     text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_part_fields(self):
+        if self.type == "text" and self.model_extra:
+            raise ValueError(f"unknown field(s) {sorted(self.model_extra)} in a text content part")
+        return self
 
 
 class ChatMessage(RequestBase):
@@ -158,6 +202,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v, info: ValidationInfo):
+        # As vLLM: -1 is the whole vocabulary; 0 without logprobs asks for nothing.
+        if v is not None and v < -1:
+            raise ValueError("`top_logprobs` must be a positive value or -1.")
+        if v is not None and v != 0 and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return v
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

@@ -1,0 +1,154 @@
+"""The rule for the request schemas: every field a client may send is implemented, or it
+is on the short list of fields accepted and ignored (protocol.ACCEPTED_AND_IGNORED, the
+same list in deploy/README.md), and anything else is refused naming the field.
+
+Adding a field to protocol.py means registering it below as implemented (or, if ignoring
+it cannot change what a client gets back, adding it to both ignored lists). The walk
+covers the nested models too (messages, content parts, stream_options), and the check
+is shown to fail on a planted field.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+
+import pydantic
+import pytest
+from pydantic import BaseModel
+
+from pagedserve.cluster.serve import protocol
+from pagedserve.cluster.serve.protocol import (ACCEPTED_AND_IGNORED, ChatCompletionRequest,
+                                               CompletionRequest)
+
+README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"
+
+# Fields both endpoints take (protocol._SamplingFields).
+SAMPLING = {"model", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+            "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens", "ignore_eos",
+            "priority", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids", "cache_salt"}
+
+# Model class name -> the fields it implements. Register new fields here.
+IMPLEMENTED: dict[str, set[str]] = {
+    "CompletionRequest": SAMPLING | {"prompt", "max_tokens", "logprobs", "echo"},
+    "ChatCompletionRequest": SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
+                                         "logprobs", "top_logprobs", "add_generation_prompt"},
+    "ChatMessage": {"role", "content"},
+    "ContentPart": {"type", "text"},
+    "StreamOptions": {"include_usage", "continuous_usage_stats"},
+}
+
+
+def _nested_models(annotation) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _nested_models(arg)]
+
+
+def _registered(model: type[BaseModel], implemented: dict[str, set[str]]) -> set[str] | None:
+    """The set of the nearest class in the MRO that is registered (a subclass that adds a
+    field without registering it is caught: it falls back to its base's set)."""
+    for cls in model.__mro__:
+        if cls.__name__ in implemented:
+            return implemented[cls.__name__]
+    return None
+
+
+def uncovered(root: type[BaseModel], implemented: dict[str, set[str]] = IMPLEMENTED,
+              ignored: frozenset[str] = ACCEPTED_AND_IGNORED) -> list[str]:
+    """'Model.field' for each field under ``root`` that is neither implemented nor ignored."""
+    seen, todo, missing = set(), [root], []
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        known = _registered(model, implemented)
+        for name, info in model.model_fields.items():
+            if known is None or (name not in known and name not in ignored):
+                missing.append(f"{model.__name__}.{name}")
+            todo.extend(_nested_models(info.annotation))
+    return sorted(missing)
+
+
+def _walk(root: type[BaseModel]) -> set[type[BaseModel]]:
+    seen, todo = set(), [root]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(n for f in m.model_fields.values() for n in _nested_models(f.annotation))
+    return seen
+
+
+def readme_ignored() -> set[str]:
+    """The backticked names of the bullets under deploy/README.md's "Accepted and ignored"."""
+    text = README.read_text()
+    section = text.split("### Accepted and ignored fields", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^- `([a-z_]+)`", section, flags=re.M))
+
+
+@pytest.mark.parametrize("root", [CompletionRequest, ChatCompletionRequest])
+def test_every_request_field_is_implemented_or_documented_as_ignored(root):
+    assert uncovered(root) == []
+
+
+def test_ignored_fields_are_the_readmes_and_are_declared():
+    assert readme_ignored() == set(ACCEPTED_AND_IGNORED)
+    for root in (CompletionRequest, ChatCompletionRequest):
+        assert set(ACCEPTED_AND_IGNORED) <= set(root.model_fields)
+        assert not set(ACCEPTED_AND_IGNORED) & IMPLEMENTED[root.__name__]  # one or the other
+
+
+def test_registry_names_only_fields_that_exist():
+    models = {m.__name__: m for r in (CompletionRequest, ChatCompletionRequest) for m in _walk(r)}
+    for name, fields in IMPLEMENTED.items():
+        assert name in models, name
+        assert fields <= set(models[name].model_fields), (name, fields - set(models[name].model_fields))
+
+
+def test_unknown_fields_are_refused_by_every_request_model():
+    for root in (CompletionRequest, ChatCompletionRequest):
+        for model in _walk(root):
+            if model is protocol.ContentPart:  # refuses a text part's extras in a validator
+                continue
+            assert model.model_config.get("extra") == "forbid", model.__name__
+    with pytest.raises(pydantic.ValidationError) as e:
+        CompletionRequest.model_validate({"prompt": "x", "logit_bias_typo": {}})
+    assert e.value.errors()[0]["loc"] == ("logit_bias_typo",)
+    with pytest.raises(pydantic.ValidationError):
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]})
+    with pytest.raises(pydantic.ValidationError):
+        CompletionRequest.model_validate({"prompt": "x", "stream": True,
+                                          "stream_options": {"include_usage": True, "chunked": 1}})
+    ok = CompletionRequest.model_validate({"prompt": "x", "user": "u-1", "metadata": {"k": "v"},
+                                           "store": False, "safety_identifier": "s",
+                                           "prompt_cache_key": "p"})
+    assert ok.to_sampling_params() == CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params()
+
+
+def test_the_check_catches_a_planted_field():
+    class Planted(CompletionRequest):
+        frobnicate: int = 0
+
+    class PlantedOptions(protocol.StreamOptions):
+        chunk_size: int = 1
+
+    class PlantedNested(CompletionRequest):
+        stream_options: PlantedOptions | None = None
+
+    assert uncovered(Planted) == ["Planted.frobnicate"]
+    assert uncovered(PlantedNested) == ["PlantedOptions.chunk_size"]
+
+    class Unregistered(BaseModel):
+        anything: int = 0
+
+    class PlantedModel(ChatCompletionRequest):
+        extra_model: Unregistered | None = None
+
+    assert uncovered(PlantedModel) == ["PlantedModel.extra_model", "Unregistered.anything"]
+    # Ignoring is not a way out unless the field is on the ignored list.
+    assert uncovered(Planted, ignored=ACCEPTED_AND_IGNORED | {"frobnicate"}) == []
