@@ -263,3 +263,6 @@ def test_vllm_metric_names_resolve_after_traffic(openai_app, client, model_id):
     # The pagedserve: series stay, with the same numbers.
     assert after["pagedserve:generation_tokens_total"] == after["vllm:generation_tokens_total"]
     assert after["pagedserve:num_gpu_blocks"] == SERVE_ENGINE["num_gpu_blocks_override"]
+    # The KV sizing of the startup log (fp32 cache, "auto": no scales).
+    assert after["pagedserve:kv_cache_bytes_per_token|kv_cache_dtype=auto"] > 0
+    assert after["pagedserve:kv_cache_scale_bytes_per_token|kv_cache_dtype=auto"] == 0

@@ -100,3 +100,21 @@ def test_vllm_names_types_and_buckets_and_one_prefix_for_the_loadtest_scraper():
     sample = parse_prometheus(text)
     assert sample.prefix == "pagedserve:" and sample.counters["generation_tokens"] == 7
     assert sample.gauges["num_requests_waiting"] == 2
+
+
+def test_kv_sizing_gauges_say_what_a_token_costs_per_dtype():
+    """The startup log's KV sizing reaches /metrics: bytes per token per rank, scales
+    included, labelled with the cache format; and vLLM's cache_config_info."""
+    kv = {"kv_cache_dtype": "int8", "kv_bytes_per_token_per_rank": 3960,
+          "kv_scale_bytes_per_token_per_rank": 120, "num_blocks": 3971, "block_size": 16}
+    text = ServeMetrics("demo", kv_sizing=kv).render(StatsAggregator().merged()).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("pagedserve:kv_cache_bytes_per_token",
+                    (("kv_cache_dtype", "int8"), ("model_name", "demo")))] == 3960
+    assert samples[("pagedserve:kv_cache_scale_bytes_per_token",
+                    (("kv_cache_dtype", "int8"), ("model_name", "demo")))] == 120
+    assert samples[("vllm:cache_config_info", (("block_size", "16"), ("cache_dtype", "int8"),
+                                               ("model_name", "demo"), ("num_gpu_blocks", "3971")))] == 1
+    plain = ServeMetrics("demo").render(StatsAggregator().merged()).decode()
+    assert "kv_cache_bytes_per_token" not in plain and "requests_shed_at_ingress" in plain

@@ -75,7 +75,7 @@ class OpenAIIngress:
     async def info(self) -> dict:
         if self._info is None:
             self._info = await self.engine.info.remote()
-            self._metrics = ServeMetrics(self._info["served_model_name"])
+            self._metrics = ServeMetrics(self._info["served_model_name"], self._info.get("kv_sizing"))
         return self._info
 
     async def _check_model(self, model: str | None) -> JSONResponse | None:
@@ -90,6 +90,8 @@ class OpenAIIngress:
         """Open the engine stream; return (stream, admission) or (None, error response)."""
         shed = self._gate.refuse(time.monotonic())
         if shed is not None:  # every replica is shedding: no trip (shed_gate.py)
+            if self._metrics is not None:
+                self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages,

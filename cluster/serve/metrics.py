@@ -25,7 +25,7 @@ import itertools
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -250,7 +250,7 @@ class ServeMetrics:
     """The ingress's registry: latency histograms it observes itself plus the replicas'
     summed stats. A private registry, so two apps in one process never collide."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, kv_sizing: dict | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.engine = _EngineCollector(model_name)
         self.registry.register(self.engine)
@@ -284,6 +284,26 @@ class ServeMetrics:
         success = Counter(VLLM_PREFIX + "request_success", "Count of successfully processed requests.",
                           ["model_name", "finished_reason"], registry=self.registry)
         self.v_success = {r: success.labels(model_name, r) for r in FINISHED_REASONS}
+        self.shed_at_ingress = Counter(PREFIX + "requests_shed_at_ingress",
+                                       "429s the ingress answered itself while every replica shed.",
+                                       ["model_name"], registry=self.registry).labels(model_name)
+        if kv_sizing:
+            self._kv_sizing_gauges(model_name, kv_sizing)
+
+    def _kv_sizing_gauges(self, model_name: str, kv: dict) -> None:
+        """What one token costs in the KV cache of each TP rank, scales included (the
+        startup log's and ``pagedserve kv-size``'s figure), and vLLM's cache_config_info."""
+        dtype = str(kv.get("kv_cache_dtype", "auto"))
+        for name, doc, key in (
+                ("kv_cache_bytes_per_token", "KV-cache bytes one token takes on each TP rank, scales included.",
+                 "kv_bytes_per_token_per_rank"),
+                ("kv_cache_scale_bytes_per_token", "Of those, the bytes of quantisation scales.",
+                 "kv_scale_bytes_per_token_per_rank")):
+            g = Gauge(PREFIX + name, doc, ["model_name", "kv_cache_dtype"], registry=self.registry)
+            g.labels(model_name, dtype).set(float(kv.get(key, 0) or 0))
+        info = Gauge(VLLM_PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig.",
+                     ["model_name", "block_size", "cache_dtype", "num_gpu_blocks"], registry=self.registry)
+        info.labels(model_name, str(kv.get("block_size", "")), dtype, str(kv.get("num_blocks", ""))).set(1)
 
     def count_finished(self, finish_reasons) -> None:
         """vllm:request_success_total, one per sample (vLLM counts each of n)."""
