@@ -37,6 +37,9 @@ class FairRequestQueue:
                 raise ValueError(f"tenant weight must be > 0, got {t}={w}.")
         self.queues: dict[str, object] = {}  # tenant -> FCFS / priority sub-queue
         self.counters: dict[str, float] = {}
+        # Requests of each tenant in the running batch, as the scheduler last told us
+        # (set_running): the tie-break between equal counters.
+        self.running: dict[str, int] = {}
         self._len = 0
 
     # ---- the counters ------------------------------------------------------------
@@ -44,13 +47,23 @@ class FairRequestQueue:
         cost = PROMPT_WEIGHT * num_prompt_tokens + OUTPUT_WEIGHT * num_output_tokens
         self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weights.get(tenant, 1.0)
 
-    def _backlogged(self) -> list[str]:
+    def set_running(self, running: dict[str, int]) -> None:
+        self.running = running
+
+    def backlogged(self) -> list[str]:
         return [t for t, q in self.queues.items() if len(q)]
 
+    _backlogged = backlogged
+
+    def _order_key(self, t: str) -> tuple[float, float, float]:
+        # Smallest counter; ties go to the tenant with fewer running requests per weight
+        # (a tenant re-entering the backlog ties with the backlogged one it was lifted
+        # to, and it is the one that has been waiting for service), then to the earlier head.
+        return (self.counters.get(t, 0.0), self.running.get(t, 0) / self.weights.get(t, 1.0),
+                self.queues[t].peek_request().arrival_time)
+
     def _head_tenant(self) -> str:
-        # Smallest counter; ties go to the tenant whose head arrived first.
-        return min(self._backlogged(),
-                   key=lambda t: (self.counters.get(t, 0.0), self.queues[t].peek_request().arrival_time))
+        return min(self._backlogged(), key=self._order_key)
 
     # ---- the queue interface (as FCFSRequestQueue / PriorityRequestQueue) ----------
     def add_request(self, request: Request) -> None:
@@ -103,8 +116,7 @@ class FairRequestQueue:
     def __iter__(self) -> Iterator[Request]:
         """The projected service order: tenants by counter, taking turns one request at a
         time (what VTC does when requests cost about the same)."""
-        order = sorted(self._backlogged(), key=lambda t: (self.counters.get(t, 0.0),
-                                                          self.queues[t].peek_request().arrival_time))
+        order = sorted(self._backlogged(), key=self._order_key)
         iters = [iter(self.queues[t]) for t in order]
         while iters:
             alive = []

@@ -148,8 +148,8 @@ class Scheduler(TenantScheduling):
         sched_new_block_ids: list[list[int]] = []  # blocks added this step
         preempted: list[Request] = []
         ledger = Ledger(self.reservations, running, blocks_of) if self.reservations else None
-        # 0. A reserved class's waiting head gets its reserved room back first.
-        preempted_for_reserved = self._make_room_for_reserved(ledger) if ledger else []
+        # 0. Room for reserved classes' waiting heads, then for a tenant under its slot share.
+        preempted_for_reserved = self._make_room(ledger)
         # While a reserved class has a request waiting, others' running requests do not
         # grow into its unused reservation (when it has none waiting they may).
         hold_keys = [k for k in ledger.reserved_keys_waiting() if self._reserved_head(ledger, k)] if ledger else []

@@ -107,6 +107,54 @@ class TenantScheduling:
                 self._preempt(j, ledger)
         return preempted
 
+    def _make_room(self, ledger: Ledger | None) -> list[Request]:
+        """Preemptions before a step's scheduling: for reservations, then for slot shares."""
+        return (self._make_room_for_reserved(ledger) if ledger else []) + self._make_room_for_fair_share(ledger)
+
+    def _make_room_for_fair_share(self, ledger: Ledger | None) -> list[Request]:
+        """Batch slots are part of the fair share. The fair queue orders who starts next,
+        but with every slot held by one tenant's long streams, the next tenant's request
+        waits for one of them to finish (measured: a steady tenant next to a burst waited
+        up to a whole stream's length, 15x its TTFT alone). So when the batch is full and
+        the queue's head belongs to a tenant that, with it, still holds no more than its
+        share of the slots (max_num_seqs x weight / the active tenants' weights), one
+        running request of a tenant over its share is preempted (recompute) for it: the
+        cheapest to recompute that is not just resumed, not on reserved capacity and, with
+        the "priority" policy, not of a higher class. One per step; no flapping, since
+        afterwards neither tenant is past its share."""
+        waiting = self.waiting
+        set_running = getattr(waiting, "set_running", None)
+        if set_running is None:
+            return []
+        counts: dict[str, int] = {}
+        for r in self.running:
+            counts[r.tenant] = counts.get(r.tenant, 0) + 1
+        set_running(counts)
+        if len(self.running) < self.max_num_seqs or not len(waiting):
+            return []
+        active = set(counts).union(waiting.backlogged())
+        if len(active) < 2:
+            return []
+        weights = waiting.weights
+        total = sum(weights.get(t, 1.0) for t in active)
+        share = {t: self.max_num_seqs * weights.get(t, 1.0) / total for t in active}
+        head = waiting.peek_request()
+        if counts.get(head.tenant, 0) + 1 > share[head.tenant]:
+            return []
+        step, protect, prio = self.step_id, self.protect_steps, self.policy == "priority"
+        candidates = [j for j, r in enumerate(self.running)
+                      if counts[r.tenant] > share[r.tenant]
+                      and not (r.resumed_step >= 0 and step - r.resumed_step < protect)
+                      and not (ledger is not None and ledger.within_reservation(r))
+                      and not (prio and r.priority < head.priority)]
+        if not candidates:
+            return []
+        j = max(candidates, key=lambda j: victim_key(self.running[j], step, protect, prio, ledger))
+        victim = self.running[j]
+        self._preempt(j, ledger)
+        counts[victim.tenant] -= 1
+        return [victim]
+
     def waiting_info(self, req_id: str) -> dict | None:
         """Why ``req_id`` waits, as of the last schedule(), and when it should start:
         ``{"reason", "position", "est_start_steps"}`` (tenancy.WHY_REASONS), or None if it

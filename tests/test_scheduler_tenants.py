@@ -206,3 +206,35 @@ def test_stats_per_tenant():
     assert {t: (v["running"], v["waiting"], v["tokens"]) for t, v in st.tenants.items()} == {
         "a": (1, 0, 8), "b": (0, 2, 0)}
     assert st.queue_kv_demand_blocks == 4 and st.tenants["a"]["counter"] == 8.0
+
+
+def test_a_steady_request_gets_a_slot_the_next_step_when_a_burst_holds_them_all():
+    """Slots are part of the share: with all 4 slots held by the flood's long streams, a
+    request of a tenant under its share (2 of 4 slots) starts the next step, by
+    preempting the flood's cheapest running request, which restarts later."""
+    s = sched(max_seqs=4, num_blocks=256)
+    for i in range(12):
+        add(s, f"f{i}", range(i * 8, i * 8 + 8), tenant="flood", arrival=i * 0.01, max_tokens=64)
+    for _ in range(40):  # well past the hysteresis window of any resumed request
+        step(s)
+    assert [r.tenant for r in s.running] == ["flood"] * 4
+    add(s, "steady", range(900, 908), tenant="steady", arrival=99.0, max_tokens=8)
+    plan, _ = step(s)
+    assert [n.req_id for n in plan.scheduled_new_reqs] == ["steady"]
+    assert len(plan.preempted_req_ids) == 1 and plan.preempted_req_ids[0].startswith("f")
+    assert s.requests[plan.preempted_req_ids[0]] in list(s.waiting)  # back in the queue, not lost
+    for _ in range(3):  # 1 of 4 is under its share of 2: no further preemption
+        plan, _ = step(s)
+        assert plan.preempted_req_ids == []
+
+
+def test_two_backlogged_tenants_at_their_share_preempt_nobody():
+    s = sched(max_seqs=4, num_blocks=256)
+    for i in range(8):
+        add(s, f"a{i}", range(i * 8, i * 8 + 8), tenant="a", arrival=i * 0.01, max_tokens=16)
+        add(s, f"b{i}", range(500 + i * 8, 508 + i * 8), tenant="b", arrival=i * 0.01 + 0.001, max_tokens=16)
+    for _ in range(60):
+        plan, _ = step(s)
+        assert plan.preempted_req_ids == []
+        running = [r.tenant for r in s.running]
+        assert abs(running.count("a") - running.count("b")) <= 2  # the slots are shared
