@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedserve.worker.sampler import Sampler, apply_token_bitmask_
+from pagedserve.worker.sampler import Sampler, apply_token_bitmask_, apply_token_bitmask_torch_
 from pagedserve.worker.sampling_metadata import SamplingMetadata
 
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -48,20 +48,22 @@ def _md(params, vocab, bitmask=None):
 def test_bitmask_masks_exactly_the_forbidden_tokens_of_constrained_rows():
     xgr = pytest.importorskip("xgrammar")
     vocab = 100  # 4 words, the last one partly past the vocabulary
-    bm = xgr.allocate_token_bitmask(2, vocab)
-    bm.zero_()
+    bm = xgr.allocate_token_bitmask(3, vocab)  # one row per logits row; row 1 is free
+    bm.fill_(-1)
+    bm[0].zero_()
     bm[0, 1] = 1 << 5  # row 0 allows token 37 only
-    bm[1, :] = -1
-    bm[1, 0] = 0  # row 1 allows all but tokens 0..31
+    bm[2, 0] = 0  # row 2 allows all but tokens 0..31
     logits = torch.randn(3, vocab)
-    ours, theirs = logits.clone(), logits.clone()
-    apply_token_bitmask_(ours, torch.tensor([0, 2]), bm)
-    full = torch.cat([bm[:1], bm[:1], bm[1:]])  # xgrammar's kernel indexes both by batch row
-    xgr.apply_token_bitmask_inplace(theirs, full, indices=[0, 2])
-    assert torch.equal(ours, theirs)
+    ours, plain = logits.clone(), logits.clone()
+    apply_token_bitmask_(ours, [0, 2], bm)  # xgrammar's kernel
+    apply_token_bitmask_torch_(plain, [0, 2], bm)  # the fallback without xgrammar
+    assert torch.equal(ours, plain)
     assert torch.isinf(ours[0]).sum() == vocab - 1 and ours[0].argmax() == 37
     assert torch.equal(ours[1], logits[1])  # unconstrained row untouched
     assert torch.isinf(ours[2, :32]).all() and torch.equal(ours[2, 32:], logits[2, 32:])
+    wide = torch.randn(1, 140)  # logits wider than the mask's 128 tokens: the tail is banned
+    apply_token_bitmask_(wide, [0], bm[2:])
+    assert torch.isinf(wide[0, 128:]).all() and not torch.isinf(wide[0, 32:128]).any()
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
               SamplingParams(temperature=0.0)]
@@ -228,3 +230,35 @@ def test_bad_constraints_are_400_naming_the_problem(openai_app, model_name, body
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert needle in err["message"] and err["type"] == "BadRequestError", err
+
+
+# ---------------------------------------------------------------- the real model
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "London", "Tokyo", "Lima"]},
+                         "likes_pizza": {"type": "boolean"}},
+          "required": ["name", "age", "city", "likes_pizza"]}
+
+
+def test_real_model_json_schema_20_of_20_at_temperature_1():
+    """The acceptance: SmolLM2-135M-Instruct, 20 samples (n=20: one grammar, 20
+    matchers) at temperature 1, every one parses and validates."""
+    from pagedserve.cluster.engine.llm import LLM
+
+    llm = LLM(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
+              max_num_seqs=20)
+    try:
+        tok = llm.get_tokenizer()
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "Describe a fictional person as JSON with name, age, "
+                                         "city and likes_pizza."}], tokenize=False, add_generation_prompt=True)
+        params = SamplingParams(n=20, temperature=1.0, seed=0, max_tokens=48,
+                                structured_outputs=StructuredOutputsParams(json=PERSON))
+        [out] = llm.generate([prompt], params, use_tqdm=False)
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.text), PERSON)
+        assert len({c.text for c in out.outputs}) > 10  # sampled, not one answer 20 times
+    finally:
+        llm.shutdown()
