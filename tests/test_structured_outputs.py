@@ -8,8 +8,8 @@
                  json_schema, regex, choice, grammar (also streamed) hold although the
                  weights are random; bad specs and out-of-vocab logit_bias ids -> 400;
                  constrained and unconstrained requests share a batch
-    real model   SmolLM2-135M-Instruct (the default model): 20 of 20 samples at
-                 temperature 1 validate against a JSON schema (offline LLM)
+    real model   SmolLM2-135M-Instruct (the default model) behind Serve: 20 of 20
+                 samples at temperature 1 validate against a JSON schema, streamed too
 """
 
 from __future__ import annotations
@@ -241,24 +241,35 @@ PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "city", "likes_pizza"]}
 
 
-def test_real_model_json_schema_20_of_20_at_temperature_1():
-    """The acceptance: SmolLM2-135M-Instruct, 20 samples (n=20: one grammar, 20
-    matchers) at temperature 1, every one parses and validates."""
-    from pagedserve.cluster.engine.llm import LLM
+@pytest.fixture(scope="module")
+def real_app(serve_url):
+    """The default model behind Serve at /real (20 concurrent sequences: one n=20 request)."""
+    from ray import serve
 
-    llm = LLM(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
-              max_num_seqs=20)
-    try:
-        tok = llm.get_tokenizer()
-        prompt = tok.apply_chat_template(
-            [{"role": "user", "content": "Describe a fictional person as JSON with name, age, "
-                                         "city and likes_pizza."}], tokenize=False, add_generation_prompt=True)
-        params = SamplingParams(n=20, temperature=1.0, seed=0, max_tokens=48,
-                                structured_outputs=StructuredOutputsParams(json=PERSON))
-        [out] = llm.generate([prompt], params, use_tqdm=False)
-        for c in out.outputs:
-            assert c.finish_reason == "stop", c
-            jsonschema.validate(json.loads(c.text), PERSON)
-        assert len({c.text for c in out.outputs}) > 10  # sampled, not one answer 20 times
-    finally:
-        llm.shutdown()
+    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.worker.config import EngineConfig
+
+    cfg = EngineConfig(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
+                       max_num_seqs=20, seed=0)
+    serve.run(build_app(cfg, name_prefix="real-"), name="structured-real", route_prefix="/real")
+    yield f"{serve_url}/real"
+    serve.delete("structured-real")
+
+
+def test_real_model_json_schema_20_of_20_at_temperature_1(real_app):
+    """The acceptance: SmolLM2-135M-Instruct through Serve and the openai SDK, n=20 (one
+    grammar, 20 matchers) at temperature 1: every sample parses and validates."""
+    client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, temperature=1.0, seed=0, max_tokens=48, messages=[{
+        "role": "user", "content": "Describe a fictional person as JSON with name, age, city and likes_pizza."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    r = client.chat.completions.create(n=20, **ask)
+    assert len(r.choices) == 20
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    assert len({c.message.content for c in r.choices}) > 10  # sampled, not one answer 20 times
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content  # seeded: sample 0 of n=20 is the n=1 answer
