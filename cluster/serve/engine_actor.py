@@ -293,12 +293,14 @@ class AsyncEngine(EngineStatus):
         return rejected
 
     def _encode(self, prompt, messages, add_generation_prompt, params: SamplingParams) -> list[int]:
-        """Tokenizer pool thread: text -> ids (or ids checked), then the length check."""
+        """Tokenizer pool thread: text -> ids (or ids checked), then the length check and
+        the model-dependent parameter checks."""
         if messages is not None or isinstance(prompt, str):
             ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt)
         else:
             ids = self.engine.tokenize(prompt)  # validates ids; reads config only
         self.engine.check_length(len(ids), params.max_tokens)
+        self.engine.check_params(params)  # compiles a grammar here, not on the engine thread
         return ids
 
     async def _prepare(self, prompt, messages, add_generation_prompt, params) -> list[int]:
