@@ -29,6 +29,7 @@ from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, M
                                                 TokenizeResponse, error_body, random_id)
 from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
                                                      request_object)
+from pagedserve.cluster.serve.tool_choice import constrain_to_schema, tool_plan
 
 logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
@@ -82,11 +83,11 @@ class OpenAIIngress:
         return None
 
     # ------------------------------------------------------------ generation
-    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None):
+    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None, tools=None):
         """Open the engine stream; return (stream, admission) or (None, error response)."""
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages,
-            getattr(body, "add_generation_prompt", True), tenant)
+            getattr(body, "add_generation_prompt", True), tenant, tools=tools)
         try:
             adm = await stream.__anext__()
         except asyncio.CancelledError:
@@ -109,18 +110,23 @@ class OpenAIIngress:
         bad = await self._check_model(body.model)
         if bad is not None:
             return bad
+        info = await self.info()
+        plan = None  # tool_choice.py: how tools are used, if at all
         try:
             params = body.to_sampling_params()
             if chat:
-                prompt, messages = None, [dict(role=m.role, content=m.text()) for m in body.messages]
+                prompt, messages = None, [m.template_dict() for m in body.messages]
+                plan = tool_plan(body, info.get("chat_template_tools", False))
+                if plan is not None and plan.schema is not None:
+                    constrain_to_schema(params, plan.schema)
             else:
                 prompt, messages = body.single_prompt(), None
         except ValueError as e:
             return error(400, str(e))
-        info = await self.info()
         model = info["served_model_name"]
         created = int(time.time())
-        stream, adm = await self._start(rid, prompt, params, body, messages, tenant)
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant,
+                                        plan.tools if plan is not None else None)
         if stream is None:
             return adm
         self._live.placed(rid, adm.replica_id)
@@ -130,7 +136,7 @@ class OpenAIIngress:
         if queued is not None:
             headers[QUEUE_HEADER] = queued
         if body.stream:
-            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids)
+            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids, plan)
             self._live.hold(rid)
             return StreamingResponse(self._sse(stream, state, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
@@ -147,7 +153,8 @@ class OpenAIIngress:
             return error(500, f"internal error while generating request {rid}; see the server log")
         self._observe(final)
         if chat:
-            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids)
+            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
+                                     plan)
         else:
             echo = prompt if body.echo and isinstance(prompt, str) else None
             resp = fmt.completion_response(rid, created, model, final, token_text,
@@ -254,8 +261,7 @@ class OpenAIIngress:
         if (body.prompt is None) == (body.messages is None):
             return error(400, "give exactly one of `prompt` or `messages`.")
         try:
-            messages = None if body.messages is None else [dict(role=m.role, content=m.text())
-                                                             for m in body.messages]
+            messages = None if body.messages is None else [m.template_dict() for m in body.messages]
         except ValueError as e:
             return error(400, str(e))
         try:

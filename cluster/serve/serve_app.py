@@ -72,9 +72,9 @@ class EngineDeployment:
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
     async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                       messages=None, add_generation_prompt=True, tenant=None):
+                       messages=None, add_generation_prompt=True, tenant=None, tools=None):
         async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
-                                             messages, add_generation_prompt, tenant):
+                                             messages, add_generation_prompt, tenant, tools):
             yield item
 
     async def request_info(self, request_id: str) -> dict | None:

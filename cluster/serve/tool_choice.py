@@ -149,6 +149,19 @@ def tool_plan(body, template_has_tools: bool) -> ToolPlan | None:
     return ToolPlan("auto", plain)
 
 
+def constrain_to_schema(params, schema: dict) -> None:
+    """The output of every sample of ``params`` must be JSON matching ``schema``."""
+    try:
+        from pagedserve.scheduler.sampling_params import StructuredOutputsParams
+    except ImportError:
+        raise ValueError("tool_choice 'required' or a named function needs structured outputs, "
+                         "which this server build lacks; use tool_choice 'auto' or 'none'.") from None
+    if getattr(params, "structured_outputs", None) is not None:
+        raise ValueError("tool_choice 'required' or a named function constrains the output "
+                         "itself; do not combine it with response_format / structured_outputs.")
+    params.structured_outputs = StructuredOutputsParams(json=schema)
+
+
 # ------------------------------------------------------------- the prompt side
 def hermes_call_text(call: dict) -> str:
     """An assistant's earlier call as the Hermes text a model would have written."""
