@@ -70,6 +70,12 @@ class SchedulerOutput:
     # Requests preempted by this plan: workers keep their token ids but drop their blocks.
     preempted_req_ids: list[str] = field(default_factory=list)
     step_id: int = 0
+    # Structured outputs: the constrained requests that sample this step, and their
+    # allowed-token bitmask as raw bytes: int32 little-endian [len(ids), ceil(V / 32)],
+    # row i for structured_output_req_ids[i], bit t % 32 of word t // 32 set = token t
+    # allowed (xgrammar's layout). Filled by the engine after schedule(); None: no row.
+    structured_output_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: bytes | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -23,6 +23,47 @@ def sample_seed(seed: int, index: int) -> int:
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
+# OpenAI's bound on a logit_bias value ("-100 bans, +100 forces in practice").
+LOGIT_BIAS_MAX = 100.0
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What the output must match; exactly one field is set (vLLM's names). Only its
+    shape is checked here: whether a schema, regex or grammar compiles is the engine's
+    check (cluster/engine/structured_output.py), done before the request is queued."""
+
+    json: str | dict | None = None  # a JSON schema (text or parsed)
+    regex: str | None = None
+    choice: list[str] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # EBNF / GBNF
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+
+    def __post_init__(self) -> None:
+        given = [k for k in _SO_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar "
+                             f"or json_object; got {', '.join(given) or 'none'}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured outputs: json must be a JSON schema (an object or its text).")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or any(not isinstance(c, str) or not c for c in self.choice)):
+                raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings.")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured outputs: json_object must be true when given.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _SO_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -43,6 +84,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # token id -> added to its logit before sampling (OpenAI's logit_bias), greedy too.
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +98,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
 
     def _verify(self) -> None:
@@ -95,6 +141,20 @@ class SamplingParams:
             bad(f"at most 16 stop strings are allowed, got {len(self.stop)}.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be a list of non-negative integers.")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias must map token ids to biases.")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    bad(f"logit_bias keys must be non-negative token ids, got {t!r}.")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) \
+                        or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX:  # also rejects NaN
+                    bad(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}.")
+            if len(self.logit_bias) > 1024:  # OpenAI's limit; a bigger map is a mask, not a bias
+                bad(f"logit_bias may name at most 1024 tokens, got {len(self.logit_bias)}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            bad("structured_outputs must be a StructuredOutputsParams.")
 
     @property
     def greedy(self) -> bool:

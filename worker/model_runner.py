@@ -51,6 +51,8 @@ class ModelRunner:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed)
         self.sampler = Sampler(generator=gen)
+        # req_id -> its allowed-token words this step (structured outputs; from the plan).
+        self._bitmask_rows: dict[str, np.ndarray] = {}
 
     # ------------------------------------------------------------------ state
     def _update_states(self, plan: SchedulerOutput, failed: dict[str, str]) -> None:
@@ -155,6 +157,11 @@ class ModelRunner:
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         failed: dict[str, str] = {}
         self._update_states(plan, failed)
+        self._bitmask_rows = {}
+        if plan.grammar_bitmask is not None and plan.structured_output_req_ids:
+            words = np.frombuffer(plan.grammar_bitmask, dtype="<i4").reshape(
+                len(plan.structured_output_req_ids), -1)
+            self._bitmask_rows = dict(zip(plan.structured_output_req_ids, words))
         num_scheduled = plan.num_scheduled_tokens
         if failed:  # the rest of the batch runs without them
             num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed}
@@ -185,7 +192,8 @@ class ModelRunner:
         smd = SamplingMetadata.build(
             [st.sampling_params for st in reqs], [st.generator for st in reqs],
             [st.prompt_token_ids for st in reqs], [st.output_token_ids for st in reqs],
-            [st.stop_token_ids for st in reqs], self.vocab_size, self.device)
+            [st.stop_token_ids for st in reqs], self.vocab_size, self.device,
+            [self._bitmask_rows.get(st.req_id) for st in reqs] if self._bitmask_rows else None)
         out = self.sampler(logits, smd)
         for st in reqs:  # planted after the draws: the retry must not redraw
             faults.check("sample", st.sampling_params)

@@ -4,6 +4,8 @@ Order of operations (vLLM V1 / Hugging Face):
 
     raw logits ──▶ logprobs (log_softmax of the raw logits, vLLM's default "raw" mode)
         │
+        ▼ logit_bias (+= per (row, token)), greedy rows too
+        ▼ structured outputs: tokens the row's grammar forbids -> -inf (bitmask rows only)
         ▼ penalties (repetition on prompt+output tokens; presence/frequency on output counts)
         ▼ min_tokens: stop tokens -> -inf while a row is below its min_tokens
         ├──▶ greedy rows: argmax
@@ -47,14 +49,24 @@ class Sampler:
             f"logits {tuple(logits.shape)} do not match {md.num_rows} sampling rows")
         logprobs = compute_logprobs(logits, md) if md.logprob_rows else None
         # The caller's logits are never written to: the first modifying op copies.
+        owned = False
+        if md.logit_bias_rows is not None or md.grammar_rows is not None:
+            logits, owned = _own_copy(logits), True
+            if md.logit_bias_rows is not None:
+                logits.index_put_((md.logit_bias_rows, md.logit_bias_cols), md.logit_bias_values,
+                                  accumulate=True)
+            if md.grammar_rows is not None:
+                apply_token_bitmask_(logits, md.grammar_rows, md.grammar_bitmask)
         if md.needs_penalties:
             if md.penalty_rows is None:
                 logits = apply_penalties(logits.float(), md)
             else:
-                logits = _own_copy(logits)
+                if not owned:
+                    logits = _own_copy(logits)
                 logits[md.penalty_rows] = apply_penalties(logits[md.penalty_rows], md)
+            owned = True
         if md.min_tokens_rows is not None:
-            if not md.needs_penalties:
+            if not owned:
                 logits = _own_copy(logits)
             logits[md.min_tokens_rows, md.min_tokens_cols] = float("-inf")
         if md.all_greedy:
@@ -102,6 +114,25 @@ def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _own_copy(logits: torch.Tensor) -> torch.Tensor:
     """A float32 tensor the sampler may write to (one copy, not two, for bf16 logits)."""
     return logits.clone() if logits.dtype == torch.float32 else logits.float()
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[G, W] int32 packed words -> [G, vocab_size] bool (True: allowed). Bit b of word w
+    is token 32 w + b; tokens past 32 W (logits wider than the grammar's vocabulary) are
+    not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [G, 32 W]
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    pad = torch.zeros(bits.shape[0], vocab_size - bits.shape[1], dtype=torch.bool, device=bits.device)
+    return torch.cat([bits, pad], dim=1)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[g], t] = -inf wherever bit t of bitmask[g] is clear. Plain
+    torch (the same on CPU and CUDA); only the G constrained rows are touched."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

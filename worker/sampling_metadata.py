@@ -9,6 +9,8 @@ to ``max_num_seqs`` rows per step, so it only materialises what some row uses:
     some row random        -> temperature [R] (+ top_k / top_p / min_p if any row sets them)
     some row penalised     -> output_counts [Q, V] for those Q rows (+ prompt_mask for repetition)
     some row below min_tokens -> (row, token) index pairs set to -inf
+    some row sets logit_bias  -> (row, token, bias) triples, added in one index_put_
+    some row is constrained   -> its rows and their packed allowed-token bitmask [G, W]
 
 Rows that do not use a feature get its neutral value (top_k = V, min_p = 0, penalties
 0 / 0 / 1), so each filter runs batched over the rows without branches; top-p, whose
@@ -70,6 +72,14 @@ class SamplingMetadata:
     # min_tokens: logits[min_tokens_rows, min_tokens_cols] = -inf (stop tokens not yet allowed).
     min_tokens_rows: torch.Tensor | None = None
     min_tokens_cols: torch.Tensor | None = None
+    # logit_bias: logits[logit_bias_rows, logit_bias_cols] += logit_bias_values.
+    logit_bias_rows: torch.Tensor | None = None
+    logit_bias_cols: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None  # float32
+    # Structured outputs: the G constrained rows [G] int64 and their allowed tokens, packed
+    # 32 to an int32 word as xgrammar fills them [G, ceil(V / 32)].
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
     # Logprobs: rows that asked, their N, and the largest N (top-N computed once).
     logprob_rows: list[int] = field(default_factory=list)
     num_logprobs: list[int] = field(default_factory=list)
@@ -89,7 +99,10 @@ class SamplingMetadata:
         stop_token_ids: list[set[int]],
         vocab_size: int,
         device: torch.device | str,
+        grammar_bitmask: list[np.ndarray | None] | None = None,
     ) -> "SamplingMetadata":
+        """``grammar_bitmask``: per row, its packed allowed-token words (int32 [W]) or None
+        for an unconstrained row; None when no row is constrained."""
         n = len(params)
         greedy = [p.temperature < _GREEDY_EPS for p in params]
         num_greedy = sum(greedy)
@@ -100,6 +113,11 @@ class SamplingMetadata:
         pen_rows: list[int] = []
         mt_rows: list[int] = []
         mt_cols: list[int] = []
+        lb_rows: list[int] = []
+        lb_cols: list[int] = []
+        lb_vals: list[float] = []
+        g_rows = [] if grammar_bitmask is None else [i for i, m in enumerate(grammar_bitmask)
+                                                     if m is not None]
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 md.logprob_rows.append(i)
@@ -107,7 +125,16 @@ class SamplingMetadata:
             if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                     or p.repetition_penalty != 1.0):
                 pen_rows.append(i)
-            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            if p.logit_bias:
+                for t, b in p.logit_bias.items():
+                    if t < vocab_size:  # ids were checked against the vocabulary on entry
+                        lb_rows.append(i)
+                        lb_cols.append(t)
+                        lb_vals.append(b)
+            # A constrained row's grammar decides when it may end: masking its stop tokens
+            # too could leave no allowed token at all (a finished grammar allows only EOS).
+            if (p.min_tokens and len(output_token_ids[i]) < p.min_tokens
+                    and p.structured_outputs is None):
                 for t in stop_token_ids[i]:
                     if 0 <= t < vocab_size:
                         mt_rows.append(i)
@@ -117,6 +144,14 @@ class SamplingMetadata:
         if mt_rows:
             md.min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
             md.min_tokens_cols = torch.tensor(mt_cols, dtype=torch.int64, device=device)
+        if lb_rows:
+            md.logit_bias_rows = torch.tensor(lb_rows, dtype=torch.int64, device=device)
+            md.logit_bias_cols = torch.tensor(lb_cols, dtype=torch.int64, device=device)
+            md.logit_bias_values = torch.tensor(lb_vals, dtype=torch.float32, device=device)
+        if g_rows:
+            md.grammar_rows = torch.tensor(g_rows, dtype=torch.int64, device=device)
+            md.grammar_bitmask = torch.from_numpy(
+                np.stack([grammar_bitmask[i] for i in g_rows])).to(device)
         if pen_rows:
             _build_penalties(md, params, pen_rows, prompt_token_ids, output_token_ids, device)
         if not md.all_greedy:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.engine.executor import Executor, default_executor_class
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.cluster.engine.structured_output import StructuredOutputManager
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
 from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -89,6 +90,8 @@ class LLMEngine:
         self.served_model_name = self.config.served_model_name or resolved.served_model_name
         self.tokenizer = load_tokenizer(self.config.tokenizer or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                  self.eos_token_ids)
 
         executor_class = executor_class or default_executor_class(self.config)
         self.executor = executor_class(self.config)
@@ -150,6 +153,18 @@ class LLMEngine:
                 f"requested {n + (max_tokens or 1)} tokens ({n} in the prompt, "
                 f"{max_tokens or 1} for the completion). Please reduce the prompt or max_tokens.")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError for what only the model can judge: logit_bias ids past its vocabulary,
+        a schema / regex / grammar that does not compile (compiled here, then cached: the
+        serving layer calls this in its tokenizer pool, off the engine thread)."""
+        vocab = self.model_config.vocab_size
+        bad = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if bad:
+            raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                             f"[0, {vocab}).")
+        if params.structured_outputs is not None:
+            self.structured.compile(params.structured_outputs)
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, tenant: str | None = None) -> None:
@@ -159,6 +174,7 @@ class LLMEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty.")
         self.check_length(len(prompt_ids), params.max_tokens)
+        self.check_params(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         group = _Group(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [],
@@ -178,6 +194,9 @@ class LLMEngine:
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
                                     priority=priority, cache_salt=cache_salt, tenant=tenant))
         self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
+        if params.structured_outputs is not None:  # one matcher per sample, one grammar
+            for sample in group.samples:
+                self.structured.add_request(sample.req_id, params.structured_outputs)
         group.pending = requests[1:]
         self._groups[request_id] = group
         for sample in group.samples:
@@ -235,6 +254,7 @@ class LLMEngine:
             self.scheduler.abort_requests([s.req_id for s in group.samples])
             for s in group.samples:
                 self._samples.pop(s.req_id, None)
+                self.structured.remove(s.req_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished_requests()
@@ -249,6 +269,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
+        if self.structured.matchers:
+            self.structured.fill_bitmask(plan, self.scheduler.get_request)
         if plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids:
             result = self.executor.execute_model(plan)
         else:
@@ -288,6 +310,7 @@ class LLMEngine:
                 self._groups.pop(g.request_id, None)
                 for s in g.samples:
                     self._samples.pop(s.req_id, None)
+                    self.structured.remove(s.req_id)
         return outputs
 
     def _process(self, group: _Group, sample: _Sample, out: EngineCoreOutput, now: float):
@@ -303,6 +326,11 @@ class LLMEngine:
                 sample.logprobs.extend(out.new_logprobs)
         delta_text = ""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if new_ids and self.structured.accept(sample.req_id, new_ids) and finish_reason is None:
+            # The grammar is done (it accepted a stop token the scheduler did not stop on:
+            # ignore_eos, or min_tokens not reached): the request ends here.
+            self.scheduler.finish_requests([sample.req_id], RequestStatus.FINISHED_STOPPED)
+            finish_reason = "stop"
         if sample.detok is not None:
             if new_ids:
                 # A stop *token* (EOS, stop_token_ids) ends the text before it, as in vLLM.

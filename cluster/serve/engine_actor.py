@@ -294,12 +294,14 @@ class AsyncEngine(EngineStatus):
 
     def _encode(self, prompt, messages, add_generation_prompt, params: SamplingParams,
                 tools=None) -> list[int]:
-        """Tokenizer pool thread: text -> ids (or ids checked), then the length check."""
+        """Tokenizer pool thread: text -> ids (or ids checked), then the length check and
+        the model-dependent parameter checks."""
         if messages is not None or isinstance(prompt, str):
             ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt, tools)
         else:
             ids = self.engine.tokenize(prompt)  # validates ids; reads config only
         self.engine.check_length(len(ids), params.max_tokens)
+        self.engine.check_params(params)  # compiles a grammar here, not on the engine thread
         return ids
 
     async def _prepare(self, prompt, messages, add_generation_prompt, params, tools=None) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, ConfigDict, Field
 
 from pagedserve.cluster.serve.responses import OpenAIBase
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -52,6 +52,32 @@ class StreamOptions(RequestBase):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(RequestBase):
+    name: Text | None = None
+    description: Text | None = None
+    # ``schema`` would shadow BaseModel.schema: stored as json_schema, sent as "schema".
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(RequestBase):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(RequestBase):
+    """vLLM's ``structured_outputs`` body field (vLLM >= 0.10); exactly one is set."""
+
+    # ``json`` would shadow BaseModel.json: stored as json_, sent as "json".
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(RequestBase):
     """Fields shared by completions and chat completions."""
 
@@ -77,6 +103,59 @@ class _SamplingFields(RequestBase):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     cache_salt: Text | None = None
+    # OpenAI: {"token id": bias in [-100, 100]}.
+    logit_bias: dict[Text, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM < 0.10's names for the same, still sent by many clients.
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    # Accepted only when they change nothing (never silently ignored).
+    guided_decoding_backend: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+            out[token] = bias
+        return out
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint of this body, from whichever field carries it."""
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported (JSON output is compact).")
+        if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
+            raise ValueError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
+                             "supported; this server uses xgrammar.")
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema.")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", StructuredOutputsParams(**{name: value})))
+        if len(found) > 1:
+            raise ValueError("give one output constraint, got "
+                             + ", ".join(name for name, _ in found) + ".")
+        return found[0][1] if found else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values."""
@@ -93,7 +172,8 @@ class _SamplingFields(RequestBase):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            structured_outputs=self._structured_outputs())
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,167 @@
+"""Structured outputs with xgrammar, on the engine side (vLLM V1's design).
+
+    admission (a tokenizer-pool thread, or add_request for the offline LLM)
+        StructuredOutputsParams ──compile()──▶ CompiledGrammar   (cached by spec)
+    add_request: one GrammarMatcher per sample (n > 1: n matchers, one grammar)
+    every step, engine thread:
+        plan = schedule() ──fill_bitmask(plan)──▶ plan.grammar_bitmask (bytes, one row
+              per constrained request that samples this step) ──▶ workers mask those rows
+        result ──▶ accept(req_id, token ids) advances that request's matcher; a matcher
+              that terminated ends the request with finish_reason "stop"
+
+The matchers live here, not in the workers: every TP rank then applies the same
+bitmask (no rank can drift), and preemption costs nothing: a recomputed request keeps
+its matcher, which has accepted exactly the tokens the request holds, so nothing is
+re-fed; its recompute prefill samples under the matcher's current bitmask.
+xgrammar is imported on first use, so an engine that never sees a constraint never
+loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+
+from pagedserve.scheduler.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedserve")
+
+# Compiled grammars kept (LRU). A JSON-schema grammar for a 49k vocabulary is ~100 KB-1 MB.
+CACHE_SIZE = 256
+
+
+def _key(so: StructuredOutputsParams) -> tuple[str, str]:
+    kind = so.kind
+    if kind == "json":
+        spec = so.json if isinstance(so.json, str) else json.dumps(so.json, sort_keys=True)
+    elif kind == "choice":
+        spec = json.dumps(so.choice)
+    elif kind == "json_object":
+        spec = ""
+    else:
+        spec = getattr(so, kind)
+    return kind, spec
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the given strings (a JSON string literal is a valid
+    EBNF string literal in xgrammar, escapes included)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        """``vocab_size``: the model's logits width (may exceed the tokenizer's vocabulary:
+        padded rows are never allowed). ``stop_token_ids``: what ends a finished grammar
+        (the model's EOS ids), so a completed constraint stops where EOS does."""
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.num_words = (vocab_size + 31) // 32
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()  # the compiler's creation and the cache
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self.matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
+        self.compile_times: list[tuple[float, bool]] = []  # (seconds, was cached), last 64
+
+    # ------------------------------------------------------------ compile (any thread)
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_token_ids or None)
+                # Our own LRU below keys by spec; xgrammar's cache would hold a second copy.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, so: StructuredOutputsParams):
+        """The compiled grammar of ``so`` (cached). ValueError naming the problem for an
+        invalid schema, regex or grammar (the HTTP layer answers 400)."""
+        key = _key(so)
+        t0 = time.perf_counter()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            hit = self._compile(so)
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        self.compile_times = self.compile_times[-63:] + [(time.perf_counter() - t0, hit is not None)]
+        return hit
+
+    def _compile(self, so: StructuredOutputsParams):
+        compiler = self._get_compiler()
+        kind = so.kind
+        try:
+            if kind == "json":
+                schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
+                # Compact JSON (no free whitespace): a model may otherwise emit whitespace
+                # until max_tokens (vLLM's disable_any_whitespace, measured on small models).
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return compiler.compile_regex(so.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(so.choice))
+            return compiler.compile_grammar(so.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError / its own types for bad specs
+            what = {"json": "JSON schema", "json_object": "JSON grammar", "choice": "choice list"}.get(kind, kind)
+            msg = str(e).strip().splitlines()
+            raise ValueError(f"invalid {what} for structured outputs: "
+                             f"{msg[-1] if msg else type(e).__name__}") from None
+
+    # ------------------------------------------------------------ matchers (engine thread)
+    def add_request(self, req_id: str, so: StructuredOutputsParams) -> None:
+        import xgrammar as xgr
+
+        self.matchers[req_id] = xgr.GrammarMatcher(self.compile(so))
+
+    def remove(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def fill_bitmask(self, plan, get_request) -> None:
+        """Bitmask rows for the constrained requests of ``plan`` that sample this step:
+        those whose computed tokens reach their token count once this step ran (the
+        scheduler has advanced ``num_computed_tokens`` already); partial prefill chunks
+        sample nothing and get no row."""
+        ids = []
+        for rid in plan.num_scheduled_tokens:
+            if rid in self.matchers:
+                req = get_request(rid)
+                if req is not None and req.num_computed_tokens >= req.num_tokens:
+                    ids.append(rid)
+        if not ids:
+            return
+        import torch
+
+        # xgrammar fills a torch int32 tensor through DLPack; the plan gets its bytes.
+        mask = torch.empty((len(ids), self.num_words), dtype=torch.int32)
+        for i, rid in enumerate(ids):
+            self.matchers[rid].fill_next_token_bitmask(mask, i)
+        plan.structured_output_req_ids = ids
+        plan.grammar_bitmask = mask.numpy().astype("<i4", copy=False).tobytes()
+
+    def accept(self, req_id: str, token_ids: list[int]) -> bool:
+        """Advance ``req_id``'s matcher; True when its grammar has terminated (a stop token
+        was accepted after the grammar completed). RuntimeError for a token the grammar
+        forbids, which only a bitmask that did not reach the sampler can cause."""
+        m = self.matchers.get(req_id)
+        if m is None:
+            return False
+        for t in token_ids:
+            if m.is_terminated():
+                break
+            if not m.accept_token(t):
+                raise RuntimeError(f"structured outputs: the sampler produced token {t}, which "
+                                   f"the grammar of request {req_id} does not allow")
+        return m.is_terminated()
