@@ -98,28 +98,30 @@ def test_named_tool_call_streamed(client, model_name):
 
 
 def test_required_tool_calls(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS,
-                                       tool_choice="required", max_tokens=96, temperature=0.7, seed=5)
+    # parallel_tool_calls=False (maxItems 1) ends the array after one call: a random model
+    # given the choice keeps appending calls until max_tokens (real models stop).
+    kw = dict(model=model_name, messages=ASK, max_tokens=96, temperature=0.7,
+              tool_choice="required", parallel_tool_calls=False)
+    r = client.chat.completions.create(tools=TOOLS, seed=5, **kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    _check_calls(choice.message.tool_calls)
-    # Only one tool offered: every call names it.
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=[ALARM],
-                                       tool_choice="required", max_tokens=96, seed=6,
-                                       parallel_tool_calls=False)
-    [call] = r.choices[0].message.tool_calls  # parallel_tool_calls=False: at most one
+    [call] = choice.message.tool_calls
+    _check_calls([call])
+    # Only one tool offered: the call names it.
+    [call] = client.chat.completions.create(tools=[ALARM], seed=6, **kw).choices[0].message.tool_calls
     _check_calls([call], names=("set_alarm",))
 
 
 def test_required_tool_calls_streamed(client, model_name):
     kw = dict(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
-              max_tokens=96, temperature=0.7, seed=7)
+              parallel_tool_calls=False, max_tokens=96, temperature=0.7, seed=7)
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     calls, finish = _stream_calls(client.chat.completions.create(**kw, stream=True))
-    assert finish == "tool_calls" and sorted(calls) == list(range(len(whole)))
-    # Same seed, same sample: the stream carries the same calls as the whole answer.
+    assert finish == "tool_calls" and sorted(calls) == list(range(len(whole))) == [0]
+    # Same seed, same sample: the stream carries the same call as the whole answer.
     assert [(n, json.loads(a)) for _, n, a in calls.values()] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    # More than one call in one stream: test_required_stream_scanner_any_split.
 
 
 def test_auto_and_none(openai_app, client, model_name):
@@ -140,7 +142,7 @@ def test_auto_and_none(openai_app, client, model_name):
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
      "tools.0.function.parameters"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-          tool_choice="required"), "cannot compile"),
+          tool_choice="required"), "('f') does not compile as a JSON schema (xgrammar): Unsupported type \"nope\""),
     (dict(tools=None, tool_choice="required"), "needs tools"),
     (dict(tool_choice="sometimes"), 'tool_choice must be'),
     (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "unique"),

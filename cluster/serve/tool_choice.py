@@ -71,8 +71,7 @@ def _check_compiles(where: str, schema: dict) -> None:
     except Exception as e:  # xgrammar raises RuntimeError with the C++ location first
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)
-        raise ValueError(f"{where} is not a JSON schema the structured-output backend can "
-                         f"compile: {reason}") from None
+        raise ValueError(f"{where} does not compile as a JSON schema (xgrammar): {reason}") from None
 
 
 def _parameters(tool) -> dict:
