@@ -147,6 +147,7 @@ def test_auto_and_none(openai_app, client, model_name):
     (dict(tool_choice="sometimes"), 'tool_choice must be'),
     (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "unique"),
     (dict(messages=ASK + [{"role": "tool", "content": "sunny"}]), "tool_call_id"),
+    (dict(response_format={"type": "json_object"}), "do not combine it with response_format"),
 ])
 def test_mistakes_are_400(openai_app, change, words):
     body = {"messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 4, **change}
@@ -279,3 +280,36 @@ def test_templates_get_tools_and_calls_they_render():
     assert asst == {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", '
                     '"arguments": {"city": "Rome", "unit": "C"}}\n</tool_call>'}
     assert tool["content"] == "20 C" and tool["tool_call_id"] == "call_1"
+
+
+# ------------------------------------------------------------------ the real model
+@pytest.mark.slow
+def test_real_model_named_tool_call():
+    """SmolLM2-135M-Instruct (the default model; its ChatML template renders no tools)
+    through ``pagedserve.LLM``, planned and parsed by the same code as the server: the
+    arguments validate, and greedy decoding fills in the city the question names."""
+    from pagedserve import LLM
+    from pagedserve.cluster.serve.tool_choice import constrain_to_schema
+    from pagedserve.worker.model_source import default_model_file
+
+    try:
+        default_model_file()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    llm = LLM(max_model_len=512, num_gpu_blocks_override=32)
+    try:
+        tok = llm.get_tokenizer()
+        body = ChatCompletionRequest(messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                     max_tokens=48, temperature=0)
+        plan = tool_plan(body, renders_tools(tok))
+        params = body.to_sampling_params()
+        constrain_to_schema(params, plan.schema)
+        prompt = render_chat(tok, [m.template_dict() for m in body.messages], True, plan.tools)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    content, [call], finish = parse(plan, out.text, out.finish_reason)
+    assert content is None and finish == "stop" and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS["get_weather"])
+    assert args["city"] == "Paris"
