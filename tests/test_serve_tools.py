@@ -313,3 +313,36 @@ def test_real_model_named_tool_call():
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, SCHEMAS["get_weather"])
     assert args["city"] == "Paris"
+
+
+def test_auto_sse_chunks_and_whole_response():
+    """openai_format with an "auto" plan, as the ingress drives it for a template that
+    renders tools (no served test model has one): the SSE chunks carry content, then
+    the call; the whole response has both; finish_reason becomes "tool_calls"."""
+    from pagedserve.cluster.engine.outputs import CompletionOutput, RequestOutput
+    from pagedserve.cluster.serve import openai_format as fmt
+
+    pieces = ["Checking", ". <tool", '_call>{"name": "set_alarm", ', '"arguments": {"on": true}}',
+              "</tool_call>"]
+    plan, state, text = ToolPlan("auto", TOOLS), None, ""
+    state = fmt.StreamState("chatcmpl-x", 0, "m", chat=True, return_token_ids=False, tools=plan)
+    chunks = []
+    for i, piece in enumerate(pieces):
+        text += piece
+        last = i == len(pieces) - 1
+        c = CompletionOutput(index=0, text=text, token_ids=[1] * (i + 1), delta_text=piece,
+                             delta_token_ids=[1], finish_reason="stop" if last else None)
+        out = RequestOutput("chatcmpl-x", None, [1], [c], finished=last)
+        chunks += [json.loads(line[len("data: "):]) for line in state.chunks(out, {})]
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
+    [call] = [tc for d in deltas for tc in d.get("tool_calls") or []]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "set_alarm", "arguments": '{"on": true}'}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert all(d for d in deltas)  # no empty deltas while a tag was held back
+    resp = fmt.chat_response("chatcmpl-x", 0, "m", out, {}, False, plan).model_dump(exclude_none=True)
+    msg = resp["choices"][0]["message"]
+    assert msg["content"] == "Checking. " and msg["tool_calls"][0]["function"]["name"] == "set_alarm"
+    assert resp["choices"][0]["finish_reason"] == "tool_calls"

@@ -74,8 +74,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = [_hermes_block(m.group(1)) for m in _HERMES_RE.finditer(text)]
     if any(c is None for c in calls):
         return text, []
-    content = _HERMES_RE.sub("", text).strip()
-    return content or None, calls  # type: ignore[return-value]
+    # Not stripped: the stream sends the same characters (it cannot take back a space).
+    content = _HERMES_RE.sub("", text)
+    return content if content.strip() else None, calls  # type: ignore[return-value]
 
 
 def parse(plan: ToolPlan, text: str, finish_reason: str | None
