@@ -216,6 +216,7 @@ def test_hermes_parser_whole_and_streamed():
     assert parse(plan, text, "stop")[2] == "tool_calls"
     assert parse(plan, "no calls here", "stop") == ("no calls here", None, "stop")
     assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert parse_hermes('a<tool_call>{"name": "f", "arguments": {}}')[1][0].function.name == "f"
     for seed in range(20):  # any split of the text into deltas streams the same
         content, deltas, finish = _feed(ToolStream(plan), text, seed)
         assert content == "Let me check.\n Done <tool" and finish == "tool_calls"

@@ -22,14 +22,12 @@ engine's finish_reason ("length"), never as a 500.
 from __future__ import annotations
 
 import json
-import re
 
 from pagedserve.cluster.serve.responses import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                                 ToolCall, tool_call_id)
 from pagedserve.cluster.serve.tool_choice import ToolPlan
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
-_HERMES_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 def _dumps(obj) -> str:
@@ -67,16 +65,16 @@ def _hermes_block(body: str) -> ToolCall | None:
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls). A block that is not a JSON {"name", "arguments"} object makes
-    the whole text content (the model did not produce a call we can trust)."""
-    if HERMES_START not in text:
-        return text, []
-    calls = [_hermes_block(m.group(1)) for m in _HERMES_RE.finditer(text)]
-    if any(c is None for c in calls):
-        return text, []
-    # Not stripped: the stream sends the same characters (it cannot take back a space).
-    content = _HERMES_RE.sub("", text)
-    return content if content.strip() else None, calls  # type: ignore[return-value]
+    """(content, calls): the stream's reading of the whole text at once, so a streamed
+    and a non-streamed answer say the same. A block that is not a JSON {"name",
+    "arguments"} object stays in the content (the model's text, not a call we trust)."""
+    stream = ToolStream(ToolPlan("auto", []))
+    content, deltas = stream.feed(text)
+    tail, more, _ = stream.finish(None)
+    content = (content or "") + (tail or "")
+    calls = [ToolCall(id=d.id, function=FunctionCall(name=d.function.name, arguments=d.function.arguments))
+             for d in deltas + more]
+    return content if content.strip() else None, calls
 
 
 def parse(plan: ToolPlan, text: str, finish_reason: str | None
@@ -102,15 +100,15 @@ class ToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.num_calls = 0  # calls whose header went out
-        self._text = ""  # everything seen (the required / auto cases re-check it at the end)
+        self._text = ""  # required: everything seen (whether it parses decides finish_reason)
         self._scan = _ArrayScanner() if plan.mode == "required" else None
         self._held = ""  # auto: text that may be the start of a <tool_call> tag, or a block
 
     def feed(self, delta: str) -> tuple[str | None, list[DeltaToolCall]]:
-        self._text += delta
         if self.plan.mode == "named":
             return None, self._named(delta)
         if self._scan is not None:
+            self._text += delta
             return None, self._scan.feed(delta)
         return self._auto(delta)
 
