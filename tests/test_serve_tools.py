@@ -172,6 +172,9 @@ def test_tool_result_round_trip(openai_app, client, model_name):
     r = client.chat.completions.create(model=model_name, messages=convo, tools=TOOLS,
                                        tool_choice="none", max_tokens=4)
     assert r.choices[0].message.content is not None
+    # /tokenize takes tools too (rendered where the template renders them; this one does not).
+    with_tools = httpx.post(f"{openai_app}/tokenize", json={"messages": convo, "tools": TOOLS})
+    assert with_tools.status_code == 200 and with_tools.json()["tokens"] == tok["tokens"]
 
 
 # ------------------------------------------------------------------ units

@@ -119,11 +119,12 @@ class AsyncEngine(EngineStatus):
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+                       add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None) -> list[int]:
         if prompt is not None:
             self._tok.check_chars(prompt)
         return await self._tok.run(self._tok.tokenize, prompt, messages, add_special_tokens,
-                                   add_generation_prompt)
+                                   add_generation_prompt, tools)
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size)

@@ -265,8 +265,9 @@ class OpenAIIngress:
         except ValueError as e:
             return error(400, str(e))
         try:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                    body.add_generation_prompt)
+                                                    body.add_generation_prompt, tools)
         except Exception as e:  # arrives wrapped (RayTaskError)
             return _remote_error(e)
         info = await self.info()

@@ -296,6 +296,7 @@ class TokenizeRequest(RequestBase):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ChatTool] | None = None  # rendered as a chat request's would be (if the template does)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

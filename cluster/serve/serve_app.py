@@ -87,8 +87,9 @@ class EngineDeployment:
         return self.core.stats()
 
     async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
-                       add_generation_prompt=True) -> list[int]:
-        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+                       add_generation_prompt=True, tools=None) -> list[int]:
+        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,
+                                        tools)
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self.core.detokenize(tokens)

@@ -128,10 +128,11 @@ class TokenizerPool:
         return tok.encode(prompt)
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None,
-                 add_special_tokens: bool, add_generation_prompt: bool) -> list[int]:
+                 add_special_tokens: bool, add_generation_prompt: bool,
+                 tools: list[dict] | None = None) -> list[int]:
         tok = self._tok()
         if messages is not None:
-            prompt = render_chat(tok, messages, add_generation_prompt)
+            prompt = render_chat(tok, messages, add_generation_prompt, tools)
             add_special_tokens = False  # the template already holds BOS etc.
         prompt = prompt or ""
         self.check_chars(prompt)
