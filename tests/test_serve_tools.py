@@ -177,6 +177,57 @@ def test_tool_result_round_trip(openai_app, client, model_name):
     assert with_tools.status_code == 200 and with_tools.json()["tokens"] == tok["tokens"]
 
 
+# A ChatML template that renders tools and calls (Hermes style), for the test model's copy.
+HERMES_CHATML = (
+    "{{ bos_token }}{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function | tojson }}"
+    "{% endfor %}</tools><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+FORCED = 'Sure.<tool_call>{"name": "set_alarm", "arguments": {"on": true}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes_url(serve_url, serve_model, tmp_path_factory):
+    """The test model again, its template swapped for one that renders tools."""
+    import shutil
+
+    from ray import serve
+
+    from conftest import SERVE_ENGINE
+    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.worker.config import EngineConfig
+
+    model = tmp_path_factory.mktemp("hermes") / "hermes-test"
+    shutil.copytree(serve_model, model)
+    cfg_file = model / "tokenizer_config.json"
+    cfg_file.write_text(json.dumps(dict(json.loads(cfg_file.read_text()), chat_template=HERMES_CHATML)))
+    cfg = EngineConfig(model=str(model), **dict(SERVE_ENGINE, num_gpu_blocks_override=64))
+    serve.run(build_app(cfg, name_prefix="hermes-"), name="hermes-test", route_prefix="/hermes")
+    yield f"{serve_url}/hermes"
+    serve.delete("hermes-test")
+
+
+def test_auto_with_a_template_that_renders_tools(hermes_url):
+    """"auto" end to end: the template shows the tools, and the Hermes block the model
+    writes (forced here with a regex: a random model would not) becomes a call."""
+    client = openai.OpenAI(base_url=f"{hermes_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    tok = httpx.post(f"{hermes_url}/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+    text = httpx.post(f"{hermes_url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert '<tools>{"name": "get_weather"' in text
+    regex = "".join("\\" + ch if ch in "{}[]().*+?|^$\\" else ch for ch in FORCED)
+    kw = dict(model=client.models.list().data[0].id, messages=ASK, tools=TOOLS, max_tokens=64,
+              extra_body={"structured_outputs": {"regex": regex}})  # tool_choice: "auto"
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("set_alarm", {"on": True})
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    calls, finish = _stream_calls(chunks)
+    assert finish == "tool_calls" and [(n, json.loads(a)) for _, n, a in calls.values()] == \
+        [("set_alarm", {"on": True})]
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == "Sure."
+
+
 # ------------------------------------------------------------------ units
 def _plan(**body):
     return tool_plan(ChatCompletionRequest(messages=ASK, **body), template_has_tools=False)
