@@ -3,10 +3,11 @@
 The story: a named function and "required" are guaranteed by the grammar, whatever the
 model, so even the random test model answers with calls whose arguments validate
 against the function's schema, streamed or not (the streamed argument fragments
-concatenate to the same JSON). "auto" needs a template that renders tools; the test
-model's ChatML template does not, so it is a 400 saying so (the Hermes parser that
-"auto" uses is unit-tested here). Every user mistake is a 400 naming it, and a tool
-result sent back renders through the template.
+concatenate to the same JSON). "auto" needs a template that renders tools: the test
+model's ChatML template does not, so it is a 400 saying so; a copy of the model with a
+template that does shows the tools in the prompt and turns a Hermes block into a call.
+Every user mistake is a 400 naming it, and a tool result sent back renders through the
+template. Last, the real default model makes a named call through ``pagedserve.LLM``.
 """
 
 from __future__ import annotations
