@@ -8,8 +8,8 @@
                  json_schema, regex, choice, grammar (also streamed) hold although the
                  weights are random; bad specs and out-of-vocab logit_bias ids -> 400;
                  constrained and unconstrained requests share a batch
-    real model   SmolLM2-135M-Instruct (the default model): 20 of 20 samples at
-                 temperature 1 validate against a JSON schema (offline LLM)
+    real model   SmolLM2-135M-Instruct (the default model) behind Serve: 20 of 20
+                 samples at temperature 1 validate against a JSON schema, streamed too
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
-from pagedserve.worker.sampler import Sampler, apply_token_bitmask_
+from pagedserve.worker.sampler import Sampler, apply_token_bitmask_, apply_token_bitmask_torch_
 from pagedserve.worker.sampling_metadata import SamplingMetadata
 
 SCHEMA = {"type": "object", "additionalProperties": False,
@@ -48,20 +48,22 @@ def _md(params, vocab, bitmask=None):
 def test_bitmask_masks_exactly_the_forbidden_tokens_of_constrained_rows():
     xgr = pytest.importorskip("xgrammar")
     vocab = 100  # 4 words, the last one partly past the vocabulary
-    bm = xgr.allocate_token_bitmask(2, vocab)
-    bm.zero_()
+    bm = xgr.allocate_token_bitmask(3, vocab)  # one row per logits row; row 1 is free
+    bm.fill_(-1)
+    bm[0].zero_()
     bm[0, 1] = 1 << 5  # row 0 allows token 37 only
-    bm[1, :] = -1
-    bm[1, 0] = 0  # row 1 allows all but tokens 0..31
+    bm[2, 0] = 0  # row 2 allows all but tokens 0..31
     logits = torch.randn(3, vocab)
-    ours, theirs = logits.clone(), logits.clone()
-    apply_token_bitmask_(ours, torch.tensor([0, 2]), bm)
-    full = torch.cat([bm[:1], bm[:1], bm[1:]])  # xgrammar's kernel indexes both by batch row
-    xgr.apply_token_bitmask_inplace(theirs, full, indices=[0, 2])
-    assert torch.equal(ours, theirs)
+    ours, plain = logits.clone(), logits.clone()
+    apply_token_bitmask_(ours, [0, 2], bm)  # xgrammar's kernel
+    apply_token_bitmask_torch_(plain, [0, 2], bm)  # the fallback without xgrammar
+    assert torch.equal(ours, plain)
     assert torch.isinf(ours[0]).sum() == vocab - 1 and ours[0].argmax() == 37
     assert torch.equal(ours[1], logits[1])  # unconstrained row untouched
     assert torch.isinf(ours[2, :32]).all() and torch.equal(ours[2, 32:], logits[2, 32:])
+    wide = torch.randn(1, 140)  # logits wider than the mask's 128 tokens: the tail is banned
+    apply_token_bitmask_(wide, [0], bm[2:])
+    assert torch.isinf(wide[0, 128:]).all() and not torch.isinf(wide[0, 32:128]).any()
 
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
               SamplingParams(temperature=0.0)]
@@ -228,3 +230,46 @@ def test_bad_constraints_are_400_naming_the_problem(openai_app, model_name, body
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert needle in err["message"] and err["type"] == "BadRequestError", err
+
+
+# ---------------------------------------------------------------- the real model
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "London", "Tokyo", "Lima"]},
+                         "likes_pizza": {"type": "boolean"}},
+          "required": ["name", "age", "city", "likes_pizza"]}
+
+
+@pytest.fixture(scope="module")
+def real_app(serve_url):
+    """The default model behind Serve at /real (20 concurrent sequences: one n=20 request)."""
+    from ray import serve
+
+    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.worker.config import EngineConfig
+
+    cfg = EngineConfig(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
+                       max_num_seqs=20, seed=0)
+    serve.run(build_app(cfg, name_prefix="real-"), name="structured-real", route_prefix="/real")
+    yield f"{serve_url}/real"
+    serve.delete("structured-real")
+
+
+def test_real_model_json_schema_20_of_20_at_temperature_1(real_app):
+    """The acceptance: SmolLM2-135M-Instruct through Serve and the openai SDK, n=20 (one
+    grammar, 20 matchers) at temperature 1: every sample parses and validates."""
+    client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, temperature=1.0, seed=0, max_tokens=48, messages=[{
+        "role": "user", "content": "Describe a fictional person as JSON with name, age, city and likes_pizza."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    r = client.chat.completions.create(n=20, **ask)
+    assert len(r.choices) == 20
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    assert len({c.message.content for c in r.choices}) > 10  # sampled, not one answer 20 times
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content  # seeded: sample 0 of n=20 is the n=1 answer

@@ -76,9 +76,10 @@ class SamplingMetadata:
     logit_bias_rows: torch.Tensor | None = None
     logit_bias_cols: torch.Tensor | None = None
     logit_bias_values: torch.Tensor | None = None  # float32
-    # Structured outputs: the G constrained rows [G] int64 and their allowed tokens, packed
-    # 32 to an int32 word as xgrammar fills them [G, ceil(V / 32)].
-    grammar_rows: torch.Tensor | None = None
+    # Structured outputs: the constrained rows, and allowed tokens packed 32 to an int32
+    # word as xgrammar fills them, one row per batch row [B, ceil(V / 32)] (-1, all
+    # allowed, on the other rows: xgrammar's kernel indexes logits and mask alike).
+    grammar_rows: list[int] | None = None
     grammar_bitmask: torch.Tensor | None = None
     # Logprobs: rows that asked, their N, and the largest N (top-N computed once).
     logprob_rows: list[int] = field(default_factory=list)
@@ -149,9 +150,11 @@ class SamplingMetadata:
             md.logit_bias_cols = torch.tensor(lb_cols, dtype=torch.int64, device=device)
             md.logit_bias_values = torch.tensor(lb_vals, dtype=torch.float32, device=device)
         if g_rows:
-            md.grammar_rows = torch.tensor(g_rows, dtype=torch.int64, device=device)
-            md.grammar_bitmask = torch.from_numpy(
-                np.stack([grammar_bitmask[i] for i in g_rows])).to(device)
+            words = np.full((n, len(grammar_bitmask[g_rows[0]])), -1, dtype=np.int32)
+            for i in g_rows:
+                words[i] = grammar_bitmask[i]
+            md.grammar_rows = g_rows
+            md.grammar_bitmask = torch.from_numpy(words).to(device)
         if pen_rows:
             _build_penalties(md, params, pen_rows, prompt_token_ids, output_token_ids, device)
         if not md.all_greedy:
