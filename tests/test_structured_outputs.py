@@ -119,6 +119,11 @@ def test_engine_n_samples_preemption_and_freeing(serve_model):
                     assert c.finish_reason == "stop" and re.fullmatch(so.regex, c.text), c
             assert llm.engine.structured.matchers == {}
             if blocks == 64:
+                # ignore_eos: the scheduler does not stop on EOS, the finished grammar does.
+                [o] = llm.generate(["x"], SamplingParams(max_tokens=30, ignore_eos=True, min_tokens=5,
+                                   structured_outputs=StructuredOutputsParams(choice=CHOICES)),
+                                   use_tqdm=False)
+                assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text in CHOICES
                 with pytest.raises(ValueError, match="invalid regex"):
                     llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(
                         regex="(a")), use_tqdm=False)

@@ -193,10 +193,15 @@ class LLMEngine:
             group.samples.append(sample)
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
                                     priority=priority, cache_salt=cache_salt, tenant=tenant))
-        self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
         if params.structured_outputs is not None:  # one matcher per sample, one grammar
             for sample in group.samples:
                 self.structured.add_request(sample.req_id, params.structured_outputs)
+        try:
+            self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
+        except BaseException:
+            for sample in group.samples:
+                self.structured.remove(sample.req_id)
+            raise
         group.pending = requests[1:]
         self._groups[request_id] = group
         for sample in group.samples:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections import OrderedDict
 
 from pagedserve.scheduler.sampling_params import StructuredOutputsParams
@@ -87,7 +86,6 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the compiler's creation and the cache
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
-        self.compile_times: list[tuple[float, bool]] = []  # (seconds, was cached), last 64
 
     # ------------------------------------------------------------ compile (any thread)
     def _get_compiler(self):
@@ -106,7 +104,6 @@ class StructuredOutputManager:
         """The compiled grammar of ``so`` (cached). ValueError naming the problem for an
         invalid schema, regex or grammar (the HTTP layer answers 400)."""
         key = _key(so)
-        t0 = time.perf_counter()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -117,7 +114,6 @@ class StructuredOutputManager:
                 self._cache[key] = hit
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        self.compile_times = self.compile_times[-63:] + [(time.perf_counter() - t0, hit is not None)]
         return hit
 
     def _compile(self, so: StructuredOutputsParams):
