@@ -44,6 +44,7 @@ from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, dra
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
+from pagedserve.cluster.serve.tool_choice import renders_tools
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import EngineConfig
@@ -113,17 +114,19 @@ class AsyncEngine(EngineStatus):
                     tensor_parallel_size=self.config.tensor_parallel_size,
                     replica_id=self.replica_id, kv_sizing=getattr(e, "kv_sizing", None),
                     model=e.config.model, model_root=e.model_root,
-                    vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs)
+                    vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
+                    chat_template_tools=renders_tools(e.tokenizer))
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True, add_generation_prompt: bool = True) -> list[int]:
+                       add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                       tools: list[dict] | None = None) -> list[int]:
         if prompt is not None:
             self._tok.check_chars(prompt)
         return await self._tok.run(self._tok.tokenize, prompt, messages, add_special_tokens,
-                                   add_generation_prompt)
+                                   add_generation_prompt, tools)
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size)
@@ -292,29 +295,30 @@ class AsyncEngine(EngineStatus):
             self._pending_blocks[request_id] = -(-len(prompt_ids) // self.config.block_size)
         return rejected
 
-    def _encode(self, prompt, messages, add_generation_prompt, params: SamplingParams) -> list[int]:
+    def _encode(self, prompt, messages, add_generation_prompt, params: SamplingParams,
+                tools=None) -> list[int]:
         """Tokenizer pool thread: text -> ids (or ids checked), then the length check and
         the model-dependent parameter checks."""
         if messages is not None or isinstance(prompt, str):
-            ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt)
+            ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt, tools)
         else:
             ids = self.engine.tokenize(prompt)  # validates ids; reads config only
         self.engine.check_length(len(ids), params.max_tokens)
         self.engine.check_params(params)  # compiles a grammar here, not on the engine thread
         return ids
 
-    async def _prepare(self, prompt, messages, add_generation_prompt, params) -> list[int]:
+    async def _prepare(self, prompt, messages, add_generation_prompt, params, tools=None) -> list[int]:
         # O(1) checks first, on the event loop: a 20 MB prompt costs nothing more.
         if isinstance(prompt, str) and messages is None:
             self._tok.check_chars(prompt)
         elif isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len:
             self.engine.check_length(len(prompt), params.max_tokens)
-        return await self._tok.run(self._encode, prompt, messages, add_generation_prompt, params)
+        return await self._tok.run(self._encode, prompt, messages, add_generation_prompt, params, tools)
 
     async def generate(self, request_id: str, prompt: str | list[int] | None,
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
                        messages: list[dict] | None = None, add_generation_prompt: bool = True,
-                       tenant: str | None = None):
+                       tenant: str | None = None, tools: list[dict] | None = None):
         if self._dead is not None:
             yield Admission(False, self.replica_id, 503,
                             f"This engine replica is unavailable ({self._dead}); retry shortly.",
@@ -322,7 +326,7 @@ class AsyncEngine(EngineStatus):
             return
         self._ensure_loop()
         try:
-            prompt_ids = await self._prepare(prompt, messages, add_generation_prompt, params)
+            prompt_ids = await self._prepare(prompt, messages, add_generation_prompt, params, tools)
         except ValueError as e:
             yield Admission(False, self.replica_id, 400, str(e))
             return

@@ -31,6 +31,7 @@ from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, M
 from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
                                                      request_object)
 from pagedserve.cluster.serve.shed_gate import ShedGate
+from pagedserve.cluster.serve.tool_choice import constrain_to_schema, tool_plan
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
 
 logger = logging.getLogger("pagedserve")
@@ -86,7 +87,7 @@ class OpenAIIngress:
         return None
 
     # ------------------------------------------------------------ generation
-    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None):
+    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None, tools=None):
         """Open the engine stream; return (stream, admission) or (None, error response)."""
         shed = self._gate.refuse(time.monotonic())
         if shed is not None:  # every replica is shedding: no trip (shed_gate.py)
@@ -95,7 +96,7 @@ class OpenAIIngress:
             return None, error(429, shed[0], shed[1])
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages,
-            getattr(body, "add_generation_prompt", True), tenant)
+            getattr(body, "add_generation_prompt", True), tenant, tools=tools)
         try:
             adm = await stream.__anext__()
         except asyncio.CancelledError:
@@ -122,19 +123,24 @@ class OpenAIIngress:
         if bad is not None:
             return bad
         info = await self.info()
+        plan = None  # tool_choice.py: how tools are used, if at all
         try:
             # Checked here too (the engine checks again) to name the field as it was sent.
             params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"],
                                         info["max_logprobs"], "top_logprobs" if chat else "logprobs")
             if chat:
-                prompt, messages = None, [dict(role=m.role, content=m.text()) for m in body.messages]
+                prompt, messages = None, [m.template_dict() for m in body.messages]
+                plan = tool_plan(body, info.get("chat_template_tools", False))
+                if plan is not None and plan.schema is not None:
+                    constrain_to_schema(params, plan.schema)
             else:
                 prompt, messages = body.single_prompt(), None
         except ValueError as e:
             return error(400, str(e))
         model = info["served_model_name"]
         created = int(time.time())
-        stream, adm = await self._start(rid, prompt, params, body, messages, tenant)
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant,
+                                        plan.tools if plan is not None else None)
         if stream is None:
             return adm
         self._live.placed(rid, adm.replica_id)
@@ -145,7 +151,7 @@ class OpenAIIngress:
             headers[QUEUE_HEADER] = queued
         if body.stream:
             state = fmt.StreamState(rid, created, model, chat, body.return_token_ids,
-                                    body.return_tokens_as_token_ids, body.continuous_usage)
+                                    body.return_tokens_as_token_ids, body.continuous_usage, plan)
             self._live.hold(rid)
             return StreamingResponse(self._sse(stream, state, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
@@ -164,7 +170,7 @@ class OpenAIIngress:
         self._observe(final)
         if chat:
             resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
-                                     body.return_tokens_as_token_ids)
+                                     body.return_tokens_as_token_ids, plan)
         else:
             echo = prompt if body.echo and isinstance(prompt, str) else None
             resp = fmt.completion_response(rid, created, model, final, token_text,
@@ -281,13 +287,13 @@ class OpenAIIngress:
         if (body.prompt is None) == (body.messages is None):
             return error(400, "give exactly one of `prompt` or `messages`.")
         try:
-            messages = None if body.messages is None else [dict(role=m.role, content=m.text())
-                                                             for m in body.messages]
+            messages = None if body.messages is None else [m.template_dict() for m in body.messages]
         except ValueError as e:
             return error(400, str(e))
         try:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                    body.add_generation_prompt)
+                                                    body.add_generation_prompt, tools)
         except Exception as e:  # arrives wrapped (RayTaskError)
             return _remote_error(e)
         info = await self.info()

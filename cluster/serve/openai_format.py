@@ -5,6 +5,8 @@ Streaming shape (one ``data:`` line per chunk, blank line after each):
     completions: {choices:[{index, text: delta}]} ... {choices:[{index, text:"", finish_reason}]}
     chat:        {choices:[{index, delta:{role:"assistant", content:""}}]}   (once per choice)
                  {choices:[{index, delta:{content: delta}}]} ... {.., finish_reason}
+                 with tools: delta:{tool_calls:[{index, id?, type?, function:{name?,
+                 arguments: fragment}}]} instead of / beside content (tool_parsers.py)
     both:        every chunk also carries usage (so far) with continuous_usage_stats
                  [{choices: [], usage}]  when stream_options.include_usage
                  data: [DONE]
@@ -21,6 +23,8 @@ from pagedserve.cluster.serve.responses import (ChatCompletionChoice, ChatComple
                               CompletionChoice, CompletionLogprobs, CompletionResponse,
                               CompletionStreamResponse, DeltaMessage, PromptTokensDetails,
                               UsageInfo)
+from pagedserve.cluster.serve import tool_parsers
+from pagedserve.cluster.serve.tool_choice import ToolPlan
 
 
 def sse(obj) -> str:
@@ -114,13 +118,17 @@ def completion_response(rid: str, created: int, model: str, out: RequestOutput,
 
 def chat_response(rid: str, created: int, model: str, out: RequestOutput,
                   token_text: dict[int, str], return_token_ids: bool,
-                  as_token_ids: bool = False) -> ChatCompletionResponse:
-    choices = [ChatCompletionChoice(
-        index=c.index, message=ChatResponseMessage(content=c.text),
-        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-        logprobs=chat_logprobs(c.logprobs, token_text, as_ids=as_token_ids),
-        token_ids=list(c.token_ids) if return_token_ids else None)
-        for c in sorted(out.outputs, key=lambda c: c.index)]
+                  as_token_ids: bool = False, tools: ToolPlan | None = None) -> ChatCompletionResponse:
+    choices = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        content, calls, finish = c.text, None, c.finish_reason
+        if tools is not None:  # tool_parsers.py: the text -> tool calls (+ content)
+            content, calls, finish = tool_parsers.parse(tools, c.text, c.finish_reason)
+        choices.append(ChatCompletionChoice(
+            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            finish_reason=finish, stop_reason=c.stop_reason,
+            logprobs=chat_logprobs(c.logprobs, token_text, as_ids=as_token_ids),
+            token_ids=list(c.token_ids) if return_token_ids else None))
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=usage_of(out))
 
@@ -132,10 +140,13 @@ class StreamState:
     vLLM): every chunk carries usage, with the completion tokens of its own choice so far."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, return_token_ids: bool,
-                 as_token_ids: bool = False, continuous_usage: bool = False):
+                 as_token_ids: bool = False, continuous_usage: bool = False,
+                 tools: ToolPlan | None = None):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.return_token_ids = return_token_ids
         self.as_token_ids, self.continuous_usage = as_token_ids, continuous_usage
+        self.tools = tools
+        self.tool_streams: dict[int, tool_parsers.ToolStream] = {}  # per choice index
         self.role_sent: set[int] = set()
         self.finish_sent: set[int] = set()
 
@@ -152,7 +163,9 @@ class StreamState:
                 continue
             if ending:
                 self.finish_sent.add(c.index)
-            lines.append(sse(self._with_usage(self._chunk(c, token_text, ending), out, len(c.token_ids))))
+            chunk = self._chunk(c, token_text, ending)
+            if chunk is not None:
+                lines.append(sse(self._with_usage(chunk, out, len(c.token_ids))))
         return lines
 
     def _with_usage(self, chunk, out: RequestOutput, num_completion_tokens: int):
@@ -171,7 +184,12 @@ class StreamState:
         stop = c.stop_reason if ending else None
         ids = list(c.delta_token_ids) if self.return_token_ids else None
         if self.chat:
-            return self._chat_chunk(c.index, DeltaMessage(content=c.delta_text), finish_reason=finish,
+            delta = DeltaMessage(content=c.delta_text)
+            if self.tools is not None:
+                delta, finish = self._tool_delta(c, ending, finish)
+                if not (ending or delta.content or delta.tool_calls or ids or c.delta_logprobs):
+                    return None  # held back (a tag or a name not complete yet): nothing to say
+            return self._chat_chunk(c.index, delta, finish_reason=finish,
                                     stop_reason=stop, token_ids=ids,
                                     logprobs=chat_logprobs(c.delta_logprobs, token_text, self.as_token_ids))
         choice = CompletionChoice(index=c.index, text=c.delta_text, finish_reason=finish,
@@ -180,6 +198,16 @@ class StreamState:
                                                                as_ids=self.as_token_ids))
         return CompletionStreamResponse(id=self.rid, created=self.created, model=self.model,
                                         choices=[choice])
+
+    def _tool_delta(self, c: CompletionOutput, ending: bool, finish: str | None):
+        """The choice's text through its ToolStream: content and/or tool call deltas."""
+        ts = self.tool_streams.setdefault(c.index, tool_parsers.ToolStream(self.tools))
+        content, calls = ts.feed(c.delta_text)
+        if ending:
+            tail, more, finish = ts.finish(finish)
+            content = (content or "") + (tail or "") or None
+            calls = calls + more
+        return DeltaMessage(content=content, tool_calls=calls or None), finish
 
     def usage_chunk(self, out: RequestOutput) -> str:
         cls = ChatCompletionStreamResponse if self.chat else CompletionStreamResponse

@@ -256,10 +256,52 @@ class ContentPart(RequestBase):
         return self
 
 
+class FunctionCallIn(RequestBase):
+    name: Text
+    arguments: Text  # JSON text, as the server sent it
+
+
+class ToolCallIn(RequestBase):
+    """A call in an assistant message that the client sends back (the conversation so far)."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(RequestBase):
+    name: Text
+    description: Text | None = None
+    # A JSON Schema object; whether it compiles is checked where it is used (tool_choice.py).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestBase):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(RequestBase):
     role: Text
     # A string, or the OpenAI content-part list.
     content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # role "assistant"
+    tool_call_id: Text | None = None  # role "tool": the call this message answers
+    name: Text | None = None
+
+    def template_dict(self) -> dict:
+        """What the chat template sees (tool_choice.adapt_messages fits it to the template)."""
+        msg: dict[str, Any] = dict(role=self.role, content=self.text())
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        elif self.role == "tool":
+            raise ValueError("a message with role 'tool' needs tool_call_id (the id of the call it answers).")
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
 
     def text(self) -> str:
         """Raises ValueError (-> HTTP 400) for a non-text part."""
@@ -282,6 +324,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # checked in tool_choice.tool_plan, which names what is wrong.
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -303,6 +350,7 @@ class TokenizeRequest(RequestBase):
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ChatTool] | None = None  # rendered as a chat request's would be (if the template does)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

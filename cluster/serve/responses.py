@@ -11,7 +11,7 @@ import uuid
 from http import HTTPStatus
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -74,9 +74,32 @@ class ChatLogprobs(OpenAIBase):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it (the client parses it)
+
+
+class ToolCall(OpenAIBase):
+    id: str = Field(default_factory=lambda: tool_call_id())
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's shape: call_ + 24 characters
+
+
 class ChatResponseMessage(OpenAIBase):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _keep_null_content(self, handler):
+        # OpenAI sends ``"content": null`` beside tool_calls; exclude_none would drop it.
+        data = handler(self)
+        data.setdefault("content", None)
+        return data
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -97,9 +120,22 @@ class ChatCompletionResponse(OpenAIBase):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(OpenAIBase):
+    name: str | None = None
+    arguments: str | None = None  # a fragment: a call's fragments concatenate to its JSON
+
+
+class DeltaToolCall(OpenAIBase):
+    index: int  # which call of this choice; id/type/name come in its first delta only
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBase):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBase):

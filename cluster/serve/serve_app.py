@@ -72,9 +72,9 @@ class EngineDeployment:
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
     async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                       messages=None, add_generation_prompt=True, tenant=None):
+                       messages=None, add_generation_prompt=True, tenant=None, tools=None):
         async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
-                                             messages, add_generation_prompt, tenant):
+                                             messages, add_generation_prompt, tenant, tools):
             yield item
 
     async def request_info(self, request_id: str) -> dict | None:
@@ -87,8 +87,9 @@ class EngineDeployment:
         return self.core.stats()
 
     async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
-                       add_generation_prompt=True) -> list[int]:
-        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt)
+                       add_generation_prompt=True, tools=None) -> list[int]:
+        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,
+                                        tools)
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self.core.detokenize(tokens)

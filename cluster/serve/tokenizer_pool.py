@@ -39,6 +39,8 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from pagedserve.cluster.serve.tool_choice import adapt_messages, renders_tools
+
 logger = logging.getLogger("pagedserve")
 
 # One composed character stands for at most this many code points (see above).
@@ -47,12 +49,17 @@ COMPOSITION_SLACK = 4
 _SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
     """The model's chat template, or a plain "role: content" transcript when the
-    tokenizer has none (tiny test models ship without one)."""
+    tokenizer has none (tiny test models ship without one). Tool turns are fitted to
+    what the template renders first (tool_choice.adapt_messages); ``tools`` go to a
+    template that renders them and nowhere else."""
+    messages = adapt_messages(messages, tokenizer)
     if getattr(tokenizer, "chat_template", None):
+        extra = {"tools": tools} if tools and renders_tools(tokenizer) else {}
         return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **extra)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
     return text + ("assistant:" if add_generation_prompt else "")
 
@@ -112,19 +119,20 @@ class TokenizerPool:
 
     # -------------------------------------------------- bodies (pool threads)
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None,
-                      add_generation_prompt: bool) -> list[int]:
+                      add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         """The prompt ids of a generation request (what ``LLMEngine.tokenize`` gives)."""
         tok = self._tok()
         if messages is not None:
-            prompt = render_chat(tok, messages, add_generation_prompt)
+            prompt = render_chat(tok, messages, add_generation_prompt, tools)
             self.check_chars(prompt)
         return tok.encode(prompt)
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None,
-                 add_special_tokens: bool, add_generation_prompt: bool) -> list[int]:
+                 add_special_tokens: bool, add_generation_prompt: bool,
+                 tools: list[dict] | None = None) -> list[int]:
         tok = self._tok()
         if messages is not None:
-            prompt = render_chat(tok, messages, add_generation_prompt)
+            prompt = render_chat(tok, messages, add_generation_prompt, tools)
             add_special_tokens = False  # the template already holds BOS etc.
         prompt = prompt or ""
         self.check_chars(prompt)
