@@ -20,6 +20,8 @@ from ray import serve
 
 from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip
 from pagedserve.cluster.serve import openai_format as fmt
+from pagedserve.cluster.serve.completion_format import prompt_logprobs_json
+from pagedserve.cluster.serve.completions import create_completion
 from pagedserve.cluster.serve.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.serve.metrics import ServeMetrics
@@ -82,11 +84,12 @@ class OpenAIIngress:
         return None
 
     # ------------------------------------------------------------ generation
-    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None):
-        """Open the engine stream; return (stream, admission) or (None, error response)."""
+    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None,
+                     template: bool | str = True):
+        """Open the engine stream; return (stream, admission) or (None, error response).
+        ``template``: what the chat template appends (ChatCompletionRequest.template_mode)."""
         stream = self.engine.options(stream=True).generate.remote(
-            rid, prompt, params, body.priority, body.cache_salt, messages,
-            getattr(body, "add_generation_prompt", True), tenant)
+            rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant)
         try:
             adm = await stream.__anext__()
         except asyncio.CancelledError:
@@ -106,21 +109,21 @@ class OpenAIIngress:
             self._live.release(rid)  # a stream keeps it until its body generator ends
 
     async def _generate_as(self, body, chat: bool, rid: str, tenant):
+        if not chat:  # batches of prompts, echo: cluster/serve/completions.py
+            return await create_completion(self, body, rid, tenant)
         bad = await self._check_model(body.model)
         if bad is not None:
             return bad
         try:
             params = body.to_sampling_params()
-            if chat:
-                prompt, messages = None, [dict(role=m.role, content=m.text()) for m in body.messages]
-            else:
-                prompt, messages = body.single_prompt(), None
+            prompt, messages = None, [dict(role=m.role, content=m.text()) for m in body.messages]
+            template, echo = body.template_mode(), body.echo_text()
         except ValueError as e:
             return error(400, str(e))
         info = await self.info()
         model = info["served_model_name"]
         created = int(time.time())
-        stream, adm = await self._start(rid, prompt, params, body, messages, tenant)
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template)
         if stream is None:
             return adm
         self._live.placed(rid, adm.replica_id)
@@ -130,14 +133,15 @@ class OpenAIIngress:
         if queued is not None:
             headers[QUEUE_HEADER] = queued
         if body.stream:
-            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids)
+            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids, echo)
             self._live.hold(rid)
             return StreamingResponse(self._sse(stream, state, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
-        final, token_text = None, {}
+        final, token_text, plp = None, {}, None
         try:
             async for out, tt in stream:
                 final = out
+                plp = plp or out.prompt_logprobs
                 token_text.update(tt or {})
         except asyncio.CancelledError:  # client went away: the engine aborts the request
             stream.cancel()
@@ -146,12 +150,8 @@ class OpenAIIngress:
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
         self._observe(final)
-        if chat:
-            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids)
-        else:
-            echo = prompt if body.echo and isinstance(prompt, str) else None
-            resp = fmt.completion_response(rid, created, model, final, token_text,
-                                           body.return_token_ids, echo)
+        resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids, echo)
+        resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):

@@ -89,9 +89,10 @@ def completion_response(rid: str, created: int, model: str, out: RequestOutput,
 
 
 def chat_response(rid: str, created: int, model: str, out: RequestOutput,
-                  token_text: dict[int, str], return_token_ids: bool) -> ChatCompletionResponse:
+                  token_text: dict[int, str], return_token_ids: bool,
+                  echo: str = "") -> ChatCompletionResponse:
     choices = [ChatCompletionChoice(
-        index=c.index, message=ChatResponseMessage(content=c.text),
+        index=c.index, message=ChatResponseMessage(content=echo + c.text),
         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
         logprobs=chat_logprobs(c.logprobs, token_text),
         token_ids=list(c.token_ids) if return_token_ids else None)
@@ -103,9 +104,11 @@ def chat_response(rid: str, created: int, model: str, out: RequestOutput,
 class StreamState:
     """Per-request bookkeeping of what was already sent, per choice index."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool, return_token_ids: bool):
+    def __init__(self, rid: str, created: int, model: str, chat: bool, return_token_ids: bool,
+                 echo: str = ""):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.return_token_ids = return_token_ids
+        self.echo = echo  # chat echo: a content chunk of its own after the role's (vLLM)
         self.role_sent: set[int] = set()
         self.finish_sent: set[int] = set()
 
@@ -115,6 +118,8 @@ class StreamState:
             if self.chat and c.index not in self.role_sent:
                 self.role_sent.add(c.index)
                 lines.append(sse(self._chat_chunk(c.index, DeltaMessage(role="assistant", content=""))))
+                if self.echo:
+                    lines.append(sse(self._chat_chunk(c.index, DeltaMessage(content=self.echo))))
             moved = bool(c.delta_text or c.delta_token_ids)
             ending = c.finish_reason is not None and c.index not in self.finish_sent
             if not moved and not ending:

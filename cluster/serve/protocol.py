@@ -77,6 +77,8 @@ class _SamplingFields(RequestBase):
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     cache_salt: Text | None = None
+    prompt_logprobs: Int | None = None
+    truncate_prompt_tokens: Int | None = None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (-> HTTP 400) for out-of-range values."""
@@ -93,7 +95,15 @@ class _SamplingFields(RequestBase):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self._prompt_logprobs(logprobs),
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        # vLLM refuses prompt logprobs on a stream (they would all come in the first chunk).
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -101,27 +111,54 @@ class _SamplingFields(RequestBase):
 
 
 class CompletionRequest(_SamplingFields):
-    # A string, a list of token ids, or a one-element list of either (batches of
-    # prompts are answered 400: one request, one prompt, keeps abort and 429 simple).
+    # A string, a list of token ids, or a batch: a list of strings or of token-id lists
+    # (one engine request per prompt; cluster/serve/completions.py).
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None
     echo: bool = False
+    best_of: Int | None = None
+    suffix: Text | None = None
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo (vLLM): the prompt back, with its logprobs, nothing new."""
+        return self.max_tokens == 0 and self.echo
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.suffix is not None:  # fill-in-the-middle needs a model trained for it
+            raise ValueError("suffix is not supported by this model.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo).")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n when stream=True (the best samples are "
+                             "known only at the end).")
+        # One step computes the prompt's logits; its sampled token is dropped afterwards.
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        params = self._sampling_params(max_tokens, self.logprobs)
+        params.best_of = self.best_of
+        params._verify()
+        return params
 
-    def single_prompt(self) -> str | list[int]:
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        # echo with logprobs shows the prompt's tokens with theirs (vLLM, OpenAI).
+        asked = super()._prompt_logprobs(logprobs)
+        if self.echo and logprobs is not None:
+            return max(asked or 0, logprobs)
+        return asked
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one or a batch; ValueError for an empty one."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if len(p) == 0:
             raise ValueError("prompt must not be empty.")
         if all(isinstance(t, int) for t in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return p[0]  # type: ignore[return-value]
-        raise ValueError("only one prompt per request is supported; send one request per prompt.")
+            return [list(p)]  # type: ignore[arg-type]
+        if any(len(q) == 0 for q in p):
+            raise ValueError("prompt must not contain an empty prompt.")
+        return list(p)  # type: ignore[arg-type]
 
 
 class ContentPart(RequestBase):
@@ -158,6 +195,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    # vLLM: continue the last (assistant) message instead of starting a new turn; echo
+    # returns that message's content ahead of the generated text.
+    continue_final_message: bool = False
+    echo: bool = False
+
+    def template_mode(self) -> bool | str:
+        """What render_chat appends: True (the generation prompt), False (nothing), or
+        "continue" (the last message left open)."""
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("Cannot set both `continue_final_message` and "
+                                 "`add_generation_prompt` to True.")
+            return "continue"
+        return self.add_generation_prompt
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's content when its role is the one that
+        answers, "assistant" after a generation prompt, else the last message's own (the
+        one continued), so a continued message comes back whole."""
+        last = self.messages[-1]
+        new_turn = self.add_generation_prompt and not self.continue_final_message
+        if not self.echo or (new_turn and last.role != "assistant"):
+            return ""
+        return last.text()
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
