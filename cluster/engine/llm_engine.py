@@ -62,6 +62,7 @@ class _Group:
     num_finished: int = 0
     params: SamplingParams | None = None  # the user's (n, best_of, logprobs asked)
     prompt_logprobs: list | None = None  # one slot per prompt position, filled by position
+    num_outputs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -351,9 +352,13 @@ class LLMEngine:
         params = group.params
         if params is not None and num_samples(params) > params.n and group.finished:
             completions = select_best(completions, params)
+        # Prompt logprobs are complete by the first output (its token needed the whole
+        # prompt): they ride on it and on the final one only, not on every stream delta.
+        group.num_outputs += 1
+        plp = group.prompt_logprobs if group.num_outputs == 1 or group.finished else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              finished=group.finished, num_cached_tokens=group.num_cached_tokens,
-                             metrics=group.metrics, prompt_logprobs=group.prompt_logprobs)
+                             metrics=group.metrics, prompt_logprobs=plp)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
