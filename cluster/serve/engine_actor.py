@@ -307,7 +307,9 @@ class AsyncEngine(EngineStatus):
 
     async def _prepare(self, prompt, messages, add_generation_prompt, params) -> list[int]:
         # O(1) checks first, on the event loop: a 20 MB prompt costs nothing more.
-        if isinstance(prompt, str) and messages is None:
+        # (Not with truncate_prompt_tokens: then a prompt of any length is fine; the
+        # body limit still bounds what the pool tokenizes.)
+        if isinstance(prompt, str) and messages is None and params.truncate_prompt_tokens is None:
             self._tok.check_chars(prompt)
         elif (isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len
               and params.truncate_prompt_tokens is None):
