@@ -104,3 +104,24 @@ def test_truncate_prompt_tokens_and_best_of(model):
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2)
     llm.shutdown()
+
+
+def test_prompt_logprobs_survive_preemption(model):
+    """A pool too small for the batch preempts requests mid-decode; they recompute their
+    prompt (no prefix hits for them) and the prompt logprobs are still HF's, whole."""
+    path, prompts, refs = model
+    llm = LLM(model=path, max_model_len=256, num_gpu_blocks_override=16, dtype="float32",
+              max_num_batched_tokens=64, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True, prompt_logprobs=TOP,
+                            detokenize=False)
+    long = [prompts[-1], prompts[-1][::-1], prompts[-1][1:] + prompts[-1][:1]]
+    outs = llm.generate(long, params, use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for out, ids in zip(outs, long):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        _check(out, ids, ref)
+    llm.shutdown()

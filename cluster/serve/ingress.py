@@ -202,7 +202,9 @@ class OpenAIIngress:
             return JSONResponse(request_object(request_id, {"status": "admitting", "tenant": live[0]}))
         merged = await self.stats.merged.remote()
         for _ in range(4 * max(1, merged.get("num_replicas", 1))):
-            st = await self.engine.request_info.remote(request_id)
+            # A batch's prompts are engine requests {id}-0, {id}-1, ...: the first speaks for it.
+            st = (await self.engine.request_info.remote(request_id)
+                  or await self.engine.request_info.remote(f"{request_id}-0"))
             if st is not None:
                 return JSONResponse(request_object(request_id, st))
             if self._live.get(request_id) is None:
