@@ -125,3 +125,18 @@ def test_prompt_logprobs_survive_preemption(model):
             ref = hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
         _check(out, ids, ref)
     llm.shutdown()
+
+
+def test_prompt_logprobs_tensor_parallel_2(model, ray_session):
+    """At TP=2 every rank computes the prompt rows (the LM head all-gathers the vocab, a
+    collective all ranks must join); rank 0's result carries them, still HF's numbers."""
+    path, prompts, refs = model
+    llm = LLM(model=path, tensor_parallel_size=2, max_model_len=256, num_gpu_blocks_override=64,
+              dtype="float32", max_num_batched_tokens=32)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP, detokenize=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out, ids, ref in zip(outs, prompts, refs):
+        _check(out, ids, ref)
