@@ -198,6 +198,15 @@ def test_chat_echo_continue_final_message_and_prompt_logprobs(openai_app, client
     assert rendered.endswith("assistant\nOnce upon")
     plain = client.completions.create(model=None, prompt=rendered, **{**GREEDY, "max_tokens": 5})
     assert content == "Once upon" + plain.choices[0].text
+    # Streamed: the role chunk, then the echo as a content chunk of its own (vLLM).
+    stream = {k: v for k, v in body.items() if k != "prompt_logprobs"}
+    chunks = list(client.chat.completions.create(model=None, stream=True, **{
+        "messages": msgs, "max_tokens": 5, "temperature": 0,
+        "extra_body": {k: stream[k] for k in ("ignore_eos", "continue_final_message",
+                                              "add_generation_prompt", "echo")}}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == "Once upon"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
     both = {**body, "add_generation_prompt": True}
     assert "continue_final_message" in _err(_post(openai_app, "/v1/chat/completions", both), 400)
 

@@ -136,9 +136,7 @@ class CompletionRequest(_SamplingFields):
         # One step computes the prompt's logits; its sampled token is dropped afterwards.
         max_tokens = 1 if self.prompt_only else self.max_tokens
         params = self._sampling_params(max_tokens, self.logprobs)
-        params.best_of = self.best_of
-        params._verify()
-        return params
+        return params if self.best_of is None else params.clone(best_of=self.best_of)
 
     def _prompt_logprobs(self, logprobs: int | None) -> int | None:
         # echo with logprobs shows the prompt's tokens with theirs (vLLM, OpenAI).
