@@ -62,14 +62,13 @@ def _wait_idle(base, timeout_s=20.0):
         time.sleep(0.2)
 
 
-def test_batch_of_three_with_n2_is_six_choices_in_order(client, singles):
+def test_batch_of_three_with_n2_is_six_choices_in_order(openai_app, client, singles):
     r = client.completions.create(model=None, prompt=PROMPTS, n=2, **GREEDY)
     assert [c.index for c in r.choices] == list(range(6))
     assert [c.text for c in r.choices] == [t for t in singles for _ in range(2)]
     assert r.usage.completion_tokens == 6 * 6
     # Token-id prompts batch the same way.
-    tok = [httpx.post(f"{client.base_url}".replace("/v1/", "/tokenize"), json={"prompt": p}).json()["tokens"]
-           for p in PROMPTS]
+    tok = [_post(openai_app, "/tokenize", {"prompt": p}).json()["tokens"] for p in PROMPTS]
     r2 = client.completions.create(model=None, prompt=tok, **GREEDY)
     assert [c.text for c in r2.choices] == singles
     assert r2.usage.prompt_tokens == r.usage.prompt_tokens == sum(len(t) for t in tok)
@@ -108,7 +107,7 @@ def test_empty_batches_and_unsupported_fields_are_400(openai_app):
                                            {"prompt": "x", "prompt_logprobs": 1, "stream": True}), 400)
 
 
-def test_echo_text_and_logprobs(client, singles, serve_model):
+def test_echo_text_and_logprobs(openai_app, client, singles, serve_model):
     r = client.completions.create(model=None, prompt=PROMPTS[:2], echo=True, logprobs=2, **GREEDY)
     for c, p, s in zip(r.choices, PROMPTS, singles):
         assert c.text == p + s
@@ -137,8 +136,8 @@ def test_echo_text_and_logprobs(client, singles, serve_model):
         assert {int(t) for t in mine} == set(lp.token_ids[:3])
         assert all(e["decoded_token"] is not None for e in mine.values())
     # Token-id prompts echo their decoded text; a stream echoes in each choice's first chunk.
-    ids = httpx.post(f"{str(client.base_url).replace('/v1/', '')}/tokenize", json={"prompt": PROMPTS[1]}).json()["tokens"]
-    text = httpx.post(f"{str(client.base_url).replace('/v1/', '')}/detokenize", json={"tokens": ids}).json()["prompt"]
+    ids = _post(openai_app, "/tokenize", {"prompt": PROMPTS[1]}).json()["tokens"]
+    text = _post(openai_app, "/detokenize", {"tokens": ids}).json()["prompt"]
     r = client.completions.create(model=None, prompt=ids, echo=True, **GREEDY)
     assert r.choices[0].text == text + singles[1]
     chunks = list(client.completions.create(model=None, prompt=PROMPTS, echo=True, stream=True, n=2, **GREEDY))
@@ -199,11 +198,9 @@ def test_chat_echo_continue_final_message_and_prompt_logprobs(openai_app, client
     plain = client.completions.create(model=None, prompt=rendered, **{**GREEDY, "max_tokens": 5})
     assert content == "Once upon" + plain.choices[0].text
     # Streamed: the role chunk, then the echo as a content chunk of its own (vLLM).
-    stream = {k: v for k, v in body.items() if k != "prompt_logprobs"}
-    chunks = list(client.chat.completions.create(model=None, stream=True, **{
-        "messages": msgs, "max_tokens": 5, "temperature": 0,
-        "extra_body": {k: stream[k] for k in ("ignore_eos", "continue_final_message",
-                                              "add_generation_prompt", "echo")}}))
+    extra = {k: body[k] for k in ("ignore_eos", "continue_final_message", "add_generation_prompt", "echo")}
+    chunks = list(client.chat.completions.create(model=None, stream=True, messages=msgs, max_tokens=5,
+                                                 temperature=0, extra_body=extra))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[1].choices[0].delta.content == "Once upon"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
