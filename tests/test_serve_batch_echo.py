@@ -140,13 +140,16 @@ def test_echo_text_and_logprobs(openai_app, client, singles, serve_model):
     text = _post(openai_app, "/detokenize", {"tokens": ids}).json()["prompt"]
     r = client.completions.create(model=None, prompt=ids, echo=True, **GREEDY)
     assert r.choices[0].text == text + singles[1]
-    chunks = list(client.completions.create(model=None, prompt=PROMPTS, echo=True, stream=True, n=2, **GREEDY))
+    chunks = list(client.completions.create(model=None, prompt=PROMPTS, echo=True, stream=True, n=2,
+                                            logprobs=1, **GREEDY))
     firsts = {}
     for ch in chunks:
         for c in ch.choices:
-            firsts.setdefault(c.index, c.text)
+            firsts.setdefault(c.index, c)
     assert sorted(firsts) == list(range(6))
-    assert all(firsts[i].startswith(PROMPTS[i // 2]) for i in range(6))  # echo + first delta
+    for i, c in firsts.items():  # echo + the first delta, the prompt's logprobs first
+        assert c.text.startswith(PROMPTS[i // 2])
+        assert c.logprobs.token_logprobs[0] is None and len(c.logprobs.tokens) > 3
 
 
 def test_max_tokens_0_with_echo_returns_the_prompt_only(client):
