@@ -70,8 +70,10 @@ async def _merged(streams, finished: list[bool]):
             async for item in stream:
                 queue.put_nowait((i, item))
             queue.put_nowait((i, _END))
-        except Exception as e:  # noqa: BLE001  re-raised by the consumer
+        except BaseException as e:  # re-raised by the consumer, which would wait forever else
             queue.put_nowait((i, e))
+            if isinstance(e, asyncio.CancelledError):
+                raise
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -81,7 +83,7 @@ async def _merged(streams, finished: list[bool]):
             if item is _END:
                 left -= 1
                 continue
-            if isinstance(item, Exception):
+            if isinstance(item, BaseException):
                 raise item
             finished[i] = item[0].finished
             yield i, item
