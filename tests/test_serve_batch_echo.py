@@ -232,3 +232,14 @@ def test_disconnect_from_a_streamed_batch_frees_every_prompt(openai_app):
     assert after["pagedserve:num_requests_running"] == 0
     # They stopped early: far fewer than 3 x 900 tokens were generated.
     assert after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"] < 900
+
+
+def test_one_refused_prompt_refuses_the_batch_and_frees_the_others(openai_app):
+    """Each prompt is admitted on its own; the one that is refused (too long: 400) is the
+    answer, and the prompts admitted beside it are cancelled, their blocks freed."""
+    long = [5] * (SERVE_ENGINE["max_model_len"] + 10)
+    body = {"prompt": [[5, 6, 7] * 20, long, [8, 9] * 30], "max_tokens": 500, "ignore_eos": True}
+    assert "maximum context length" in _err(_post(openai_app, "/v1/completions", body), 400)
+    after = _wait_idle(openai_app)
+    assert after["pagedserve:kv_cache_usage_perc"] == 0
+    assert after["pagedserve:num_requests_running"] == 0
