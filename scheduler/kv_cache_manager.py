@@ -58,7 +58,9 @@ class KVCacheManager:
 
         Never covers the last token: it must be computed to produce logits. Takes no
         reference; ``allocate_slots`` does, if the request is admitted."""
-        if not self.enable_caching:
+        # Prompt logprobs need logits at every prompt position: a hit would skip them
+        # (vLLM skips the cache for such requests too). Its blocks are still cached after.
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         bs = self.block_size
         tokens = request.all_token_ids

@@ -92,6 +92,17 @@ class Logprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Prompt logprobs one step computed for one request: ``logprobs[i]`` is for the
+    prompt token at position ``start + i`` (its own id first, then the top-N; its rank
+    in ``sampled_rank``). Position 0 has none (nothing precedes it), so ``start >= 1``.
+    A prefill chunk [c, c+s) covers positions c+1 .. min(c+s, num_prompt_tokens) - 1."""
+
+    start: int
+    logprobs: list[Logprobs]
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """The step result, returned by rank 0 only. Parallel lists, one entry per request
     that was scheduled; ``sampled_token_ids[i]`` is empty for a partial prefill chunk."""
@@ -106,6 +117,9 @@ class ModelRunnerOutput:
     # step (every rank fails them alike: same plan, same params). They sampled nothing;
     # the engine fails them alone and the rest of the batch goes on. None: no failures.
     failed: dict[str, str] | None = None
+    # req_id -> the prompt logprobs this step computed, for requests with
+    # ``prompt_logprobs`` set (partial chunks included). None: nobody asked.
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 @dataclass(slots=True)

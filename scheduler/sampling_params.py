@@ -67,6 +67,8 @@ class StructuredOutputsParams:
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
+    # vLLM V0: draw best_of samples, return the n with the highest cumulative logprob.
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
@@ -89,6 +91,11 @@ class SamplingParams:
     # token id -> added to its logit before sampling (OpenAI's logit_bias), greedy too.
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's prompt logprobs: top-N per prompt position (0: only the prompt's own token).
+    # A request that asks computes its whole prompt: prefix-cache hits would skip rows.
+    prompt_logprobs: int | None = None
+    # Keep only the last k prompt tokens (-1: max_model_len), applied after tokenizing.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -112,6 +119,9 @@ class SamplingParams:
             bad(f"n must be an integer >= 1, got {self.n!r}.")
         if self.n > 128:
             bad(f"n must be <= 128, got {self.n}.")
+        if self.best_of is not None and (not isinstance(self.best_of, int)
+                                         or not self.n <= self.best_of <= 128):
+            bad(f"best_of must be an integer in [n={self.n}, 128], got {self.best_of!r}.")
         if not self.temperature >= 0.0:  # also rejects NaN
             bad(f"temperature must be >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -128,6 +138,14 @@ class SamplingParams:
             bad(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
             bad(f"logprobs must be -1 (the whole vocabulary) or >= 0, got {self.logprobs!r}.")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
+            bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}.")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int)
+                or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
+            bad("truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, "
+                f"got {self.truncate_prompt_tokens!r}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

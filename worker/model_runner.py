@@ -25,6 +25,7 @@ from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerO
 from pagedserve.worker import faults
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, rows_for
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 
@@ -112,6 +113,7 @@ class ModelRunner:
         sample_rows: list[int] = []  # row in hidden_states of each sampling request
         sample_reqs: list[CachedRequestState] = []
         tables: list[list[int]] = []
+        prompt_lp = []  # PromptLogprobsRows of requests that asked (worker/prompt_logprobs.py)
         for req_id in order:
             st = self.requests[req_id]
             n = num_scheduled[req_id]
@@ -127,6 +129,10 @@ class ModelRunner:
                 slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(end)
             query_lens.append(n)
+            share = rows_for(req_id, st.prompt_token_ids, st.sampling_params.prompt_logprobs,
+                             cu[-1], start, end)
+            if share is not None:
+                prompt_lp.append(share)
             cu.append(cu[-1] + n)
             tables.append(blocks)
             if end >= st.num_tokens:
@@ -150,7 +156,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos_t, md, sample_rows, sample_reqs
+        return ids, pos_t, md, sample_rows, sample_reqs, prompt_lp
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -169,8 +175,10 @@ class ModelRunner:
         if not num_scheduled:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                                      step_id=plan.step_id, failed=failed or None)
-        ids, positions, md, sample_rows, sample_reqs = self._prepare_inputs(num_scheduled)
+        ids, positions, md, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled)
         hidden = self.model(ids, positions, self.kv_caches, md)
+        prompt_logprobs = (compute_prompt_logprobs(hidden, self.model.compute_logits, prompt_lp)
+                           if prompt_lp else None)
         sampled_by_req: dict[str, int] = {}
         logprobs_by_req: dict[str, Logprobs] = {}
         if sample_rows:
@@ -186,7 +194,8 @@ class ModelRunner:
         if logprobs_by_req:
             logprobs = [[logprobs_by_req[r]] if r in logprobs_by_req else [] for r in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 step_id=plan.step_id, failed=failed or None)
+                                 step_id=plan.step_id, failed=failed or None,
+                                 prompt_logprobs=prompt_logprobs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequestState]):
         smd = SamplingMetadata.build(

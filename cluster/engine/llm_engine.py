@@ -22,6 +22,8 @@ from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.engine.executor import Executor, default_executor_class
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
+from pagedserve.cluster.engine.request_options import (num_samples, sample_params, select_best,
+                                                       truncate_prompt)
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
 from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -61,6 +63,9 @@ class _Group:
     pending: list[Request] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_finished: int = 0
+    params: SamplingParams | None = None  # the user's (n, best_of, logprobs asked)
+    prompt_logprobs: list | None = None  # one slot per prompt position, filled by position
+    num_outputs: int = 0
 
     @property
     def finished(self) -> bool:
@@ -180,20 +185,28 @@ class LLMEngine:
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise ValueError("the prompt is empty.")
+        full_len = len(prompt_ids)
+        prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         self.check_length(len(prompt_ids), params.max_tokens)
         self.check_params(params)
+        if len(prompt_ids) < full_len:  # RequestOutput.prompt is what the model saw
+            prompt = self.tokenizer.decode(prompt_ids)
+        elif not isinstance(prompt, str):
+            prompt = None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        group = _Group(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, [],
-                       RequestMetrics(arrival_time=time.time()))
+        group = _Group(request_id, prompt, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
+                       params=params, prompt_logprobs=None if params.prompt_logprobs is None
+                       else [None] * len(prompt_ids))
         requests = []
-        for i in range(params.n):
-            child = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else sample_seed(params.seed, i))
+        n = num_samples(params)
+        for i in range(n):
+            child = params if n == 1 else sample_params(
+                params, i, None if params.seed is None else sample_seed(params.seed, i))
             if len(self.eos_token_ids) > 1 and not child.ignore_eos:
                 extra = [t for t in self.eos_token_ids[1:] if t not in child.stop_token_ids]
                 child = child.clone(stop_token_ids=child.stop_token_ids + extra)
-            req_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req_id = request_id if n == 1 else f"{request_id}#{i}"
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, child)
                      if child.detokenize else None)
             sample = _Sample(i, req_id, detok, child, logprobs=[] if child.logprobs is not None else None)
@@ -296,6 +309,10 @@ class LLMEngine:
                 entry[0].metrics.first_scheduled_time = now
         # Requests that failed on their own in the worker leave before the scheduler
         # sees the result, so their (empty) rows are skipped like aborted ones.
+        for rid, piece in (result.prompt_logprobs or {}).items():
+            entry = self._samples.get(rid)
+            if entry is not None and entry[0].prompt_logprobs is not None:
+                entry[0].prompt_logprobs[piece.start:piece.start + len(piece.logprobs)] = piece.logprobs
         failed: dict[str, RequestOutput] = {}
         for rid, message in (result.failed or {}).items():
             entry = self._samples.get(rid)
@@ -372,9 +389,16 @@ class LLMEngine:
                 index=s.index, text=s.detok.output_text if s.detok else "", token_ids=s.token_ids,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=s.logprobs,
                 delta_text=d_text, delta_token_ids=d_ids, delta_logprobs=d_lp))
+        params = group.params
+        if params is not None and num_samples(params) > params.n and group.finished:
+            completions = select_best(completions, params)
+        # Prompt logprobs are complete by the first output (its token needed the whole
+        # prompt): they ride on it and on the final one only, not on every stream delta.
+        group.num_outputs += 1
+        plp = group.prompt_logprobs if group.num_outputs == 1 or group.finished else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              finished=group.finished, num_cached_tokens=group.num_cached_tokens,
-                             metrics=group.metrics)
+                             metrics=group.metrics, prompt_logprobs=plp)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

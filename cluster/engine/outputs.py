@@ -44,3 +44,7 @@ class RequestOutput:
     # Set when this request failed on its own (its setup, sampling or detokenization
     # raised): finished, finish_reason "error", and the rest of the batch unaffected.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the
+    # first (nothing precedes it) and for positions not computed yet (the prompt's own
+    # token first, then the top-N; ``sampled_rank`` is its rank). As vLLM's, as lists.
+    prompt_logprobs: list | None = None

@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.cluster.engine.executor import ExecutorDeadError
 from pagedserve.cluster.engine.outputs import RequestOutput
+from pagedserve.cluster.engine.request_options import truncate_prompt
 from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, drain_seconds, retry_after
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
@@ -222,6 +223,9 @@ class AsyncEngine(EngineStatus):
 
     def _token_text(self, out: RequestOutput) -> dict[int, str] | None:
         ids = {t for c in out.outputs for lp in (c.delta_logprobs or ()) for t in lp.token_ids}
+        if out.prompt_logprobs is not None:  # echo shows the first prompt token too
+            ids.update(t for lp in out.prompt_logprobs[1:] for t in (lp.token_ids if lp else ()))
+            ids.add(out.prompt_token_ids[0])
         if not ids:
             return None
         decode = self.engine.tokenizer.decode
@@ -303,15 +307,19 @@ class AsyncEngine(EngineStatus):
             ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt, tools)
         else:
             ids = self.engine.tokenize(prompt)  # validates ids; reads config only
+        ids = truncate_prompt(ids, params, self.engine.max_model_len)
         self.engine.check_length(len(ids), params.max_tokens)
         self.engine.check_params(params)  # compiles a grammar here, not on the engine thread
         return ids
 
     async def _prepare(self, prompt, messages, add_generation_prompt, params, tools=None) -> list[int]:
         # O(1) checks first, on the event loop: a 20 MB prompt costs nothing more.
-        if isinstance(prompt, str) and messages is None:
+        # (Not with truncate_prompt_tokens: then a prompt of any length is fine; the
+        # body limit still bounds what the pool tokenizes.)
+        if isinstance(prompt, str) and messages is None and params.truncate_prompt_tokens is None:
             self._tok.check_chars(prompt)
-        elif isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len:
+        elif (isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len
+              and params.truncate_prompt_tokens is None):
             self.engine.check_length(len(prompt), params.max_tokens)
         return await self._tok.run(self._encode, prompt, messages, add_generation_prompt, params, tools)
 

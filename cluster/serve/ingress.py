@@ -21,6 +21,8 @@ from ray import serve
 from pagedserve import __version__
 from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip
 from pagedserve.cluster.serve import openai_format as fmt
+from pagedserve.cluster.serve.completion_format import prompt_logprobs_json
+from pagedserve.cluster.serve.completions import create_completion
 from pagedserve.cluster.serve.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.serve.metrics import ServeMetrics
@@ -87,16 +89,17 @@ class OpenAIIngress:
         return None
 
     # ------------------------------------------------------------ generation
-    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None, tools=None):
-        """Open the engine stream; return (stream, admission) or (None, error response)."""
+    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None,
+                     template: bool | str = True, tools=None):
+        """Open the engine stream; return (stream, admission) or (None, error response).
+        ``template``: what the chat template appends (ChatCompletionRequest.template_mode)."""
         shed = self._gate.refuse(time.monotonic())
         if shed is not None:  # every replica is shedding: no trip (shed_gate.py)
             if self._metrics is not None:
                 self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
         stream = self.engine.options(stream=True).generate.remote(
-            rid, prompt, params, body.priority, body.cache_salt, messages,
-            getattr(body, "add_generation_prompt", True), tenant, tools=tools)
+            rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools)
         try:
             adm = await stream.__anext__()
         except asyncio.CancelledError:
@@ -119,6 +122,8 @@ class OpenAIIngress:
             self._live.release(rid)  # a stream keeps it until its body generator ends
 
     async def _generate_as(self, body, chat: bool, rid: str, tenant):
+        if not chat:  # batches of prompts, echo: cluster/serve/completions.py
+            return await create_completion(self, body, rid, tenant)
         bad = await self._check_model(body.model)
         if bad is not None:
             return bad
@@ -127,19 +132,17 @@ class OpenAIIngress:
         try:
             # Checked here too (the engine checks again) to name the field as it was sent.
             params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"],
-                                        info["max_logprobs"], "top_logprobs" if chat else "logprobs")
-            if chat:
-                prompt, messages = None, [m.template_dict() for m in body.messages]
-                plan = tool_plan(body, info.get("chat_template_tools", False))
-                if plan is not None and plan.schema is not None:
-                    constrain_to_schema(params, plan.schema)
-            else:
-                prompt, messages = body.single_prompt(), None
+                                        info["max_logprobs"], "top_logprobs")
+            prompt, messages = None, [m.template_dict() for m in body.messages]
+            template, echo = body.template_mode(), body.echo_text()
+            plan = tool_plan(body, info.get("chat_template_tools", False))
+            if plan is not None and plan.schema is not None:
+                constrain_to_schema(params, plan.schema)
         except ValueError as e:
             return error(400, str(e))
         model = info["served_model_name"]
         created = int(time.time())
-        stream, adm = await self._start(rid, prompt, params, body, messages, tenant,
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template,
                                         plan.tools if plan is not None else None)
         if stream is None:
             return adm
@@ -150,15 +153,16 @@ class OpenAIIngress:
         if queued is not None:
             headers[QUEUE_HEADER] = queued
         if body.stream:
-            state = fmt.StreamState(rid, created, model, chat, body.return_token_ids,
-                                    body.return_tokens_as_token_ids, body.continuous_usage, plan)
+            state = fmt.StreamState(rid, created, model, True, body.return_token_ids,
+                                    body.return_tokens_as_token_ids, body.continuous_usage, plan, echo)
             self._live.hold(rid)
             return StreamingResponse(self._sse(stream, state, body.include_usage),
                                      media_type="text/event-stream", headers=headers)
-        final, token_text = None, {}
+        final, token_text, plp = None, {}, None
         try:
             async for out, tt in stream:
                 final = out
+                plp = plp or out.prompt_logprobs
                 token_text.update(tt or {})
         except asyncio.CancelledError:  # client went away: the engine aborts the request
             stream.cancel()
@@ -168,13 +172,9 @@ class OpenAIIngress:
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
         self._observe(final)
-        if chat:
-            resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
-                                     body.return_tokens_as_token_ids, plan)
-        else:
-            echo = prompt if body.echo and isinstance(prompt, str) else None
-            resp = fmt.completion_response(rid, created, model, final, token_text,
-                                           body.return_token_ids, echo, body.return_tokens_as_token_ids)
+        resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
+                                 body.return_tokens_as_token_ids, plan, echo)
+        resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
     async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):
@@ -231,7 +231,9 @@ class OpenAIIngress:
             return JSONResponse(request_object(request_id, {"status": "admitting", "tenant": live[0]}))
         merged = await self.stats.merged.remote()
         for _ in range(4 * max(1, merged.get("num_replicas", 1))):
-            st = await self.engine.request_info.remote(request_id)
+            # A batch's prompts are engine requests {id}-0, {id}-1, ...: the first speaks for it.
+            st = (await self.engine.request_info.remote(request_id)
+                  or await self.engine.request_info.remote(f"{request_id}-0"))
             if st is not None:
                 return JSONResponse(request_object(request_id, st))
             if self._live.get(request_id) is None:

@@ -118,10 +118,11 @@ def completion_response(rid: str, created: int, model: str, out: RequestOutput,
 
 def chat_response(rid: str, created: int, model: str, out: RequestOutput,
                   token_text: dict[int, str], return_token_ids: bool,
-                  as_token_ids: bool = False, tools: ToolPlan | None = None) -> ChatCompletionResponse:
+                  as_token_ids: bool = False, tools: ToolPlan | None = None,
+                  echo: str = "") -> ChatCompletionResponse:
     choices = []
     for c in sorted(out.outputs, key=lambda c: c.index):
-        content, calls, finish = c.text, None, c.finish_reason
+        content, calls, finish = echo + c.text, None, c.finish_reason
         if tools is not None:  # tool_parsers.py: the text -> tool calls (+ content)
             content, calls, finish = tool_parsers.parse(tools, c.text, c.finish_reason)
         choices.append(ChatCompletionChoice(
@@ -141,12 +142,13 @@ class StreamState:
 
     def __init__(self, rid: str, created: int, model: str, chat: bool, return_token_ids: bool,
                  as_token_ids: bool = False, continuous_usage: bool = False,
-                 tools: ToolPlan | None = None):
+                 tools: ToolPlan | None = None, echo: str = ""):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
         self.return_token_ids = return_token_ids
         self.as_token_ids, self.continuous_usage = as_token_ids, continuous_usage
         self.tools = tools
         self.tool_streams: dict[int, tool_parsers.ToolStream] = {}  # per choice index
+        self.echo = echo  # chat echo: a content chunk of its own after the role's (vLLM)
         self.role_sent: set[int] = set()
         self.finish_sent: set[int] = set()
 
@@ -157,6 +159,9 @@ class StreamState:
                 self.role_sent.add(c.index)
                 role = self._chat_chunk(c.index, DeltaMessage(role="assistant", content=""))
                 lines.append(sse(self._with_usage(role, out, 0)))
+                if self.echo:
+                    echoed = self._chat_chunk(c.index, DeltaMessage(content=self.echo))
+                    lines.append(sse(self._with_usage(echoed, out, 0)))
             moved = bool(c.delta_text or c.delta_token_ids)
             ending = c.finish_reason is not None and c.index not in self.finish_sent
             if not moved and not ending:

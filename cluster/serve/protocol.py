@@ -19,84 +19,15 @@ Response shapes are in responses.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any
 
-from pydantic import (AfterValidator, ConfigDict, Field, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from pagedserve.cluster.serve.responses import OpenAIBase
+from pagedserve.cluster.serve.protocol_parts import (  # noqa: F401  (re-exported)
+    ACCEPTED_AND_IGNORED, INT64_MAX, INT64_MIN, ChatTool, FunctionCallIn, FunctionDefinition, Int,
+    JsonSchemaFormat, RequestBase, ResponseFormat, StreamOptions, StructuredOutputsField, Text, TokenId,
+    ToolCallIn, _IgnoredFields)
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _utf8(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"invalid text: a lone surrogate at position {e.start} "
-                         "(strings must be valid Unicode)") from None
-    return s
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
-Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
-
-
-# Fields accepted and ignored: OpenAI's, whose ignoring cannot change what a client gets
-# back (bookkeeping for OpenAI's own services). Listed in deploy/README.md; every other
-# field is implemented, and an unknown one is a 400 that names it: silently dropping a
-# field a client relies on (say ``logit_bias``) gives it a different answer with no hint.
-# tests/test_api_field_coverage.py holds code, this list and the README to that.
-ACCEPTED_AND_IGNORED = frozenset({"user", "safety_identifier", "metadata", "store",
-                                  "prompt_cache_key"})
-
-
-class RequestBase(OpenAIBase):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class _IgnoredFields(RequestBase):
-    """ACCEPTED_AND_IGNORED, typed as OpenAI types them (a wrong type is still a 400)."""
-
-    user: Text | None = None
-    safety_identifier: Text | None = None
-    metadata: dict[Text, Text] | None = None
-    store: bool | None = None
-    prompt_cache_key: Text | None = None
-
-
-class StreamOptions(RequestBase):
-    include_usage: bool = False
-    # vLLM's: usage on every chunk too (only with include_usage, as vLLM).
-    continuous_usage_stats: bool = False
-
-
-class JsonSchemaFormat(RequestBase):
-    name: Text | None = None
-    description: Text | None = None
-    # ``schema`` would shadow BaseModel.schema: stored as json_schema, sent as "schema".
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # the schema is always enforced
-
-
-class ResponseFormat(RequestBase):
-    """OpenAI's ``response_format``."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsField(RequestBase):
-    """vLLM's ``structured_outputs`` body field (vLLM >= 0.10); exactly one is set."""
-
-    # ``json`` would shadow BaseModel.json: stored as json_, sent as "json".
-    json_: dict[str, Any] | Text | None = Field(None, alias="json")
-    regex: Text | None = None
-    choice: list[Text] | None = None
-    grammar: Text | None = None
-    json_object: bool | None = None
 
 
 class _SamplingFields(_IgnoredFields):
@@ -137,6 +68,8 @@ class _SamplingFields(_IgnoredFields):
     # Accepted only when they change nothing (never silently ignored).
     guided_decoding_backend: Text | None = None
     guided_whitespace_pattern: Text | None = None
+    prompt_logprobs: Int | None = None
+    truncate_prompt_tokens: Int | None = None
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -202,7 +135,15 @@ class _SamplingFields(_IgnoredFields):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-            structured_outputs=self._structured_outputs())
+            structured_outputs=self._structured_outputs(),
+            prompt_logprobs=self._prompt_logprobs(logprobs),
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        # vLLM refuses prompt logprobs on a stream (they would all come in the first chunk).
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -214,27 +155,52 @@ class _SamplingFields(_IgnoredFields):
 
 
 class CompletionRequest(_SamplingFields):
-    # A string, a list of token ids, or a one-element list of either (batches of
-    # prompts are answered 400: one request, one prompt, keeps abort and 429 simple).
+    # A string, a list of token ids, or a batch: a list of strings or of token-id lists
+    # (one engine request per prompt; cluster/serve/completions.py).
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None
     echo: bool = False
+    best_of: Int | None = None
+    suffix: Text | None = None
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo (vLLM): the prompt back, with its logprobs, nothing new."""
+        return self.max_tokens == 0 and self.echo
 
     def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        if self.suffix is not None:  # fill-in-the-middle needs a model trained for it
+            raise ValueError("suffix is not supported by this model.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo).")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n when stream=True (the best samples are "
+                             "known only at the end).")
+        # One step computes the prompt's logits; its sampled token is dropped afterwards.
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        params = self._sampling_params(max_tokens, self.logprobs)
+        return params if self.best_of is None else params.clone(best_of=self.best_of)
 
-    def single_prompt(self) -> str | list[int]:
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        # echo with logprobs shows the prompt's tokens with theirs (vLLM, OpenAI).
+        asked = super()._prompt_logprobs(logprobs)
+        if self.echo and logprobs is not None:
+            return max(asked or 0, logprobs)
+        return asked
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one or a batch; ValueError for an empty one."""
         p = self.prompt
         if isinstance(p, str):
-            return p
+            return [p]
         if len(p) == 0:
             raise ValueError("prompt must not be empty.")
         if all(isinstance(t, int) for t in p):
-            return list(p)  # type: ignore[arg-type]
-        if len(p) == 1:
-            return p[0]  # type: ignore[return-value]
-        raise ValueError("only one prompt per request is supported; send one request per prompt.")
+            return [list(p)]  # type: ignore[arg-type]
+        if any(len(q) == 0 for q in p):
+            raise ValueError("prompt must not contain an empty prompt.")
+        return list(p)  # type: ignore[arg-type]
 
 
 class ContentPart(RequestBase):
@@ -254,32 +220,6 @@ class ContentPart(RequestBase):
         if self.type == "text" and self.model_extra:
             raise ValueError(f"unknown field(s) {sorted(self.model_extra)} in a text content part")
         return self
-
-
-class FunctionCallIn(RequestBase):
-    name: Text
-    arguments: Text  # JSON text, as the server sent it
-
-
-class ToolCallIn(RequestBase):
-    """A call in an assistant message that the client sends back (the conversation so far)."""
-
-    id: Text | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-class FunctionDefinition(RequestBase):
-    name: Text
-    description: Text | None = None
-    # A JSON Schema object; whether it compiles is checked where it is used (tool_choice.py).
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(RequestBase):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
 
 
 class ChatMessage(RequestBase):
@@ -339,6 +279,30 @@ class ChatCompletionRequest(_SamplingFields):
         if v is not None and v != 0 and not info.data.get("logprobs"):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
         return v
+    # vLLM: continue the last (assistant) message instead of starting a new turn; echo
+    # returns that message's content ahead of the generated text.
+    continue_final_message: bool = False
+    echo: bool = False
+
+    def template_mode(self) -> bool | str:
+        """What render_chat appends: True (the generation prompt), False (nothing), or
+        "continue" (the last message left open)."""
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("Cannot set both `continue_final_message` and "
+                                 "`add_generation_prompt` to True.")
+            return "continue"
+        return self.add_generation_prompt
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's content when its role is the one that
+        answers, "assistant" after a generation prompt, else the last message's own (the
+        one continued), so a continued message comes back whole."""
+        last = self.messages[-1]
+        new_turn = self.add_generation_prompt and not self.continue_final_message
+        if not self.echo or (new_turn and last.role != "assistant"):
+            return ""
+        return last.text()
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens

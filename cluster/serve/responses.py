@@ -41,6 +41,18 @@ class CompletionLogprobs(OpenAIBase):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBase):
+    """vLLM's Logprob, as its ``prompt_logprobs`` serialize it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token (None for the first): token id (as a JSON key) -> logprob.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBase):
     index: int
     text: str
@@ -49,6 +61,7 @@ class CompletionChoice(OpenAIBase):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
 
 
 class CompletionResponse(OpenAIBase):
@@ -118,6 +131,7 @@ class ChatCompletionResponse(OpenAIBase):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsList | None = None  # vLLM: per response, not per choice
 
 
 class DeltaFunctionCall(OpenAIBase):

@@ -49,18 +49,24 @@ COMPOSITION_SLACK = 4
 _SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool | str = True,
                 tools: list[dict] | None = None) -> str:
     """The model's chat template, or a plain "role: content" transcript when the
     tokenizer has none (tiny test models ship without one). Tool turns are fitted to
     what the template renders first (tool_choice.adapt_messages); ``tools`` go to a
-    template that renders them and nowhere else."""
+    template that renders them and nowhere else. ``add_generation_prompt`` "continue" is
+    vLLM's continue_final_message: the last message is left open (no end-of-turn after
+    it, no generation prompt), so the model carries on writing it."""
     messages = adapt_messages(messages, tokenizer)
+    cont = add_generation_prompt == "continue"
     if getattr(tokenizer, "chat_template", None):
         extra = {"tools": tools} if tools and renders_tools(tokenizer) else {}
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **extra)
+        return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=cont,
+                                             add_generation_prompt=not cont and bool(add_generation_prompt),
+                                             **extra)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    if cont:
+        return text[:-1]
     return text + ("assistant:" if add_generation_prompt else "")
 
 
