@@ -28,16 +28,35 @@ README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"
 SAMPLING = {"model", "n", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
             "presence_penalty", "frequency_penalty", "top_k", "min_p", "min_tokens", "ignore_eos",
             "priority", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
-            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids", "cache_salt"}
+            "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids", "cache_salt",
+            # structured outputs and logit_bias (tests/test_structured_outputs.py); the
+            # guided_* backend / whitespace fields are a 400 unless they change nothing
+            "logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex",
+            "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+            # tests/test_prompt_logprobs.py, tests/test_serve_batch_echo.py
+            "prompt_logprobs", "truncate_prompt_tokens"}
 
 # Model class name -> the fields it implements. Register new fields here.
 IMPLEMENTED: dict[str, set[str]] = {
-    "CompletionRequest": SAMPLING | {"prompt", "max_tokens", "logprobs", "echo"},
+    # best_of: top n by cumulative logprob; suffix: a 400 naming it (no FIM model)
+    "CompletionRequest": SAMPLING | {"prompt", "max_tokens", "logprobs", "echo", "best_of", "suffix"},
     "ChatCompletionRequest": SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
-                                         "logprobs", "top_logprobs", "add_generation_prompt"},
-    "ChatMessage": {"role", "content"},
+                                         "logprobs", "top_logprobs", "add_generation_prompt",
+                                         "continue_final_message", "echo",
+                                         "tools", "tool_choice", "parallel_tool_calls"},
+    "ChatMessage": {"role", "content", "tool_calls", "tool_call_id", "name"},
     "ContentPart": {"type", "text"},
     "StreamOptions": {"include_usage", "continuous_usage_stats"},
+    # response_format's json_schema: the schema is always enforced (strict or not); name and
+    # description label it for the client and change no token.
+    "JsonSchemaFormat": {"name", "description", "json_schema", "strict"},
+    "ResponseFormat": {"type", "json_schema"},
+    "StructuredOutputsField": {"json_", "regex", "choice", "grammar", "json_object"},
+    # tools: descriptions reach a chat template that renders tools (tool_choice.py)
+    "ChatTool": {"type", "function"},
+    "FunctionDefinition": {"name", "description", "parameters", "strict"},
+    "ToolCallIn": {"id", "type", "function"},
+    "FunctionCallIn": {"name", "arguments"},
 }
 
 
