@@ -93,23 +93,38 @@ def test_refusals_tell_the_ingress_gate_how_long_to_shed():
 
 
 def test_shed_gate_refuses_only_while_every_live_replica_sheds():
-    from pagedserve.cluster.serve.shed_gate import LIVE_TTL_S, MAX_CLOSED_S, ShedGate
+    from pagedserve.cluster.serve.shed_gate import LIVE_TTL_S, MAX_CLOSED_S, MIN_REFUSALS, ShedGate
 
-    g = ShedGate()
+    g = ShedGate(enabled=True)
     assert g.refuse(0.0) is None  # no replica heard from: ask them
-    g.refused("a", 0.25, now=10.0)
+    g.refused("a", 0.25, now=1.0)
+    assert g.refuse(1.01) is None  # a lone 429 (a burst that left) does not close the door
+    for k in range(MIN_REFUSALS - 1):  # refusals spread wider than the window: still open
+        g.refused("a", 0.25, now=2.0 + k * MAX_CLOSED_S)
+    assert g.refuse(2.0 + (MIN_REFUSALS - 2) * MAX_CLOSED_S + 0.01) is None
+
+    def refuse_a(shed_s, now):  # sustained: MIN_REFUSALS within the window
+        for k in range(MIN_REFUSALS):
+            g.refused("a", shed_s, now=now - 0.01 * (MIN_REFUSALS - 1 - k))
+
+    refuse_a(0.25, now=10.0)
     msg, retry = g.refuse(10.1)
     assert "overloaded" in msg and retry == 1 and g.num_refused == 1
     assert g.refuse(10.26) is None  # a's drain time is over: a decides again
-    g.refused("a", 30.0, now=20.0)
+    refuse_a(30.0, now=20.0)
     assert g.closed_for(20.0) == pytest.approx(MAX_CLOSED_S)  # never longer than the cap
     g.accepted("b", now=20.1)  # another replica admits: the door stays open
     assert g.refuse(20.2) is None
-    g.refused("b", 0.5, now=20.3)
+    for k in range(MIN_REFUSALS):
+        g.refused("b", 0.5, now=20.3)
     assert g.closed_for(20.4) == pytest.approx(0.4)  # both shed: until the first reopens
     g.accepted("a", now=20.45)
     assert g.refuse(20.5) is None
-    g.refused("a", 0.5, now=20.6)  # b went quiet long ago by now: only a counts
+    refuse_a(0.5, now=20.6)  # b went quiet long ago by now: only a counts
     assert g.closed_for(20.3 + LIVE_TTL_S + 0.1) is None  # a's window is over too
-    g.refused("a", 0.5, now=40.0)
+    refuse_a(0.5, now=40.0)
     assert g.closed_for(40.1) == pytest.approx(0.4)  # b is no longer live: a alone decides
+    off = ShedGate(enabled=False)  # PAGEDSERVE_INGRESS_SHED=0: the replicas decide alone
+    for _ in range(MIN_REFUSALS):
+        off.refused("a", 0.5, now=50.0)
+    assert off.closed_for(50.1) is not None and off.refuse(50.1) is None

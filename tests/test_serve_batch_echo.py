@@ -196,9 +196,13 @@ def test_chat_echo_continue_final_message_and_prompt_logprobs(openai_app, client
     assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
     # Continuing means the prompt ends inside the assistant's message (no end-of-turn):
     # that rendering, sent as a plain completion, gives the same tokens.
-    rendered = render_chat(AutoTokenizer.from_pretrained(serve_model), msgs, "continue")
+    tok = AutoTokenizer.from_pretrained(serve_model)
+    rendered = render_chat(tok, msgs, "continue")
     assert rendered.endswith("assistant\nOnce upon")
-    plain = client.completions.create(model=None, prompt=rendered, **{**GREEDY, "max_tokens": 5})
+    # As the server encodes a chat prompt: the template holds the special tokens itself.
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    plain = client.completions.create(model=None, prompt=ids, **{**GREEDY, "max_tokens": 5})
     assert content == "Once upon" + plain.choices[0].text
     # Streamed: the role chunk, then the echo as a content chunk of its own (vLLM).
     extra = {k: body[k] for k in ("ignore_eos", "continue_final_message", "add_generation_prompt", "echo")}

@@ -114,28 +114,35 @@ def test_why_waiting_header_and_request_status(url):
         running = [await _stream_headers(url, "ww-busy", 400) for _ in range(n)]
         for resp, _ in running:
             assert resp.status_code == 200
-        resp, http = await _stream_headers(url, "ww-late", 4)
+        # One more of the same tenant waits for a slot (its tenant holds them all).
+        resp, http = await _stream_headers(url, "ww-busy", 4)
+        late = []
         try:
             rid = resp.headers["x-pagedserve-request-id"]
             queue = resp.headers.get("x-pagedserve-queue")
             assert queue is not None and "reason=max_seqs" in queue and "position=0" in queue, queue
             async with httpx.AsyncClient(timeout=30) as c:
-                st = (await c.get(f"{url}/v1/requests/{rid}", headers=headers("ww-late"))).json()
-                other = await c.get(f"{url}/v1/requests/{rid}", headers=headers("ww-busy"))
+                st = (await c.get(f"{url}/v1/requests/{rid}", headers=headers("ww-busy"))).json()
+                other = await c.get(f"{url}/v1/requests/{rid}", headers=headers("ww-late"))
                 busy_id = running[0][0].headers["x-pagedserve-request-id"]
                 busy = (await c.get(f"{url}/v1/requests/{busy_id}", headers=headers("ww-busy"))).json()
             assert st.get("id") == rid and st["status"] == "waiting" and st["reason"] == "max_seqs", st
-            assert st["tenant"] == "ww-late" and st["position"] == 0 and st["est_start_s"] > 0
+            assert st["tenant"] == "ww-busy" and st["position"] == 0 and st["est_start_s"] > 0
             assert st["num_preemptions"] == 0
             assert other.status_code == 404  # another tenant cannot see it
             assert busy["status"] == "running" and busy["tenant"] == "ww-busy"
+            # Another tenant, under its share of the slots, starts at once: one of ww-busy's
+            # streams is preempted for it (the scheduler's slot share).
+            late.append(await _stream_headers(url, "ww-late", 4))
+            assert late[0][0].status_code == 200
+            assert "x-pagedserve-queue" not in late[0][0].headers, late[0][0].headers
         finally:
-            for r, h in running + [(resp, http)]:
+            for r, h in running + [(resp, http)] + late:
                 await r.aclose()
                 await h.aclose()
         async with httpx.AsyncClient(timeout=30) as c:  # finished or aborted: gone
             deadline = time.monotonic() + 10
-            while (await c.get(f"{url}/v1/requests/{rid}", headers=headers("ww-late"))).status_code != 404:
+            while (await c.get(f"{url}/v1/requests/{rid}", headers=headers("ww-busy"))).status_code != 404:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.2)
 

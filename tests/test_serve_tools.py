@@ -398,7 +398,7 @@ def test_auto_sse_chunks_and_whole_response():
     assert call["function"] == {"name": "set_alarm", "arguments": '{"on": true}'}
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert all(d for d in deltas)  # no empty deltas while a tag was held back
-    resp = fmt.chat_response("chatcmpl-x", 0, "m", out, {}, False, plan).model_dump(exclude_none=True)
+    resp = fmt.chat_response("chatcmpl-x", 0, "m", out, {}, False, tools=plan).model_dump(exclude_none=True)
     msg = resp["choices"][0]["message"]
     assert msg["content"] == "Checking. " and msg["tool_calls"][0]["function"]["name"] == "set_alarm"
     assert resp["choices"][0]["finish_reason"] == "tool_calls"

@@ -74,9 +74,13 @@ def completion_logprobs(lps: list | None, token_text: dict[int, str],
     for lp in lps:
         tok = _name_of(lp.token_ids[0], token_text, as_ids)
         out.tokens.append(tok)
-        out.token_logprobs.append(_lp(lp.logprobs[0]))
         out.text_offset.append(offset)
         offset += len(_text_of(lp.token_ids[0], token_text))  # an offset into the text
+        if lp.logprobs[0] is None:  # an echoed prompt's first token: nothing conditions it
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_lp(lp.logprobs[0]))
         top: dict[str, float] = {}
         for t, v in zip(lp.token_ids, lp.logprobs):  # sampled first: it keeps its own logprob
             top.setdefault(_name_of(t, token_text, as_ids), _lp(v))

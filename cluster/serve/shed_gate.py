@@ -8,32 +8,46 @@ long its measured drain rate needs to clear the excess (``Admission.shed_s``); f
 long, as long as every replica this ingress has heard from recently is shedding, the
 ingress answers the 429 itself:
 
-    replica 429 (shed_s=0.3) ──▶ closed_until[r] = now + min(shed_s, MAX_CLOSED_S)
+    replica 429 (shed_s=0.3), the MIN_REFUSALS-th within MAX_CLOSED_S
+                       ──▶ closed_until[r] = now + min(shed_s, MAX_CLOSED_S)
     request ──▶ every live replica closed?  yes ─▶ 429, Retry-After ceil(remaining) >= 1
                                              no ─▶ the replica decides, as before
 
 The replica's own bound still decides every request that reaches it; the gate only skips
-trips whose answer is already known. It never refuses longer than MAX_CLOSED_S after the
-last replica 429, so a replica that has drained is asked again within that.
+trips whose answer is already known. Only sustained refusals close it: a lone 429 (one
+burst that filled the queue, then left: aborts drain a queue faster than the measured
+rate says) must not turn away the next client. It never refuses longer than
+MAX_CLOSED_S after the last replica 429, so a replica that has drained is asked again
+within that. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off (to measure without it).
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections import deque
 
 MAX_CLOSED_S = 1.0
+MIN_REFUSALS = 4  # replica 429s within MAX_CLOSED_S before the ingress sheds by itself
 LIVE_TTL_S = 10.0  # a replica not heard from for this long no longer counts
+ENV = "PAGEDSERVE_INGRESS_SHED"
 
 
 class ShedGate:
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = os.environ.get(ENV, "1") != "0" if enabled is None else enabled
         self._closed_until: dict[str, float] = {}
         self._heard: dict[str, float] = {}
+        self._refusals: dict[str, deque[float]] = {}  # the last MIN_REFUSALS 429 times
         self.num_refused = 0  # 429s answered here, without a replica trip
 
     def refused(self, replica_id: str, shed_s: float | None, now: float) -> None:
         self._heard[replica_id] = now
-        if shed_s is not None and shed_s > 0:
+        if shed_s is None or shed_s <= 0:
+            return
+        times = self._refusals.setdefault(replica_id, deque(maxlen=MIN_REFUSALS))
+        times.append(now)
+        if len(times) == MIN_REFUSALS and now - times[0] <= MAX_CLOSED_S:
             self._closed_until[replica_id] = now + min(shed_s, MAX_CLOSED_S)
 
     def accepted(self, replica_id: str, now: float) -> None:
@@ -50,7 +64,7 @@ class ShedGate:
 
     def refuse(self, now: float) -> tuple[str, int] | None:
         """(message, Retry-After) while every live replica sheds, else None."""
-        wait = self.closed_for(now)
+        wait = self.closed_for(now) if self.enabled else None
         if wait is None:
             return None
         self.num_refused += 1

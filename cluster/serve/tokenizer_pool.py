@@ -61,7 +61,9 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool | s
     cont = add_generation_prompt == "continue"
     if getattr(tokenizer, "chat_template", None):
         extra = {"tools": tools} if tools and renders_tools(tokenizer) else {}
-        return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=cont,
+        if cont:  # only when asked: not every tokenizer takes the keyword
+            extra["continue_final_message"] = True
+        return tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=not cont and bool(add_generation_prompt),
                                              **extra)
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
@@ -131,6 +133,9 @@ class TokenizerPool:
         if messages is not None:
             prompt = render_chat(tok, messages, add_generation_prompt, tools)
             self.check_chars(prompt)
+            # The template holds BOS etc. itself (vLLM's chat default): encoding with special
+            # tokens gave a template that starts with {{ bos_token }} two BOS.
+            return tok.encode(prompt, add_special_tokens=False)
         return tok.encode(prompt)
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None,
