@@ -38,8 +38,12 @@ def test_room_in_the_batch_is_always_admitted():
     assert _admit(_stats(running=7, waiting=0), rate=0.01) is None  # would_wait = 0
 
 
-def test_no_measurement_no_delay_bound():
-    assert _admit(_stats(running=8, waiting=50), rate=None) is None
+def test_no_measurement_bounds_the_queue_by_one_batch():
+    assert _admit(_stats(running=8, waiting=7), rate=None) is None  # 8th to wait: admitted
+    adm = _admit(_stats(running=8, waiting=8), rate=None)  # 9 > max_num_seqs=8
+    assert adm.status == 429 and "no drain rate measured yet" in adm.message
+    assert adm.retry_after_s == 1 and adm.shed_s is None
+    assert _admit(_stats(running=8, waiting=50), rate=None, delay=None) is None  # bound off
 
 
 def test_queueing_delay_bound_and_retry_after_from_the_rate():

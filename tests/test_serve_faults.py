@@ -40,7 +40,9 @@ def base(serve_url, serve_model):
     from pagedserve.cluster.serve.serve_app import build_app
     from pagedserve.worker.config import EngineConfig
 
-    cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None})
+    # No shedding: 30 requests onto 4 slots must queue (the time-out test needs waiters).
+    cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None,
+                                              "max_queue_delay_s": None})
     os.environ[faults.ENV] = "1"  # read by build_app into the engine replica's runtime env
     try:
         app = build_app(cfg, name_prefix="faults-")

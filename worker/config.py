@@ -47,7 +47,7 @@ class EngineConfig:
     max_waiting_requests: int | None = None
     # Serving: refuse (429) a request that would wait longer than this to start, at the
     # replica's measured drain rate (cluster/serve/admission.py). None or <= 0: off.
-    max_queue_delay_s: float | None = 3.0
+    max_queue_delay_s: float | None = 1.0
     num_threads: int | None = None  # CPU intra-op threads per worker (None: torch's default)
     watermark: float = 0.01
     # Tenants (scheduler/fair_queue.py, tenancy.py): fair-share weight per tenant (default

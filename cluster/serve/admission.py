@@ -11,10 +11,12 @@ right before ``add_request`` (so the counts are exact, not one step stale):
 
 ``would_wait`` counts the requests that must wait for a slot to free, this one included.
 ``drain_rate`` is measured, not configured: requests admitted into the running batch
-per second, over the time during which some request was waiting (only then does the
-admission rate equal the rate the queue can drain at). It decays with a half-life of
-``DRAIN_HALF_LIFE_S``, so it follows the workload. Until the queue has drained at least
-``MIN_DRAINED`` requests there is no measurement and the delay bound does not apply.
+per second, over the steps that found a queue and left one (only then is the admission
+rate the rate the queue can drain at, not the arrival rate). It decays with a half-life
+of ``DRAIN_HALF_LIFE_S``, so it follows the workload. Until the queue has drained at
+least ``MIN_DRAINED`` requests there is no measurement, and the delay bound is a count
+instead: at most ``max_num_seqs`` requests wait (about one batch's lifetime of delay; a
+burst into a cold server used to queue 8 s of work before the first measurement).
 
 A refusal is a 429 whose ``Retry-After`` is the time the measured rate needs to drain
 the excess (1 s before any measurement), rounded up to whole seconds.
@@ -25,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DRAIN_HALF_LIFE_S = 10.0
-MIN_DRAINED = 2.0
+DRAIN_HALF_LIFE_S = 3.0
+MIN_DRAINED = 8.0
 RETRY_AFTER_MAX_S = 60
 
 
@@ -103,6 +105,10 @@ def admit(stats, *, replica_id: str, max_num_seqs: int, num_blocks: int, block_s
         return _refuse(replica_id, f"The server is overloaded: {stats.waiting} requests are waiting "
                                    f"(max_waiting_requests={max_waiting}). Retry later.",
                        would_wait - max_waiting, rate)
+    if max_queue_delay_s is not None and rate is None and would_wait > max_num_seqs:
+        return _refuse(replica_id, f"The server is overloaded: {would_wait - 1} requests are waiting "
+                                   f"for the {max_num_seqs} running ones (no drain rate measured yet). "
+                                   f"Retry later.", would_wait - max_num_seqs, rate)
     if max_queue_delay_s is not None and would_wait and rate is not None:
         delay = would_wait / rate
         if delay > max_queue_delay_s:
