@@ -278,3 +278,40 @@ def test_real_model_json_schema_20_of_20_at_temperature_1(real_app):
     chunks = list(client.chat.completions.create(stream=True, **ask))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == r.choices[0].message.content  # seeded: sample 0 of n=20 is the n=1 answer
+
+
+def test_real_model_api_items_through_serve(real_app):
+    """Issue 13's items on the real model, through Serve and the openai SDK (the demo
+    model's tests cover each in depth): the id, a batch, echo with logprobs, prompt
+    logprobs, logit_bias, a named tool call, /version."""
+    import httpx
+
+    client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
+    [card] = client.models.list().data
+    assert card.id == card.root == "SmolLM2-135M-Instruct"  # no --model: the default's name
+    greedy = dict(model=card.id, temperature=0, max_tokens=6)
+    prompts = ["The capital of France is", "One, two,", "Water is"]
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, p in enumerate(prompts):  # greedy: both samples of a prompt, and its single answer
+        alone = client.completions.create(prompt=p, **greedy).choices[0].text
+        assert batch.choices[2 * i].text == batch.choices[2 * i + 1].text == alone
+    echo = client.completions.create(prompt=prompts[0], echo=True, logprobs=1, **greedy).choices[0]
+    assert echo.text.startswith(prompts[0]) and echo.logprobs.token_logprobs[0] is None
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
+                                          extra_body={"prompt_logprobs": 1}, **greedy)
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat.usage.prompt_tokens and all(plp[1:])
+    forced = httpx.post(f"{real_app}/v1/completions", timeout=120, json={
+        **greedy, "prompt": "Hello", "logit_bias": {"504": 100}, "return_token_ids": True}).json()
+    assert forced["choices"][0]["token_ids"] == [504] * 6
+    weather = {"type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
+    call = client.chat.completions.create(
+        messages=[{"role": "user", "content": "What is the weather in Rome?"}], model=card.id,
+        temperature=0, max_tokens=32, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": weather}}])
+    [tc] = call.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather"
+    jsonschema.validate(json.loads(tc.function.arguments), weather)
+    assert httpx.get(f"{real_app}/version").json()["version"]
