@@ -154,3 +154,15 @@ class IncrementalDetokenizer:
             if self._text[end - k:end] in self._stop_prefixes:
                 return k
         return 0
+
+
+def token_texts(out, tokenizer) -> dict[int, str] | None:
+    """The text of every token id an output's new logprobs (and prompt logprobs) name,
+    for the response encoders; None when there are none."""
+    ids = {t for c in out.outputs for lp in (c.delta_logprobs or ()) for t in lp.token_ids}
+    if out.prompt_logprobs is not None:  # echo shows the first prompt token too
+        ids.update(t for lp in out.prompt_logprobs[1:] for t in (lp.token_ids if lp else ()))
+        ids.add(out.prompt_token_ids[0])
+    if not ids:
+        return None
+    return {t: tokenizer.decode([t]) for t in ids}

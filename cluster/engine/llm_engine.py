@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.engine.executor import Executor, default_executor_class
+from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
 from pagedserve.cluster.engine.request_options import (num_samples, sample_params, select_best,
                                                        truncate_prompt)
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
-from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
@@ -110,39 +110,13 @@ class LLMEngine:
         self.executor.initialize_cache(self.num_gpu_blocks)
         self.scheduler = Scheduler(self.config.scheduler_config(self.max_model_len),
                                    self.config.cache_config(self.num_gpu_blocks))
-        self.kv_sizing = self._log_kv_sizing()
+        self.kv_sizing = log_kv_sizing(self.config, self.model_config, self.num_gpu_blocks, self.max_model_len)
         self._groups: dict[str, _Group] = {}
         # Requests scheduled for the first time (or again after preemption), cumulative:
         # the serving layer's measure of how fast the waiting queue drains.
         self.num_admitted = 0
         self._samples: dict[str, tuple[_Group, _Sample]] = {}
         self.last_plan = None
-
-    def _log_kv_sizing(self) -> dict:
-        tp = self.config.tensor_parallel_size
-        mc, kv_dtype = self.model_config, self.config.kv_cache_dtype
-        heads = mc.get_num_kv_heads(tp)
-        # Scales included: the same formula the workers divide their budget by.
-        per_token = kv_cache_bytes_per_token(mc.num_hidden_layers, heads, mc.head_dim, kv_dtype, mc.dtype.itemsize)
-        scale_bytes = kv_cache_scale_bytes_per_token(mc.num_hidden_layers, heads, kv_dtype)
-        tokens = self.num_gpu_blocks * self.config.block_size
-        info = {
-            "kv_cache_dtype": kv_dtype,
-            "kv_bytes_per_token_per_rank": per_token,
-            "kv_scale_bytes_per_token_per_rank": scale_bytes,
-            "num_blocks": self.num_gpu_blocks,
-            "block_size": self.config.block_size,
-            "num_tokens": tokens,
-            "kv_gib_per_rank": per_token * tokens / 2**30,
-            "max_model_len": self.max_model_len,
-            "max_concurrency_at_max_model_len": tokens / self.max_model_len,
-        }
-        logger.info(
-            "KV cache %s: %d B/token/rank (%d of them scales), %d blocks x %d tokens = %d tokens (%.3f GiB/rank); "
-            "%.1f sequences of max_model_len=%d fit", kv_dtype, per_token, scale_bytes, self.num_gpu_blocks,
-            self.config.block_size, tokens, info["kv_gib_per_rank"],
-            info["max_concurrency_at_max_model_len"], self.max_model_len)
-        return info
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -38,10 +38,11 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from pagedserve.cluster.engine.executor import ExecutorDeadError
+from pagedserve.cluster.engine.detokenizer import token_texts
 from pagedserve.cluster.engine.outputs import RequestOutput
 from pagedserve.cluster.engine.request_options import truncate_prompt
 from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, drain_seconds, retry_after
+from pagedserve.cluster.serve.engine_health import EngineDeadError, EngineHealth
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
@@ -55,21 +56,13 @@ logger = logging.getLogger("pagedserve")
 # Stats are pushed at most this often while busy, and at least this often when idle.
 _STATS_MIN_INTERVAL_S = 0.1
 _STATS_HEARTBEAT_S = 1.0
-# A step running longer than this is hung (the longest legitimate step, a full
-# max_num_batched_tokens prefill of a big model on CPU, takes seconds).
-STEP_STALL_S = 120.0
-WORKER_PING_TIMEOUT_S = 5.0
 
 
 class RequestFailed(RuntimeError):
     """This request failed on its own; the others in its batch did not."""
 
 
-class EngineDeadError(RuntimeError):
-    """The replica's engine cannot step any more; Serve replaces the replica."""
-
-
-class AsyncEngine(EngineStatus):
+class AsyncEngine(EngineStatus, EngineHealth):
     def __init__(self, engine_config: EngineConfig, stats_sink=None,
                  replica_id: str | None = None) -> None:
         from pagedserve.cluster.engine.llm_engine import LLMEngine
@@ -131,26 +124,6 @@ class AsyncEngine(EngineStatus):
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size)
-
-    # ---------------------------------------------------------------- health
-    async def check_health(self) -> None:
-        """Raises unless the loop is alive, no step is hung and every worker answers."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._loop_task is not None and self._loop_task.done():
-            self._die("the engine loop exited")
-            raise EngineDeadError(self._dead)
-        started = self._step_started
-        if started is not None and time.monotonic() - started > STEP_STALL_S:
-            self._die(f"an engine step has been running for {time.monotonic() - started:.0f} s")
-            raise EngineDeadError(self._dead)
-        try:
-            await asyncio.wait_for(asyncio.to_thread(self.engine.executor.check_health,
-                                                     WORKER_PING_TIMEOUT_S), WORKER_PING_TIMEOUT_S + 1)
-        except ExecutorDeadError as e:  # a worker is gone for good: nothing can step
-            self._die(str(e))
-            raise EngineDeadError(self._dead) from None
-        # A slow answer (TimeoutError) only fails this check: Serve decides after a few.
 
     def _die(self, reason: str) -> None:
         """Fail every open request of this replica at once and stop stepping."""
@@ -220,20 +193,10 @@ class AsyncEngine(EngineStatus):
         if out.error is not None:
             return out, None
         try:
-            return out, self._token_text(out)
+            return out, token_texts(out, self.engine.tokenizer)
         except Exception as e:  # this request's logprob texts: it fails alone
             failed = self.engine.fail_request(out.request_id, f"{type(e).__name__}: {e}")
             return (failed or dataclasses.replace(out, finished=True, error=str(e))), None
-
-    def _token_text(self, out: RequestOutput) -> dict[int, str] | None:
-        ids = {t for c in out.outputs for lp in (c.delta_logprobs or ()) for t in lp.token_ids}
-        if out.prompt_logprobs is not None:  # echo shows the first prompt token too
-            ids.update(t for lp in out.prompt_logprobs[1:] for t in (lp.token_ids if lp else ()))
-            ids.add(out.prompt_token_ids[0])
-        if not ids:
-            return None
-        decode = self.engine.tokenizer.decode
-        return {t: decode([t]) for t in ids}
 
     async def _run(self) -> None:
         while self._dead is None:
