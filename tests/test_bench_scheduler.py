@@ -21,3 +21,14 @@ def test_bench_scheduler_prints_the_json_summary():
     assert summary["us_per_step"] > 0
     assert summary["paged_utilization"] > 0.9 > 0.5 > summary["contiguous_utilization"]
     assert summary["concurrency_ratio"] >= 2.0
+
+
+def test_bench_thrash_counts_preemptions_on_a_tight_pool():
+    """The thrash benchmark's run drains every request and counts real preemptions: a pool
+    of 64 blocks cannot hold 40 chat requests at once, a pool of 4,096 can."""
+    from pagedserve.loadtest.bench_thrash import run
+
+    tight = run(protect=0, num_blocks=64, requests=40, seed=0, tenants=2)
+    roomy = run(protect=0, num_blocks=4096, requests=40, seed=0, tenants=2)
+    assert tight["preemptions_per_request"] > 0 and tight["steps"] > roomy["steps"]
+    assert roomy["preemptions_per_request"] == 0
