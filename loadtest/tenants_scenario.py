@@ -13,6 +13,8 @@ is the scheduler's fair share (scheduler/fair_queue.py), not load shedding.
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 from pagedserve.loadtest.arrivals import arrival_times
 from pagedserve.loadtest.metrics import percentile
@@ -34,6 +36,34 @@ def _specs(ctx, n: int, seed: int, tenant: str) -> list[RequestSpec]:
     return out
 
 
+def _screenshot_later(url: str, path, after_s: float) -> threading.Thread:
+    """A thread that saves a screenshot of the live view ``after_s`` into the burst: after
+    the last arrival, while the bursty backlog drains, so the browser's CPU does not land
+    on a measured steady request. ``thread.result``: the path, or why there is none."""
+
+    def take() -> None:
+        time.sleep(after_s)
+        try:
+            from pagedserve.loadtest.browser import Browser, find_chromium
+
+            if find_chromium() is None:
+                t.result = "not saved (no chromium on PATH)"
+                return
+            with Browser() as b:
+                b.goto(url)
+                b.wait_for("document.querySelectorAll('table.tl .chip').length > 0")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(b.screenshot())
+            t.result = str(path)
+        except Exception as e:  # a screenshot must never fail the benchmark
+            t.result = f"not saved ({type(e).__name__}: {e})"
+
+    t = threading.Thread(target=take, daemon=True)
+    t.result = None
+    t.start()
+    return t
+
+
 def tenants(ctx) -> Scenario:
     window_s = ctx.n(30, 12)
 
@@ -50,8 +80,11 @@ def tenants(ctx) -> Scenario:
         alone = ctx.bench(server, steady, label="tenants-steady-alone", arrivals=t_steady)
         bursty = _specs(ctx, round(rate_b * window_s), ctx.seed + 43, "bursty")
         t_bursty = arrival_times(len(bursty), rate_b, 1.0, ctx.seed + 44)
+        shot = _screenshot_later(f"{server.base_url}/dashboard", ctx.out / "dashboard-tenants-burst.png",
+                                 max(t_steady[-1], t_bursty[-1]) + 3.0)
         mixed = ctx.bench(server, steady + bursty, label="tenants-burst", arrivals=t_steady + t_bursty,
                           drain_timeout=120.0, sample_interval=1.0)
+        shot.join(60)
 
         def p99(res, kind):
             return percentile([r.ttft for r in res.results if r.kind == kind and r.success], 99)
@@ -59,14 +92,15 @@ def tenants(ctx) -> Scenario:
         return {"capacity": capacity, "rate_steady": rate_s, "rate_bursty": rate_b,
                 "alone_p99": p99(alone, "steady"), "mixed_p99": p99(mixed, "steady"),
                 "bursty_p99": p99(mixed, "bursty"), "n_steady": len(steady), "n_bursty": len(bursty),
-                "failed": mixed.metrics["failed"] + alone.metrics["failed"]}
+                "failed": mixed.metrics["failed"] + alone.metrics["failed"],
+                "screenshot": getattr(shot, "result", None)}
 
     def rows(_, res):
         r = res["tenants"]
         ratio = r["mixed_p99"] / r["alone_p99"] if r["alone_p99"] else float("inf")
         note = (f"capacity {r['capacity']:.2f} req/s; steady {r['rate_steady']:.2f} req/s x {r['n_steady']}, "
                 f"bursty {r['rate_bursty']:.2f} req/s x {r['n_bursty']} (5x its share); bursty p99 TTFT "
-                f"{r['bursty_p99']:.2f} s; {r['failed']} failed")
+                f"{r['bursty_p99']:.2f} s; {r['failed']} failed; dashboard: {r['screenshot']}")
         return [Row("tenants", "steady tenant p99 TTFT (s), with a 5x-share burst vs alone", "alone",
                     r["alone_p99"], "with burst", r["mixed_p99"], ratio and 1 / ratio, "<= 2x its alone",
                     ratio <= 2.0 and r["failed"] == 0, note)]

@@ -163,6 +163,23 @@ def test_json_schema_and_json_object_over_chat(client, model_name):
     assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict), c
 
 
+def test_json_object_is_an_object_not_any_json_value(serve_model):
+    """OpenAI's json_object: an object, with one separator style and no free whitespace.
+    (The builtin JSON grammar took any JSON value: a random model answered "[3\t\n\t]".)"""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pagedserve.cluster.engine.structured_output import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(serve_model)
+    grammar = StructuredOutputManager(tok, len(tok), [tok.eos_token_id]).compile(
+        StructuredOutputsParams(json_object=True))
+    for text in ("[3]", "3", '"x"', "{ }", '{\n"a": 1}'):
+        assert not xgr.GrammarMatcher(grammar).accept_string(text), text
+    m = xgr.GrammarMatcher(grammar)
+    assert m.accept_string('{"a": [1, {"b": null}], "c": "d"}') and m.is_completed()
+
+
 def test_regex_choice_grammar_over_completions_and_streamed(client, model_name):
     cases = [({"regex": REGEX}, lambda t: re.fullmatch(REGEX, t)),
              ({"choice": CHOICES}, lambda t: t in CHOICES),

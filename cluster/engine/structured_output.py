@@ -59,14 +59,15 @@ _XGR_BOUNDED_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
-def json_schema_grammar(schema: str | dict):
-    """The xgrammar Grammar of a JSON schema: compact separators (no free whitespace: a
+def json_schema_grammar(schema: str | dict, strict: bool = True):
+    """The xgrammar Grammar of a JSON schema: fixed separators (no free whitespace: a
     small model may otherwise emit whitespace until max_tokens, vLLM's
-    disable_any_whitespace) and strings that are valid JSON (see _XGR_BOUNDED_CHAR)."""
+    disable_any_whitespace) and strings that are valid JSON (see _XGR_BOUNDED_CHAR).
+    ``strict=False`` lets an object have properties the schema does not name."""
     import xgrammar as xgr
 
     text = schema if isinstance(schema, str) else json.dumps(schema)
-    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=strict)
     ebnf = str(grammar)
     if _XGR_BOUNDED_CHAR in ebnf:
         grammar = xgr.Grammar.from_ebnf(ebnf.replace(_XGR_BOUNDED_CHAR, _JSON_STRING_CHAR))
@@ -123,7 +124,9 @@ class StructuredOutputManager:
             if kind == "json":
                 return compiler.compile_grammar(json_schema_grammar(so.json))
             if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                # OpenAI's json_object is an object, not any JSON value (the builtin JSON
+                # grammar let a random model answer "[3]"), no free whitespace, as the schemas.
+                return compiler.compile_grammar(json_schema_grammar({"type": "object"}, strict=False))
             if kind == "regex":
                 return compiler.compile_regex(so.regex)
             if kind == "choice":
