@@ -124,7 +124,7 @@ class TenantScheduling:
         afterwards neither tenant is past its share."""
         waiting = self.waiting
         set_running = getattr(waiting, "set_running", None)
-        if set_running is None:
+        if set_running is None or self.policy == "static":  # a static batch is never preempted
             return []
         counts: dict[str, int] = {}
         for r in self.running:
