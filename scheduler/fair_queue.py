@@ -53,7 +53,6 @@ class FairRequestQueue:
     def backlogged(self) -> list[str]:
         return [t for t, q in self.queues.items() if len(q)]
 
-    _backlogged = backlogged
 
     def _order_key(self, t: str) -> tuple[float, float, float]:
         # Smallest counter; ties go to the tenant with fewer running requests per weight
@@ -63,7 +62,7 @@ class FairRequestQueue:
                 self.queues[t].peek_request().arrival_time)
 
     def _head_tenant(self) -> str:
-        return min(self._backlogged(), key=self._order_key)
+        return min(self.backlogged(), key=self._order_key)
 
     # ---- the queue interface (as FCFSRequestQueue / PriorityRequestQueue) ----------
     def add_request(self, request: Request) -> None:
@@ -72,7 +71,7 @@ class FairRequestQueue:
         if q is None:
             q = self.queues[t] = self._make_queue()
         if not len(q):  # (re-)entering the backlog: no credit for the idle time
-            others = [self.counters.get(u, 0.0) for u in self._backlogged() if u != t]
+            others = [self.counters.get(u, 0.0) for u in self.backlogged() if u != t]
             floor = min(others) if others else max(self.counters.values(), default=0.0)
             self.counters[t] = max(self.counters.get(t, 0.0), floor)
         q.add_request(request)
@@ -116,7 +115,7 @@ class FairRequestQueue:
     def __iter__(self) -> Iterator[Request]:
         """The projected service order: tenants by counter, taking turns one request at a
         time (what VTC does when requests cost about the same)."""
-        order = sorted(self._backlogged(), key=self._order_key)
+        order = sorted(self.backlogged(), key=self._order_key)
         iters = [iter(self.queues[t]) for t in order]
         while iters:
             alive = []

@@ -126,6 +126,8 @@ class TenantScheduling:
         set_running = getattr(waiting, "set_running", None)
         if set_running is None or self.policy == "static":  # a static batch is never preempted
             return []
+        if len(waiting.queues) < 2:  # one tenant ever seen: no share to keep, no tie to break
+            return []
         counts: dict[str, int] = {}
         for r in self.running:
             counts[r.tenant] = counts.get(r.tenant, 0) + 1

@@ -14,7 +14,6 @@ finished, so no prompt of a batch keeps its blocks.
 """
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import aclosing
@@ -25,7 +24,6 @@ from pagedserve.cluster.serve import openai_format as fmt
 from pagedserve.cluster.serve.completion_format import ChoiceShaper, batch_response, combined
 from pagedserve.cluster.serve.edge import error
 from pagedserve.cluster.serve.request_status import queue_header
-from pagedserve.cluster.serve.responses import error_body
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
 
 logger = logging.getLogger("pagedserve")
@@ -166,8 +164,8 @@ async def _sse(ingress, streams, finished, shapers, state: fmt.StreamState, incl
                         yield line
         except Exception:  # headers are gone: report in-band, as vLLM does
             logger.exception("request %s failed mid-stream", state.rid)
-            yield fmt.sse(json.dumps(error_body(500, f"internal error in request {state.rid}")))
-            yield fmt.SSE_DONE
+            for line in fmt.sse_failure(state.rid):
+                yield line
             return
         if include_usage:
             yield state.usage_chunk(combined(state.rid, finals))

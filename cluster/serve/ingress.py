@@ -10,7 +10,6 @@ or the SSE generator is closed) cancels the engine call, which aborts the reques
 # No ``from __future__ import annotations``: FastAPI must see real classes on the
 # methods that serve.ingress rewrites, or bodies turn into query parameters.
 import asyncio
-import json
 import logging
 import time
 
@@ -29,7 +28,7 @@ from pagedserve.cluster.serve.metrics import ServeMetrics
 from pagedserve.cluster.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
 from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, ModelList,
-                                                TokenizeResponse, error_body, random_id)
+                                                TokenizeResponse, random_id)
 from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
                                                      request_object)
 from pagedserve.cluster.serve.shed_gate import ShedGate
@@ -187,8 +186,8 @@ class OpenAIIngress:
                         yield line
             except Exception:  # headers are gone: report in-band, as vLLM does
                 logger.exception("request %s failed mid-stream", state.rid)
-                yield fmt.sse(json.dumps(error_body(500, f"internal error in request {state.rid}")))
-                yield fmt.SSE_DONE
+                for line in fmt.sse_failure(state.rid):
+                    yield line
                 return
             if include_usage and final is not None:
                 yield state.usage_chunk(final)

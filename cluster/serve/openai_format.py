@@ -21,7 +21,7 @@ from pagedserve.cluster.serve.responses import (ChatCompletionChoice, ChatComple
                               ChatCompletionStreamResponse, ChatLogprobs, ChatLogprobToken,
                               ChatLogprobTop, ChatResponseMessage, ChatStreamChoice,
                               CompletionChoice, CompletionLogprobs, CompletionResponse,
-                              CompletionStreamResponse, DeltaMessage, PromptTokensDetails,
+                              CompletionStreamResponse, DeltaMessage, PromptTokensDetails, error_body,
                               UsageInfo)
 from pagedserve.cluster.serve import tool_parsers
 from pagedserve.cluster.serve.tool_choice import ToolPlan
@@ -33,6 +33,11 @@ def sse(obj) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_failure(rid: str) -> list[str]:
+    """The in-band end of a stream whose headers are gone (as vLLM): an error, then [DONE]."""
+    return [sse(json.dumps(error_body(500, f"internal error in request {rid}"))), SSE_DONE]
 
 
 def usage_of(out: RequestOutput) -> UsageInfo:
