@@ -55,6 +55,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "status", "stop_reason", "max_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "stop_token_ids",
         "min_tokens", "ignore_eos", "tenant", "resumed_step", "cache_tenant",
+        "num_output_placeholders",
     )
 
     def __init__(
@@ -86,6 +87,10 @@ class Request:
         # (the scheduler salts the cache per tenant); None: the shared "default" tenant.
         self.tenant = tenant or "default"
         self.resumed_step = -1  # step it last resumed after a preemption (hysteresis)
+        # Tokens sampled in steps already planned but not yet reported (async scheduling:
+        # the next plan is made while a step runs; synchronous stepping brings this back
+        # to 0 before every plan).
+        self.num_output_placeholders = 0
         self.cache_tenant: str | None = None  # set by the scheduler when tenants are isolated
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -9,8 +9,11 @@ prefix hits and recompute after preemption are all that one rule:
              └──────────── <= max_num_batched_tokens, <= max_num_seqs ───────────┘
 
 ``schedule()`` advances each scheduled request's ``num_computed_tokens`` right away,
-so ``update_from_output()`` only appends sampled tokens, checks stop conditions,
-retires finished requests and caches newly full blocks.
+so ``update_from_output()`` (step_results.py) only appends sampled tokens, checks stop
+conditions, retires finished requests and caches newly full blocks. A step that will
+sample a request's next token counts it as a placeholder until the token comes back, so
+the next plan can be made before this step's result (async scheduling): the decode of the
+token in flight is planned already, and the worker, which sampled it, feeds it in.
 """
 
 from __future__ import annotations
@@ -18,24 +21,22 @@ from __future__ import annotations
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT, FairRequestQueue
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
-from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                               NewRequestData, SchedulerOutput)
+from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagedserve.scheduler.stats import WAITING_REASONS, SchedulerStats
+from pagedserve.scheduler.step_results import StepResults
 from pagedserve.scheduler.tenancy import Ledger, classes_of
 from pagedserve.scheduler.tenant_scheduling import TenantScheduling
 
 _RUNNING = RequestStatus.RUNNING
-_STOPPED = RequestStatus.FINISHED_STOPPED
-_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting_requests`` (the HTTP layer answers 429)."""
 
 
-class Scheduler(TenantScheduling):
+class Scheduler(TenantScheduling, StepResults):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -159,9 +160,10 @@ class Scheduler(TenantScheduling):
         while i < len(running) and budget > 0:
             req = running[i]
             num_computed = req.num_computed_tokens
-            num_new = len(req.all_token_ids) - num_computed
-            if num_new <= 0:  # its last sampled token has not come back yet
-                i += 1
+            pending = req.num_output_placeholders
+            num_new = len(req.all_token_ids) + pending - num_computed
+            if num_new <= 0 or (pending and req.num_output_tokens + pending >= req.max_tokens):
+                i += 1  # nothing to compute, or its in-flight token is its last (max_tokens)
                 continue
             if num_new > budget:
                 num_new = budget
@@ -225,6 +227,8 @@ class Scheduler(TenantScheduling):
         self._charge_tenants(sched_reqs, sched_nums)
         for req, n in zip(sched_reqs, sched_nums):
             req.num_computed_tokens += n
+            if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # this step samples its next token
         self.step_id += 1
         plan = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
@@ -310,71 +314,10 @@ class Scheduler(TenantScheduling):
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a token still in flight is taken as it comes back
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
-
-    # ---- the step result ----------------------------------------------------------------
-    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append sampled tokens, stop finished requests (their blocks go back at once),
-        cache newly full blocks. Rows of requests that ended meanwhile are ignored."""
-        kv = self.kv_cache_manager
-        caching = kv.enable_caching
-        node_ids_of = kv.req_to_node_ids
-        bs = self.block_size
-        max_model_len = self.max_model_len
-        get_request = self.requests.get
-        all_sampled = result.sampled_token_ids
-        all_logprobs = result.logprobs
-        outputs: list[EngineCoreOutput] = []
-        num_finished = 0
-        num_generated = 0
-        for idx, rid in enumerate(result.req_ids):
-            req = get_request(rid)
-            if req is None or req.status is not _RUNNING:
-                continue
-            if caching and req.num_computed_tokens // bs > len(node_ids_of[rid]):
-                kv.cache_full_blocks(req)
-            sampled = all_sampled[idx]
-            if not sampled:  # a partial prefill chunk
-                continue
-            output_ids = req.output_token_ids
-            if not output_ids:
-                self.num_prompt_tokens += req.num_prompt_tokens
-            all_ids = req.all_token_ids
-            new_token_ids = sampled
-            for j, token in enumerate(sampled):
-                output_ids.append(token)
-                all_ids.append(token)
-                num_output = len(output_ids)
-                # Order: min_tokens gates EOS / stop tokens; then the length caps.
-                if num_output >= req.min_tokens and (
-                        (token == req.eos_token_id and not req.ignore_eos)
-                        or (req.stop_token_ids and token in req.stop_token_ids)):
-                    req.status = _STOPPED
-                    if token != req.eos_token_id or req.ignore_eos:
-                        req.stop_reason = token
-                elif num_output >= req.max_tokens or len(all_ids) >= max_model_len:
-                    req.status = _LENGTH
-                else:
-                    continue
-                new_token_ids = sampled[:j + 1]  # drop tokens past the stop
-                break
-            num_generated += len(new_token_ids)
-            logprobs = all_logprobs[idx] if all_logprobs is not None else None
-            if logprobs is not None:
-                logprobs = logprobs[:len(new_token_ids)] or None
-            finish_reason = None
-            if req.status is not _RUNNING:
-                finish_reason = req.finish_reason
-                self._free_request(req)
-                num_finished += 1
-            outputs.append(EngineCoreOutput(rid, new_token_ids, finish_reason, req.stop_reason,
-                                            logprobs, req.num_cached_tokens))
-        self.num_generation_tokens += num_generated
-        if num_finished:
-            self.running = [r for r in self.running if r.status is _RUNNING]
-        return outputs
 
     # ---- stats ------------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:

@@ -50,9 +50,13 @@ def _params() -> list[SamplingParams]:
 
 @pytest.fixture(scope="module", params=SHAPES)
 def shape_case(request, tmp_path_factory):
+    return oracle_case(make_test_model(request.param, tmp_path_factory.getbasetemp() / "oracle-models"))
+
+
+def oracle_case(path) -> tuple:
+    """(path, the 16 prompts, transformers' greedy outputs for them)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = make_test_model(request.param, tmp_path_factory.getbasetemp() / "oracle-models")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(hf.config.vocab_size)
     refs = []

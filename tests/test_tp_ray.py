@@ -42,11 +42,11 @@ def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     return refs
 
 
-def _engine_greedy(path: str, prompts, tp: int):
+def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False):
     from pagedserve.cluster.engine.llm import LLM
 
     llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
-              num_gpu_blocks_override=128, max_num_seqs=8)
+              num_gpu_blocks_override=128, max_num_seqs=8, async_scheduling=async_scheduling)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -56,10 +56,11 @@ def _engine_greedy(path: str, prompts, tp: int):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("shape,dispatch", [(SHAPES[0], "zmq"), (SHAPES[1], "zmq"),
-                                            (SHAPES[0], "cgraph")])
-def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, ray_session, tmp_path_factory,
-                                                 monkeypatch):
+# The async cases send a step's plan while the previous one runs (both plan channels).
+@pytest.mark.parametrize("shape,dispatch,async_scheduling", [(SHAPES[0], "zmq", False), (SHAPES[1], "zmq", True),
+                                                             (SHAPES[0], "cgraph", True)])
+def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduling, ray_session,
+                                                 tmp_path_factory, monkeypatch):
     from pagedserve.cluster.control.ray_executor import RayExecutor
 
     monkeypatch.setattr(RayExecutor, "dispatch", dispatch)  # both plan channels
@@ -68,7 +69,7 @@ def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, ray_session, t
     prompts = _prompts(512)
     refs = _hf_greedy(path, prompts)
     tp1, ex1 = _engine_greedy(path, prompts, tp=1)
-    tp2, ex2 = _engine_greedy(path, prompts, tp=2)
+    tp2, ex2 = _engine_greedy(path, prompts, tp=2, async_scheduling=async_scheduling)
     assert not isinstance(ex1, RayExecutor)
     assert isinstance(ex2, RayExecutor)
     assert ex2.workers == []  # shut down: the actors were killed and the group released

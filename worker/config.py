@@ -57,6 +57,9 @@ class EngineConfig:
     reservations: dict[str, dict[str, int]] | None = None
     isolate_tenant_prefix_cache: bool = True
     preemption_protect_steps: int = 32
+    # Plan step N+1 while step N runs (vLLM's --async-scheduling); outputs then come one
+    # step later. Off: every step is planned after the previous one's result.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -72,7 +72,9 @@ class ModelRunner:
                 failed[new.req_id] = _describe(e)
         cached = plan.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
+            state = self.requests.get(req_id)
+            if state is None:  # its setup failed a step ago (async scheduling planned on)
+                continue
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(cached.new_block_ids[i])
             else:
@@ -168,9 +170,8 @@ class ModelRunner:
             words = np.frombuffer(plan.grammar_bitmask, dtype="<i4").reshape(
                 len(plan.structured_output_req_ids), -1)
             self._bitmask_rows = dict(zip(plan.structured_output_req_ids, words))
-        num_scheduled = plan.num_scheduled_tokens
-        if failed:  # the rest of the batch runs without them
-            num_scheduled = {r: n for r, n in num_scheduled.items() if r not in failed}
+        # Without those that failed now or in an earlier step (the rest of the batch runs).
+        num_scheduled = {r: n for r, n in plan.num_scheduled_tokens.items() if r in self.requests}
         req_ids = list(plan.num_scheduled_tokens)
         if not num_scheduled:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],

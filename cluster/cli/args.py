@@ -57,6 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="429 when a request would wait longer than this to start, at the measured "
                         "drain rate (default %(default)s; 0 turns it off)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per worker")
+    g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
+                   help="plan step N+1 while step N runs (outputs one step later)")
     t = parser.add_argument_group("tenants")
     t.add_argument("--tenant-weight", action="append", type=_tenant_weight, default=None,
                    metavar="NAME=W", help="fair-share weight of a tenant (default 1); repeatable")

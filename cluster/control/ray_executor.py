@@ -169,16 +169,22 @@ class RayExecutor(Executor):
             raise TimeoutError(f"a worker did not answer a ping within {timeout_s:g} s") from None
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(plan)()
+
+    def submit(self, plan: SchedulerOutput):
+        """Send the plan to every rank; the callable waits for rank 0's result. The ranks
+        run plans in the order sent (one queue each), so a second plan may go out while
+        the first runs (async scheduling)."""
         if self.dispatch == "zmq":
             if self._bcast is None:
                 self._start_zmq()
             # Both directions watch the loops: a send to a dead rank would block forever.
             self._bcast.send(plan, self._check_loops)
-            return self._bcast.recv(self._check_loops)
+            return lambda: self._bcast.recv(self._check_loops)
         if self._dag is None:
             self._compile()
-        results = ray.get(self._dag.execute(plan))
-        return results[0]
+        refs = self._dag.execute(plan)
+        return lambda: ray.get(refs)[0]
 
     def pop_exec_times(self) -> list[list[float]]:
         """Per-rank in-worker execution times since the last call (benchmark only)."""

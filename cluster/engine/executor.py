@@ -7,6 +7,9 @@ tensor_parallel_size 1, and the unit of everything the Ray executor does per ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker.config import EngineConfig
 
@@ -40,6 +43,13 @@ class Executor:
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def submit(self, plan: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start a step; the returned callable waits for its result. Steps run in the
+        order submitted, and results are waited for in that order (async scheduling keeps
+        at most one step queued behind the running one). Default: run it now."""
+        result = self.execute_model(plan)
+        return lambda: result
+
     def shutdown(self) -> None:
         pass
 
@@ -53,6 +63,7 @@ class UniProcExecutor(Executor):
             raise ValueError("UniProcExecutor runs tensor_parallel_size 1 only; "
                              "use pagedserve.cluster.control.ray_executor.RayExecutor for more ranks.")
         self.worker = Worker(engine_config)
+        self._step_thread: ThreadPoolExecutor | None = None
         self.worker.init_device()
         self.worker.load_model()
 
@@ -65,7 +76,16 @@ class UniProcExecutor(Executor):
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(plan)
 
+    def submit(self, plan: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        # One thread runs the steps, in order; the engine plans and processes outputs
+        # while it does (torch releases the GIL inside its ops).
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-step")
+        return self._step_thread.submit(self.worker.execute_model, plan).result
+
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
         self.worker.shutdown()
 
 

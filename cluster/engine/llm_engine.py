@@ -117,6 +117,8 @@ class LLMEngine:
         self.num_admitted = 0
         self._samples: dict[str, tuple[_Group, _Sample]] = {}
         self.last_plan = None
+        # async_scheduling: (plan, wait for its result) of the step running now
+        self._inflight: tuple | None = None
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -256,7 +258,7 @@ class LLMEngine:
                 self.structured.remove(s.req_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self.scheduler.has_unfinished_requests()
+        return bool(self._groups) or self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -266,14 +268,28 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        """Plan a step, run it, return what it produced. With ``async_scheduling`` the
+        plan of step N+1 is made and sent while step N runs, then N's outputs are
+        processed (detokenized, stop strings, streamed) while N+1 runs: this call
+        returns step N's outputs, and the first call none. Structured outputs need each
+        token before the next step's grammar mask, so while one is live steps run in turn."""
+        inflight = self._inflight
+        pipelined = self.config.async_scheduling and not self.structured.matchers
+        if inflight is not None and not pipelined:
+            self._inflight = None
+            return self._finish_step(inflight[0], inflight[1]())
         plan = self.scheduler.schedule()
         self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
         if self.structured.matchers:
             self.structured.fill_bitmask(plan, self.scheduler.get_request)
-        if plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids:
-            result = self.executor.execute_model(plan)
-        else:
-            result = ModelRunnerOutput(step_id=plan.step_id)
+        has_work = plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids
+        if not pipelined:
+            result = self.executor.execute_model(plan) if has_work else ModelRunnerOutput(step_id=plan.step_id)
+            return self._finish_step(plan, result)
+        self._inflight = (plan, self.executor.submit(plan)) if has_work else None
+        return self._finish_step(inflight[0], inflight[1]()) if inflight is not None else []
+
+    def _finish_step(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
         self.num_admitted += len(plan.scheduled_new_reqs) + sum(
             plan.scheduled_cached_reqs.resumed_from_preemption)

@@ -1,0 +1,107 @@
+"""The step result half of the Scheduler (a mixin, like tenant_scheduling.py): sampled
+tokens in, stop conditions checked, finished requests out, full blocks offered to the
+prefix cache.
+
+With async scheduling (the engine plans step N+1 while step N runs) two things can
+arrive that synchronous stepping never sees:
+- a row of a request that ended meanwhile (finished, aborted): ignored, as always;
+- a row of a request that the plan of step N+1 preempted: its token is right (step N
+  ran with its blocks), and the worker already appended it to its own copy of the
+  request, so the scheduler keeps it too; the recompute then covers it. Dropping it
+  instead would leave the worker one token ahead of the scheduler.
+"""
+
+from __future__ import annotations
+
+from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
+_PREEMPTED = RequestStatus.PREEMPTED
+_STOPPED = RequestStatus.FINISHED_STOPPED
+_LENGTH = RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+class StepResults:
+    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, stop finished requests (their blocks go back at once),
+        cache newly full blocks. Rows of requests that ended meanwhile are ignored."""
+        kv = self.kv_cache_manager
+        caching = kv.enable_caching
+        node_ids_of = kv.req_to_node_ids
+        bs = self.block_size
+        get_request = self.requests.get
+        all_sampled = result.sampled_token_ids
+        all_logprobs = result.logprobs
+        outputs: list[EngineCoreOutput] = []
+        num_finished = 0
+        for idx, rid in enumerate(result.req_ids):
+            req = get_request(rid)
+            if req is None:
+                continue
+            sampled = all_sampled[idx]
+            if req.status is not _RUNNING:
+                if sampled and req.status is _PREEMPTED:
+                    outputs.append(self._late_tokens(req, sampled, all_logprobs, idx))
+                continue
+            if caching and req.num_computed_tokens // bs > len(node_ids_of[rid]):
+                kv.cache_full_blocks(req)
+            if not sampled:  # a partial prefill chunk
+                continue
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
+            new_token_ids = self._append_tokens(req, sampled)
+            logprobs = all_logprobs[idx] if all_logprobs is not None else None
+            if logprobs is not None:
+                logprobs = logprobs[:len(new_token_ids)] or None
+            finish_reason = None
+            if req.status is not _RUNNING:
+                finish_reason = req.finish_reason
+                self._free_request(req)
+                num_finished += 1
+            outputs.append(EngineCoreOutput(rid, new_token_ids, finish_reason, req.stop_reason,
+                                            logprobs, req.num_cached_tokens))
+        if num_finished:
+            self.running = [r for r in self.running if r.status is _RUNNING]
+        return outputs
+
+    def _append_tokens(self, req: Request, sampled: list[int]) -> list[int]:
+        """Append ``sampled`` up to the first that ends the request (whose status is then
+        set); return the tokens kept."""
+        output_ids = req.output_token_ids
+        if not output_ids:
+            self.num_prompt_tokens += req.num_prompt_tokens
+        all_ids = req.all_token_ids
+        kept = sampled
+        for j, token in enumerate(sampled):
+            output_ids.append(token)
+            all_ids.append(token)
+            num_output = len(output_ids)
+            # Order: min_tokens gates EOS / stop tokens; then the length caps.
+            if num_output >= req.min_tokens and (
+                    (token == req.eos_token_id and not req.ignore_eos)
+                    or (req.stop_token_ids and token in req.stop_token_ids)):
+                req.status = _STOPPED
+                if token != req.eos_token_id or req.ignore_eos:
+                    req.stop_reason = token
+            elif num_output >= req.max_tokens or len(all_ids) >= self.max_model_len:
+                req.status = _LENGTH
+            else:
+                continue
+            kept = sampled[:j + 1]  # drop tokens past the stop
+            break
+        self.num_generation_tokens += len(kept)
+        return kept
+
+    def _late_tokens(self, req: Request, sampled: list[int], all_logprobs, idx: int) -> EngineCoreOutput:
+        """The token of a request preempted after its step was planned (see the module
+        docstring); a request it ends leaves the waiting queue."""
+        kept = self._append_tokens(req, sampled)
+        logprobs = (all_logprobs[idx][:len(kept)] or None) if all_logprobs is not None else None
+        finish_reason = None
+        if req.status is not _PREEMPTED:  # it ended the request
+            finish_reason = req.finish_reason
+            self.waiting.remove_request(req)
+            self._free_request(req)
+        return EngineCoreOutput(req.req_id, kept, finish_reason, req.stop_reason, logprobs,
+                                req.num_cached_tokens)
