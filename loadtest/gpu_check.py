@@ -122,7 +122,8 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
                                           "hf_generate_tok_s": hf_tps[bsz], "graphs_vs_hf": g_tps[bsz] / hf_tps[bsz],
                                           "seqs_equal_graphs_eager": same, "seqs": bsz}
         row("e2e", f"decode batch {bsz:>3} ({n_params / 1e9:.2f}B, {dtype}, {max_tokens} tok)",
-            f"{'graphs' if sizes else 'default'} {g_tps[bsz]:9.1f}  eager {e_tps[bsz]:9.1f}  HF {hf_tps[bsz]:9.1f} tok/s  "
+            f"{'graphs' if sizes else 'default'} {g_tps[bsz]:9.1f}  eager {e_tps[bsz]:9.1f}  "
+            f"HF {hf_tps[bsz]:9.1f} tok/s  "
             f"x{g_tps[bsz] / hf_tps[bsz]:.2f} HF  x{g_tps[bsz] / e_tps[bsz]:.2f} eager  tokens equal {same}/{bsz}")
     copy_gbs = RESULTS["bandwidth"].get("copy_GBps")
     if copy_gbs:

@@ -11,6 +11,10 @@ Batch layout of one step (decode rows first so attention can batch them):
                query len 1   prefill chunk  chunk
     logits:   one row per request that samples (last row of a request whose
               computed tokens reach its token count); partial chunks sample nothing.
+
+The step's tensors live in persistent buffers (step_buffers.py). A decode-only step on
+CUDA replays a captured graph of its padded size (cuda_graphs.py); the padded rows are
+never sampled, and the sampled ids cross to the host once per step.
 """
 
 from __future__ import annotations
