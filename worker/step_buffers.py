@@ -121,8 +121,13 @@ class StepBuffers:
         cu[0] = 0
         np.cumsum(q, out=cu[1:num_real + 1])
         cu[num_real + 1:] = np.arange(num_real_tokens + 1, tokens + 1)
+        # Only the columns some row uses are written (and copied): at the graph width
+        # (max_model_len / block_size) a full table would cost megabytes per step, and
+        # attention never reads an entry past its row's context, so what earlier steps
+        # left beyond them is harmless.
+        used = max(map(len, block_ids), default=1)
         table = h["block_table"][:rows * width].reshape(rows, width)
-        table.fill(0)  # rows of earlier steps, and the pad rows' block 0
+        table[:, :used] = 0  # rows of earlier steps, and the pad rows' block 0
         for i, blocks in enumerate(block_ids):
             table[i, :len(blocks)] = blocks
         row_of = np.repeat(np.arange(num_real), q)  # the row of each real token
@@ -132,7 +137,7 @@ class StepBuffers:
         h["input_ids"][:num_real_tokens] = input_ids
         for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
             h[name][num_real_tokens:tokens] = value
-        self._to_device(rows, tokens, width)
+        self._to_device(rows, tokens, width, used)
         v = self.views(rows, tokens, width)
         padded = pad_to is not None
         md = AttentionMetadata(
@@ -143,13 +148,16 @@ class StepBuffers:
             seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=np.diff(cu).tolist())
         return StepInputs(v["input_ids"], v["positions"], md, rows, padded)
 
-    def _to_device(self, rows: int, tokens: int, width: int) -> None:
+    def _to_device(self, rows: int, tokens: int, width: int, used: int) -> None:
         if self.dev is self.host:
             return
         counts = {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens, "seq_lens": rows,
-                  "cu_seqlens_q": rows + 1, "block_table": rows * width}
+                  "cu_seqlens_q": rows + 1}
         for name, n in counts.items():
             self.dev[name][:n].copy_(self.host[name][:n], non_blocking=True)
+        src, dst = (t[:rows * width].view(rows, width)[:, :used] for t in (self.host["block_table"],
+                                                                            self.dev["block_table"]))
+        dst.copy_(src, non_blocking=True)  # a strided 2-D copy when used < width
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
