@@ -154,6 +154,37 @@ def test_static_buffers_keep_their_addresses_and_padding_writes_nothing(model_pa
     assert len(padded) > 20 and any((i.attn_metadata.slot_mapping < 0).any() for i in padded)
 
 
+def test_step_buffers_fill_exact_values():
+    """Block size 4. Row 0 decodes position 5 (block 2, offset 1: slot 9); row 1 runs
+    positions 2..5 of a chunk over blocks [3, 9]: slots 14, 15, 36, 37."""
+    from pagedserve.worker.step_buffers import StepBuffers
+
+    buf = StepBuffers(max_num_tokens=16, max_num_seqs=4, max_model_len=32, block_size=4, device=torch.device("cpu"))
+    x = buf.fill([11, 21, 22, 23, 24], [1, 4], [5, 2], [[7, 2], [3, 9]], num_decode=1)
+    md = x.attn_metadata
+    assert (x.num_rows, x.padded) == (2, False)
+    assert x.input_ids.tolist() == [11, 21, 22, 23, 24] and x.positions.tolist() == [5, 2, 3, 4, 5]
+    assert md.slot_mapping.tolist() == [9, 14, 15, 36, 37]
+    assert md.seq_lens.tolist() == [6, 6] and md.cu_seqlens_q.tolist() == [0, 1, 5]
+    assert md.block_table.tolist() == [[7, 2], [3, 9]] and md.block_table.is_contiguous()
+    assert (md.max_seqlen_q, md.max_seq_len, md.num_decode_tokens) == (4, 6, 1)
+    assert md.query_lens_cpu == [1, 4] and md.seq_lens_cpu == [6, 6]
+    # Three decode rows padded to 4 at the graph width (32 / 4 = 8 blocks per row).
+    x = buf.fill([5, 6, 7], [1, 1, 1], [0, 4, 9], [[1], [4, 2], [6, 8, 3]], num_decode=3, pad_to=4)
+    md = x.attn_metadata
+    assert (x.num_rows, x.padded) == (4, True)
+    assert x.input_ids.tolist() == [5, 6, 7, 0] and x.positions.tolist() == [0, 4, 9, 0]
+    assert md.slot_mapping.tolist() == [4, 8, 13, -1]  # position 9: block 3, offset 1
+    assert md.seq_lens.tolist() == [1, 5, 10, 1] and md.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+    assert md.block_table.shape == (4, 8) and md.block_table[:, :3].tolist() == [[1, 0, 0], [4, 2, 0], [6, 8, 3],
+                                                                                [0, 0, 0]]
+    assert (md.max_seqlen_q, md.max_seq_len, md.num_decode_tokens) == (1, 32, 4)
+    with pytest.raises(ValueError, match="only a decode-only step pads"):
+        buf.fill([1, 2], [2], [0], [[1]], num_decode=0, pad_to=2)
+    with pytest.raises(ValueError, match="exceeds the buffers"):
+        buf.fill([1] * 5, [1] * 5, [0] * 5, [[1]] * 5, num_decode=5)
+
+
 def test_capture_sizes_and_the_padded_size_of_a_batch(model_path):
     assert capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
     assert capture_sizes(8) == [1, 2, 4, 8]
