@@ -7,8 +7,10 @@
    decode-attention GB/s against a measured device-to-device copy, with a config sweep, and
    the same for the quantised KV cache (fp8 e4m3 / e5m2, int8; kernels/gpu_check_kv_quant.py);
 3. end-to-end decode tokens/s of the engine on a ~1.1B random Llama (bf16) at batch 1,
-   32, 128 next to transformers ``generate()`` with the same batch (guarded: a failure
-   there still prints the kernel table).
+   8, 32, 128, 256, with CUDA graphs and with ``enforce_eager``, next to transformers
+   ``generate()`` with the same batch; batch 1 as a fraction of the weight-bandwidth bound
+   (weight bytes x tok/s / the copy bandwidth of section 2); greedy token equality of
+   graphs vs eager (guarded: a failure there still prints the kernel table).
 
 It lives here, not in kernels/, because section 3 drives the whole engine and kernels/
 imports tensors only. ``--cpu-smoke`` runs every section with tiny shapes on the CPU
@@ -32,31 +34,14 @@ from pagedserve.kernels import gpu_check as kernel_check  # noqa: E402
 from pagedserve.kernels.gpu_check import RESULTS, T0, row  # noqa: E402
 
 
-def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
+def _hf_tok_s(path, dev, dtype, prompts, batches, max_tokens, sync) -> tuple[dict[int, float], int, int]:
+    """transformers generate() tok/s per batch, the parameter count and the weight bytes."""
     from transformers import AutoModelForCausalLM
-
-    from pagedserve import LLM, SamplingParams
-    from pagedserve.worker.testing import make_random_llama
-
-    if smoke:
-        cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, vocab_size=512)
-        batches, dtype, prompt_len = (1, 4), "float32", 16
-    else:
-        cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
-                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
-        batches, dtype, prompt_len = (1, 32, 128), "bfloat16", 32
-    tmp = tempfile.mkdtemp(prefix="gpu_check_llama_")
-    path = make_random_llama(os.path.join(tmp, "model"), **cfg)
-    row("e2e", "random Llama written", f"{sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 1e9:.2f} GB")
-    gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, cfg["vocab_size"], (max(batches), prompt_len), generator=gen)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(dev).eval()
     n_params = sum(p.numel() for p in hf.parameters())
-    RESULTS["e2e"]["params"] = n_params
-    hf_tps = {}
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    tps = {}
     with torch.no_grad():
         hf.generate(prompts[:1].to(dev), max_new_tokens=4, do_sample=False)  # warm-up
         for bsz in batches:
@@ -66,14 +51,29 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                         min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             sync()
-            hf_tps[bsz] = bsz * max_tokens / (time.perf_counter() - t)
+            tps[bsz] = bsz * max_tokens / (time.perf_counter() - t)
     del hf
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    return tps, n_params, weight_bytes
 
-    llm = LLM(model=path, dtype=dtype, max_num_seqs=max(batches), max_model_len=prompt_len + max_tokens + 16,
-              gpu_memory_utilization=0.6, device=dev.type)
+
+def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager: bool):
+    """Engine decode tok/s per batch and the greedy tokens of every sequence; one engine
+    at a time, shut down and freed before returning."""
+    import gc
+
+    from pagedserve import LLM, SamplingParams
+
+    max_model_len = prompts.shape[1] + max_tokens + 16
+    # A fixed pool that fits every batch: no memory profile, so a first engine whose memory
+    # is not yet returned cannot starve the second one's KV budget.
+    blocks = max(batches) * -(-max_model_len // 16) + 64
+    llm = LLM(model=path, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
+              num_gpu_blocks_override=blocks, device=dev.type, enforce_eager=enforce_eager)
+    tps, tokens = {}, {}
     try:
+        graphs = sorted(llm.engine.executor.worker.runner.graph_runner.graphs) if dev.type == "cuda" else []
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate([prompts[i].tolist() for i in range(4)], SamplingParams(temperature=0, max_tokens=8,
                                                                              ignore_eos=True), use_tqdm=False)
@@ -81,13 +81,62 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
             t = time.perf_counter()
             outs = llm.generate([prompts[i].tolist() for i in range(bsz)], params, use_tqdm=False)
             dt = time.perf_counter() - t
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            tps = n / dt
-            RESULTS["e2e"][f"batch {bsz}"] = {"engine_tok_s": tps, "hf_generate_tok_s": hf_tps[bsz]}
-            row("e2e", f"decode batch {bsz:>3} ({n_params / 1e9:.2f}B, {dtype}, {max_tokens} tok)",
-                f"engine {tps:9.1f} tok/s   HF generate {hf_tps[bsz]:9.1f} tok/s   x{tps / hf_tps[bsz]:.2f}")
+            tokens[bsz] = [list(o.outputs[0].token_ids) for o in outs]
+            tps[bsz] = sum(map(len, tokens[bsz])) / dt
     finally:
         llm.shutdown()
+    del llm
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return tps, tokens, graphs
+
+
+def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
+    """Engine tok/s with CUDA graphs and with enforce_eager, next to HF generate(); batch
+    1 as a fraction of the weight-bandwidth bound (every decode step reads all weights
+    once: weight bytes x tok/s against the measured copy bandwidth of section 2); and
+    whether graphs and eager produce the same greedy tokens."""
+    from pagedserve.worker.testing import make_random_llama
+
+    if smoke:
+        cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512)
+        batches, dtype, prompt_len = (1, 4), "float32", 16
+    else:
+        cfg = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048)
+        batches, dtype, prompt_len = (1, 8, 32, 128, 256), "bfloat16", 32
+    tmp = tempfile.mkdtemp(prefix="gpu_check_llama_")
+    path = make_random_llama(os.path.join(tmp, "model"), **cfg)
+    row("e2e", "random Llama written", f"{sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 1e9:.2f} GB")
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, cfg["vocab_size"], (max(batches), prompt_len), generator=gen)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    hf_tps, n_params, weight_bytes = _hf_tok_s(path, dev, dtype, prompts, batches, max_tokens, sync)
+    RESULTS["e2e"].update(params=n_params, weight_bytes=weight_bytes)
+    run = dict(path=path, dev=dev, dtype=dtype, prompts=prompts, batches=batches, max_tokens=max_tokens)
+    g_tps, g_tok, sizes = _engine_tok_s(**run, enforce_eager=False)
+    row("e2e", "CUDA graphs captured", f"{len(sizes)} sizes {sizes[:4]}..{sizes[-1:]}" if sizes else "none (off)")
+    e_tps, e_tok, _ = _engine_tok_s(**run, enforce_eager=True)
+    for bsz in batches:
+        same = sum(a == b for a, b in zip(g_tok[bsz], e_tok[bsz]))
+        RESULTS["e2e"][f"batch {bsz}"] = {"engine_tok_s": g_tps[bsz], "eager_tok_s": e_tps[bsz],
+                                          "hf_generate_tok_s": hf_tps[bsz], "engine_vs_hf": g_tps[bsz] / hf_tps[bsz],
+                                          "seqs_equal_graphs_eager": same, "seqs": bsz}
+        row("e2e", f"decode batch {bsz:>3} ({n_params / 1e9:.2f}B, {dtype}, {max_tokens} tok)",
+            f"{'graphs' if sizes else 'default'} {g_tps[bsz]:9.1f}  eager {e_tps[bsz]:9.1f}  "
+            f"HF {hf_tps[bsz]:9.1f} tok/s  "
+            f"x{g_tps[bsz] / hf_tps[bsz]:.2f} HF  x{g_tps[bsz] / e_tps[bsz]:.2f} eager  tokens equal {same}/{bsz}")
+    copy_gbs = RESULTS["bandwidth"].get("copy_GBps")
+    if copy_gbs:
+        frac = weight_bytes * g_tps[batches[0]] / (copy_gbs * 1e9)
+        RESULTS["e2e"]["batch1_of_weight_bw_bound"] = frac
+        row("e2e", "batch 1: weight bytes x tok/s / copy GB/s",
+            f"{100 * frac:5.1f}% of the bound ({weight_bytes / 1e9:.2f} GB at {copy_gbs:.0f} GB/s)")
+    else:
+        row("e2e", "batch 1: weight-bandwidth bound", "n/a (no copy bandwidth from section 2)")
 
 
 def e2e_section(dev, args) -> None:

@@ -23,4 +23,7 @@ def test_gpu_check_cpu_smoke(tmp_path):
     e2e = res["e2e"]
     assert "error" not in e2e, e2e
     assert {"batch 1", "batch 4"} <= set(e2e) and all(e2e[k]["engine_tok_s"] > 0 for k in ("batch 1", "batch 4"))
+    # graphs (off on a CPU) and enforce_eager: both ran, greedy tokens equal
+    assert all(e2e[k]["eager_tok_s"] > 0 and e2e[k]["seqs_equal_graphs_eager"] == e2e[k]["seqs"]
+               for k in ("batch 1", "batch 4"))
     assert "=== pagedserve gpu_check" in proc.stdout

@@ -44,6 +44,9 @@ class EngineConfig:
     kv_allocation: str = "paged"
     device: str = "auto"  # "auto": cuda if available, else cpu
     attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
+    # vLLM's name: no CUDA graphs, every decode step launched eagerly (worker/cuda_graphs.py).
+    # Graphs are captured only on CUDA with the triton backend; this turns them off there.
+    enforce_eager: bool = False
     max_waiting_requests: int | None = None
     # Serving: refuse (429) a request that would wait longer than this to start, at the
     # replica's measured drain rate (cluster/serve/admission.py). None or <= 0: off.

@@ -11,6 +11,10 @@ Batch layout of one step (decode rows first so attention can batch them):
                query len 1   prefill chunk  chunk
     logits:   one row per request that samples (last row of a request whose
               computed tokens reach its token count); partial chunks sample nothing.
+
+The step's tensors live in persistent buffers (step_buffers.py). A decode-only step on
+CUDA replays a captured graph of its padded size (cuda_graphs.py); the padded rows are
+never sampled, and the sampled ids cross to the host once per step.
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ import logging
 import numpy as np
 import torch
 
-from pagedserve.kernels import AttentionMetadata
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import faults
+from pagedserve.worker.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, capture_sizes, graphs_disabled_reason
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, rows_for
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
+from pagedserve.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +46,13 @@ def _describe(e: BaseException) -> str:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, block_size: int,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+                 pad_eager: bool = False, max_capture_size: int | None = None) -> None:
+        """``max_num_batched_tokens``: the scheduler's token budget (None: the default
+        budget, or max_model_len if larger), which sizes the step buffers.
+        ``pad_eager``: pad decode batches to the graph sizes even where no graph runs
+        (tests of the padding on a CPU). ``max_capture_size``: the largest graph size."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -54,6 +66,16 @@ class ModelRunner:
         self.sampler = Sampler(generator=gen)
         # req_id -> its allowed-token words this step (structured outputs; from the plan).
         self._bitmask_rows: dict[str, np.ndarray] = {}
+        max_len = model_config.max_model_len
+        budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len)
+        self.buffers = StepBuffers(max_num_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
+                                   max_model_len=max_len, block_size=block_size, device=device)
+        reason = graphs_disabled_reason(device, getattr(model, "attention_backend", "torch"), enforce_eager)
+        if reason is not None:
+            logger.info("CUDA graphs off (decode runs eagerly): %s", reason)
+        sizes = capture_sizes(max_num_seqs, max_capture_size or MAX_CAPTURE_SIZE)
+        self.graph_runner = CudaGraphRunner(model, self.buffers, sizes, use_graphs=reason is None,
+                                            pad_eager=pad_eager)
 
     # ------------------------------------------------------------------ state
     def _update_states(self, plan: SchedulerOutput, failed: dict[str, str]) -> None:
@@ -105,60 +127,33 @@ class ModelRunner:
         # Decode rows (query length 1) first, then chunks; stable within each group.
         order = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
         num_decode = sum(1 for r in order if num_scheduled[r] == 1)
-        bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
         query_lens: list[int] = []
-        cu = [0]
+        starts: list[int] = []
+        tables: list[list[int]] = []
         sample_rows: list[int] = []  # row in hidden_states of each sampling request
         sample_reqs: list[CachedRequestState] = []
-        tables: list[list[int]] = []
         prompt_lp = []  # PromptLogprobsRows of requests that asked (worker/prompt_logprobs.py)
+        row = 0
         for req_id in order:
             st = self.requests[req_id]
             n = num_scheduled[req_id]
             start = st.num_computed_tokens
             end = start + n
             input_ids.extend(st.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = st.block_ids
-            if n == 1:
-                slots.append(blocks[start // bs] * bs + start % bs)
-            else:
-                pos = np.arange(start, end)
-                slots.extend((np.asarray(blocks)[pos // bs] * bs + pos % bs).tolist())
-            seq_lens.append(end)
             query_lens.append(n)
-            share = rows_for(req_id, st.prompt_token_ids, st.sampling_params.prompt_logprobs,
-                             cu[-1], start, end)
+            starts.append(start)
+            tables.append(st.block_ids)
+            share = rows_for(req_id, st.prompt_token_ids, st.sampling_params.prompt_logprobs, row, start, end)
             if share is not None:
                 prompt_lp.append(share)
-            cu.append(cu[-1] + n)
-            tables.append(blocks)
+            row += n
             if end >= st.num_tokens:
-                sample_rows.append(cu[-1] - 1)
+                sample_rows.append(row - 1)
                 sample_reqs.append(st)
-        max_blocks = max(len(t) for t in tables)
-        table = np.zeros((len(tables), max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        dev = self.device
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=torch.from_numpy(table).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(query_lens),
-            max_seq_len=max(seq_lens),
-            num_decode_tokens=num_decode,
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=query_lens,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
-        return ids, pos_t, md, sample_rows, sample_reqs, prompt_lp
+        pad_to = self.graph_runner.padded_size(len(order)) if num_decode == len(order) else None
+        inputs = self.buffers.fill(input_ids, query_lens, starts, tables, num_decode, pad_to)
+        return inputs, sample_rows, sample_reqs, prompt_lp
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -176,15 +171,18 @@ class ModelRunner:
         if not num_scheduled:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                                      step_id=plan.step_id, failed=failed or None)
-        ids, positions, md, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled)
-        hidden = self.model(ids, positions, self.kv_caches, md)
+        inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled)
+        hidden = self.graph_runner.forward(inputs, self.kv_caches)
         prompt_logprobs = (compute_prompt_logprobs(hidden, self.model.compute_logits, prompt_lp)
                            if prompt_lp else None)
         sampled_by_req: dict[str, int] = {}
         logprobs_by_req: dict[str, Logprobs] = {}
         if sample_rows:
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if sample_rows[-1] == len(sample_rows) - 1:  # rows 0..k-1 (every decode step): a view
+                picked = hidden[: len(sample_rows)]
+            else:
+                picked = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
+            logits = self.model.compute_logits(picked)
             for st, (tok, lp) in self._sample(logits, sample_reqs, failed):
                 st.append_output(tok)
                 sampled_by_req[st.req_id] = tok
@@ -251,3 +249,4 @@ class ModelRunner:
             return kv + tuple(torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(2))
 
         self.kv_caches = [layer() for _ in range(self.model_config.num_hidden_layers)]
+        self.graph_runner.capture(self.kv_caches)  # graphs address the cache: capture after it exists

@@ -79,8 +79,10 @@ class Worker:
             from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
 
             self.cpu_linear_backend = apply_cpu_linear_backend(model)
+        budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
-                                  device=self.device, seed=self.config.seed)
+                                  device=self.device, seed=self.config.seed, max_num_seqs=self.config.max_num_seqs,
+                                  max_num_batched_tokens=budget, enforce_eager=self.config.enforce_eager)
 
     # ---------------------------------------------------------------- KV sizing
     @property

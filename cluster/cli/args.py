@@ -52,6 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-allocation", default=d.kv_allocation, choices=["paged", "contiguous"])
     g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
     g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: launch every decode step eagerly (as vLLM's flag)")
     g.add_argument("--max-waiting-requests", type=int, default=None)
     g.add_argument("--max-queue-delay-s", type=float, default=d.max_queue_delay_s,
                    help="429 when a request would wait longer than this to start, at the measured "
