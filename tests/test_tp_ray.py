@@ -78,6 +78,34 @@ def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduli
         assert b == r, f"tp=2 differs from transformers on prompt {i} (len {len(prompts[i])})"
 
 
+def test_one_worker_actor_at_tp1_matches_the_in_process_engine(ray_session, tmp_path_factory):
+    """--distributed-executor-backend ray at TP=1: the worker steps in an actor of its own
+    (outside the serving process's GIL), with the in-process engine's tokens."""
+    import os
+
+    import ray
+
+    from pagedserve.cluster.control.ray_executor import RayExecutor
+    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.worker.config import EngineConfig
+
+    path = make_test_model(SHAPES[0], tmp_path_factory.getbasetemp() / "tp-models")
+    prompts = _prompts(512)
+    want, _ = _engine_greedy(path, prompts, tp=1)
+    llm = LLM(model=path, dtype="float32", max_model_len=256, num_gpu_blocks_override=128, max_num_seqs=8,
+              distributed_executor_backend="ray")
+    try:
+        ex = llm.engine.executor
+        assert isinstance(ex, RayExecutor) and len(ex.workers) == 1
+        assert ray.get(ex.workers[0].__ray_call__.remote(lambda self: os.getpid())) != os.getpid()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="'uni' runs tensor_parallel_size 1 only"):
+        EngineConfig(model=path, tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
 def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory):
     """Two worker actors, each in its own bundle of one placement group; the KV pool is
     the minimum over ranks; the dispatch channel is opened on the first step."""

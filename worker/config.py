@@ -63,6 +63,10 @@ class EngineConfig:
     # Plan step N+1 while step N runs (vLLM's --async-scheduling); outputs then come one
     # step later. Off: every step is planned after the previous one's result.
     async_scheduling: bool = False
+    # Where the workers run (vLLM's --distributed-executor-backend): "uni", in this process
+    # (tensor_parallel_size 1 only); "ray", worker actors, one per rank (a TP=1 worker in an
+    # actor of its own steps outside the serving process's GIL). None: "uni" at TP=1, else "ray".
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -74,8 +78,16 @@ class EngineConfig:
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or >= 0, got {self.max_logprobs}.")
+        if self.distributed_executor_backend not in (None, "uni", "ray"):
+            raise ValueError("distributed_executor_backend must be 'uni' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs tensor_parallel_size 1 only; use 'ray'.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
 
     def resolve_device(self) -> str:
         if self.device != "auto":

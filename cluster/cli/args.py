@@ -59,6 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="429 when a request would wait longer than this to start, at the measured "
                         "drain rate (default %(default)s; 0 turns it off)")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads per worker")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
+                   help="workers in this process (uni; TP=1) or in Ray actors (ray); default: uni at "
+                        "TP=1, else ray")
     g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
                    help="plan step N+1 while step N runs (outputs one step later)")
     t = parser.add_argument_group("tenants")

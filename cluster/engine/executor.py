@@ -90,7 +90,7 @@ class UniProcExecutor(Executor):
 
 
 def default_executor_class(engine_config: EngineConfig) -> type[Executor]:
-    if engine_config.tensor_parallel_size == 1:
+    if engine_config.executor_backend() == "uni":
         return UniProcExecutor
     from pagedserve.cluster.control.ray_executor import RayExecutor  # imports ray
 

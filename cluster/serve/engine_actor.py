@@ -69,7 +69,7 @@ class AsyncEngine(EngineStatus, EngineHealth):
 
         self.config = engine_config
         executor_class = None
-        if engine_config.tensor_parallel_size > 1:
+        if engine_config.executor_backend() == "ray":
             from pagedserve.cluster.control.ray_executor import RayExecutor
 
             executor_class = RayExecutor

@@ -140,7 +140,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
             upscale_delay_s=float(o["upscale_delay_s"]), downscale_delay_s=float(o["downscale_delay_s"]),
             look_back_period_s=float(o["look_back_period_s"]),
             metrics_interval_s=float(o["metrics_interval_s"]))
-    if tp > 1:
+    if engine_config.executor_backend() == "ray":
         # Bundle 0 is this replica (the scheduler actor); 1..tp the worker actors, which
         # RayExecutor places into the replica's own group (cluster/control/ray_utils.py).
         opts["placement_group_bundles"] = tp_bundles(tp, use_gpu, driver_cpus=float(o["engine_num_cpus"]))
