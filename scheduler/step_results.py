@@ -50,17 +50,11 @@ class StepResults:
                 continue
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
-            new_token_ids = self._append_tokens(req, sampled)
-            logprobs = all_logprobs[idx] if all_logprobs is not None else None
-            if logprobs is not None:
-                logprobs = logprobs[:len(new_token_ids)] or None
-            finish_reason = None
+            kept = self._append_tokens(req, sampled)
             if req.status is not _RUNNING:
-                finish_reason = req.finish_reason
                 self._free_request(req)
                 num_finished += 1
-            outputs.append(EngineCoreOutput(rid, new_token_ids, finish_reason, req.stop_reason,
-                                            logprobs, req.num_cached_tokens))
+            outputs.append(_core_output(req, kept, all_logprobs, idx))
         if num_finished:
             self.running = [r for r in self.running if r.status is _RUNNING]
         return outputs
@@ -97,11 +91,14 @@ class StepResults:
         """The token of a request preempted after its step was planned (see the module
         docstring); a request it ends leaves the waiting queue."""
         kept = self._append_tokens(req, sampled)
-        logprobs = (all_logprobs[idx][:len(kept)] or None) if all_logprobs is not None else None
-        finish_reason = None
         if req.status is not _PREEMPTED:  # it ended the request
-            finish_reason = req.finish_reason
             self.waiting.remove_request(req)
             self._free_request(req)
-        return EngineCoreOutput(req.req_id, kept, finish_reason, req.stop_reason, logprobs,
-                                req.num_cached_tokens)
+        return _core_output(req, kept, all_logprobs, idx)
+
+
+def _core_output(req: Request, kept: list[int], all_logprobs, idx: int) -> EngineCoreOutput:
+    """What the engine streams for one row: the tokens kept, their logprobs, and the finish
+    reason (None while the request goes on)."""
+    logprobs = (all_logprobs[idx][:len(kept)] or None) if all_logprobs is not None else None
+    return EngineCoreOutput(req.req_id, kept, req.finish_reason, req.stop_reason, logprobs, req.num_cached_tokens)

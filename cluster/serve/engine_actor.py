@@ -68,15 +68,10 @@ class AsyncEngine(EngineStatus, EngineHealth):
         from pagedserve.cluster.engine.llm_engine import LLMEngine
 
         self.config = engine_config
-        executor_class = None
-        if engine_config.executor_backend() == "ray":
-            from pagedserve.cluster.control.ray_executor import RayExecutor
-
-            executor_class = RayExecutor
+        # The executor follows engine_config.executor_backend() (cluster/engine/executor.py).
         # The replica enforces max_waiting_requests itself (see admission.py); the
         # scheduler's own bound counts a burst that arrived between two steps as waiting.
-        self.engine = LLMEngine(dataclasses.replace(engine_config, max_waiting_requests=None),
-                                executor_class=executor_class)
+        self.engine = LLMEngine(dataclasses.replace(engine_config, max_waiting_requests=None))
         self.replica_id = replica_id or f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.max_waiting = engine_config.max_waiting_requests
         delay = engine_config.max_queue_delay_s
