@@ -54,7 +54,7 @@ class Request:
         "num_prompt_tokens", "num_computed_tokens", "sampling_params", "eos_token_id",
         "arrival_time", "priority", "cache_salt", "status", "stop_reason", "max_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "stop_token_ids",
-        "min_tokens", "ignore_eos", "tenant", "resumed_step", "cache_tenant",
+        "min_tokens", "ignore_eos", "tenant", "resumed_step", "preempted_step", "cache_tenant",
         "num_output_placeholders",
     )
 
@@ -87,6 +87,7 @@ class Request:
         # (the scheduler salts the cache per tenant); None: the shared "default" tenant.
         self.tenant = tenant or "default"
         self.resumed_step = -1  # step it last resumed after a preemption (hysteresis)
+        self.preempted_step = -1  # step whose plan last preempted it
         # Tokens sampled in steps already planned but not yet reported (async scheduling:
         # the next plan is made while a step runs; synchronous stepping brings this back
         # to 0 before every plan).

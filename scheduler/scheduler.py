@@ -60,6 +60,7 @@ class Scheduler(TenantScheduling, StepResults):
         self.protect_steps = scheduler_config.preemption_protect_steps
         self.tenant_tokens: dict[str, int] = {}  # cumulative scheduled tokens per tenant
         self.admit_rate = 0.0  # requests admitted per step (EMA): the basis of est. start
+        self._share_victim: Request | None = None  # preempted for a tenant's slot share this step
         self.running: list[Request] = []  # in admission order
         self.finished_req_ids: list[str] = []  # ended since the previous plan
         self.static_batch: set[str] = set()  # policy "static": members of the batch in flight
@@ -260,6 +261,11 @@ class Scheduler(TenantScheduling, StepResults):
             if held is not None and len(running) + held.seqs >= self.max_num_seqs:
                 return "reserved"
             is_resumed = req.status == RequestStatus.PREEMPTED
+            if is_resumed and req.preempted_step == self.step_id:
+                # Preempted by this very plan (to make room for a reservation or a tenant's
+                # slot share): re-admitting it would take back the room just made, and one
+                # plan cannot both preempt and schedule a request.
+                return "tenant_share" if req is self._share_victim else "reserved"
             if static and not batch_open and req.req_id not in self.static_batch:
                 return "static_batch"
             hit_blocks, num_hit = kv.get_computed_blocks(req)
@@ -274,7 +280,15 @@ class Scheduler(TenantScheduling, StepResults):
                 return "no_blocks"
             if held is not None and held.blocks and kv.num_free_blocks < held.blocks:
                 kv.free(req)  # it fit only into others' reserved blocks: undo, exactly
-                return "reserved"
+                if running:  # they will end and free blocks: wait for them
+                    return "reserved"
+                num_new, num_hit = self._fit_outside_reservations(
+                    req, hit_blocks, num_hit, num_new, budget, held.blocks)
+                if num_new <= 0:
+                    return "reserved"
+                hit_blocks = hit_blocks[:num_hit // self.block_size]
+                if kv.allocate_slots(req, num_new, hit_blocks, num_hit, check_watermark=bool(running)) is None:
+                    return "reserved"
             if ledger is not None:
                 ledger.add(req, len(kv.req_to_blocks[req.req_id]))
             if key is None:
@@ -316,6 +330,7 @@ class Scheduler(TenantScheduling, StepResults):
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token still in flight is taken as it comes back
         req.num_preemptions += 1
+        req.preempted_step = self.step_id
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
 

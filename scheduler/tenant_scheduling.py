@@ -45,13 +45,30 @@ class TenantScheduling:
         held = sum(r.blocks for k, r in self.reservations.items() if k not in classes_of(request))
         if self.cache_config.kv_allocation == "contiguous":
             first = n + request.max_tokens
-        else:
-            first = min(n, self.max_num_batched_tokens) if self.enable_chunked_prefill else n + 1
+        else:  # the whole prompt and its first output token: admitted, it can always finish prefill
+            first = n + 1
         if -(-first // self.block_size) > self.cache_config.num_blocks - held:
             raise ValueError(
                 f"request {rid!r}: admitting it takes {-(-first // self.block_size)} KV blocks, but only "
                 f"{self.cache_config.num_blocks - held} of {self.cache_config.num_blocks} are not "
                 f"reserved for other tenants or classes.")
+
+    def _fit_outside_reservations(self, req: Request, hit_blocks: list, num_hit: int, num_new: int,
+                                  budget: int, held_blocks: int) -> tuple[int, int]:
+        """With nothing running (so no block will come free), a first chunk that leaves
+        ``held_blocks`` free: (num_new, num_hit), num_new 0 if none. A request resumed after
+        a preemption recomputes its outputs too and may be longer than the room outside the
+        reservations; revived prefix hits take free blocks as well, so it may have to drop
+        them. Without this it would wait forever. Whole prompts (no chunked prefill)
+        cannot shrink."""
+        if not self.enable_chunked_prefill:
+            return 0, num_hit
+        bs, allowed = self.block_size, self.kv_cache_manager.num_free_blocks - held_blocks
+        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        with_hits = (len(hit_blocks) + allowed - revived) * bs - num_hit
+        if with_hits > 0:
+            return min(num_new, with_hits), num_hit
+        return min(len(req.all_token_ids), budget, allowed * bs), 0
 
     def _next_candidate(self, ledger: Ledger | None) -> tuple[Request, str | None]:
         """The waiting request to try next: a reserved class's head while the class has
@@ -122,6 +139,7 @@ class TenantScheduling:
         cheapest to recompute that is not just resumed, not on reserved capacity and, with
         the "priority" policy, not of a higher class. One per step; no flapping, since
         afterwards neither tenant is past its share."""
+        self._share_victim = None
         waiting = self.waiting
         set_running = getattr(waiting, "set_running", None)
         if set_running is None or self.policy == "static":  # a static batch is never preempted
@@ -152,7 +170,7 @@ class TenantScheduling:
         if not candidates:
             return []
         j = max(candidates, key=lambda j: victim_key(self.running[j], step, protect, prio, ledger))
-        victim = self.running[j]
+        victim = self._share_victim = self.running[j]
         self._preempt(j, ledger)
         counts[victim.tenant] -= 1
         return [victim]

@@ -209,3 +209,38 @@ class SchedulerMachine(RuleBasedStateMachine):
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(max_examples=120, stateful_step_count=50, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow])
+
+
+# Two failures Hypothesis found (replayed exactly): with a reservation, (1) a plan that
+# preempted a request to make room for a reserved class re-admitted that request in the
+# same plan; (2) a request whose first chunk (with a revived prefix hit) could only fit
+# into another tenant's reserved blocks was accepted and then waited forever.
+def test_regression_a_plan_never_preempts_and_readmits_the_same_request():
+    state = SchedulerMachine()
+    state.setup(block_size=4, num_blocks=5, budget=2, max_seqs=2, max_model_len=6, policy="fcfs",
+                kv_allocation="paged", chunked=True, caching=True, watermark=0.0, reserve=("t2", 3, 1))
+    state.add(reqs=[(0, [], None, 0, None, False, None), (0, [1, 1, 1], None, 0, None, False, None)])
+    state.drain()
+    state.drain()
+    state.add(reqs=[(2, [3, 1, 1, 1, 1, 1, 2], 12, 0, None, False, None),
+                    (2, [1, 1, 3, 3, 1, 1], 4, 0, None, False, "t1")])
+    state.drain()
+    state.abort(pick=0)
+    state.add(reqs=[(0, [3], 14, 0, None, True, "t2"), (0, [2, 3, 3], 8, 2, None, False, "t1"),
+                    (0, [3, 3, 2, 1, 1, 1, 2, 2], 14, 0, None, True, None),
+                    (1, [1, 3, 3, 3], 7, 1, None, False, "t2")])
+    state.add(reqs=[(2, [2], None, 0, None, True, None), (0, [2, 1, 3, 2, 1], None, 0, "t1", True, "t2"),
+                    (2, [], None, 2, "t1", False, "t1"), (1, [3, 3, 2], 4, 0, "t1", True, "t1")])
+    state.add(reqs=[(1, [3], 14, 2, None, True, None), (1, [], 11, 2, None, True, "t1")])
+    state.drain()
+    state.teardown()
+
+
+def test_regression_a_request_that_fits_only_into_reserved_blocks_is_refused_not_stuck():
+    state = SchedulerMachine()
+    state.setup(block_size=1, num_blocks=5, budget=2, max_seqs=2, max_model_len=6, policy="fcfs",
+                kv_allocation="paged", chunked=True, caching=True, watermark=0.0, reserve=("t2", 3, 1))
+    state.add(reqs=[(0, [], None, 0, None, False, None), (0, [1, 1, 1], None, 0, None, False, None)])
+    assert "r1" not in state.sched.requests  # 3 prompt tokens + 1 need 4 blocks; 2 are not reserved
+    state.drain()
+    state.teardown()

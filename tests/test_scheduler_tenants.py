@@ -238,3 +238,23 @@ def test_two_backlogged_tenants_at_their_share_preempt_nobody():
         assert plan.preempted_req_ids == []
         running = [r.tenant for r in s.running]
         assert abs(running.count("a") - running.count("b")) <= 2  # the slots are shared
+
+
+def test_a_request_preempted_for_a_reservation_resumes_in_smaller_chunks_after_it():
+    """bulk grows into gold's reserved blocks while gold is absent; gold arrives and takes
+    them back. bulk now needs 10 blocks and only 8 lie outside gold's reservation: it
+    resumes with a first chunk that fits (dropping prefix hits that would take free
+    blocks), grows again once gold has gone, and finishes."""
+    s = sched(num_blocks=12, max_seqs=4, reservations={"gold": Reservation(blocks=4, seqs=1)})
+    bulk = add(s, "bulk", range(12), tenant="bulk", max_tokens=36)
+    while len(s.kv_cache_manager.req_to_blocks.get("bulk", ())) < 10:
+        step(s)
+    add(s, "vip", range(700, 712), tenant="gold", max_tokens=4)
+    plan, _ = step(s)
+    assert plan.preempted_req_ids == ["bulk"] and [n.req_id for n in plan.scheduled_new_reqs] == ["vip"]
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        step(s)
+    assert not s.has_unfinished_requests() and bulk.num_output_tokens == 36
+    assert s.kv_cache_manager.num_free_blocks == 12
