@@ -278,17 +278,13 @@ class Scheduler(TenantScheduling, StepResults):
             # one to protect, and skipping it keeps a pool-sized request admissible.
             if kv.allocate_slots(req, num_new, hit_blocks, num_hit, check_watermark=bool(running)) is None:
                 return "no_blocks"
-            if held is not None and held.blocks and kv.num_free_blocks < held.blocks:
+            # It must leave others' reserved blocks free, unless nothing else runs: then no
+            # block would come free by waiting (a request resumed after a preemption may now
+            # be longer than the room outside them), and a reserved class that arrives takes
+            # its blocks back by preemption.
+            if held is not None and held.blocks and kv.num_free_blocks < held.blocks and running:
                 kv.free(req)  # it fit only into others' reserved blocks: undo, exactly
-                if running:  # they will end and free blocks: wait for them
-                    return "reserved"
-                num_new, num_hit = self._fit_outside_reservations(
-                    req, hit_blocks, num_hit, num_new, budget, held.blocks)
-                if num_new <= 0:
-                    return "reserved"
-                hit_blocks = hit_blocks[:num_hit // self.block_size]
-                if kv.allocate_slots(req, num_new, hit_blocks, num_hit, check_watermark=bool(running)) is None:
-                    return "reserved"
+                return "reserved"
             if ledger is not None:
                 ledger.add(req, len(kv.req_to_blocks[req.req_id]))
             if key is None:

@@ -53,23 +53,6 @@ class TenantScheduling:
                 f"{self.cache_config.num_blocks - held} of {self.cache_config.num_blocks} are not "
                 f"reserved for other tenants or classes.")
 
-    def _fit_outside_reservations(self, req: Request, hit_blocks: list, num_hit: int, num_new: int,
-                                  budget: int, held_blocks: int) -> tuple[int, int]:
-        """With nothing running (so no block will come free), a first chunk that leaves
-        ``held_blocks`` free: (num_new, num_hit), num_new 0 if none. A request resumed after
-        a preemption recomputes its outputs too and may be longer than the room outside the
-        reservations; revived prefix hits take free blocks as well, so it may have to drop
-        them. Without this it would wait forever. Whole prompts (no chunked prefill)
-        cannot shrink."""
-        if not self.enable_chunked_prefill:
-            return 0, num_hit
-        bs, allowed = self.block_size, self.kv_cache_manager.num_free_blocks - held_blocks
-        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        with_hits = (len(hit_blocks) + allowed - revived) * bs - num_hit
-        if with_hits > 0:
-            return min(num_new, with_hits), num_hit
-        return min(len(req.all_token_ids), budget, allowed * bs), 0
-
     def _next_candidate(self, ledger: Ledger | None) -> tuple[Request, str | None]:
         """The waiting request to try next: a reserved class's head while the class has
         unused reserved capacity, else the fair queue's head. Also returns its class key."""

@@ -211,10 +211,12 @@ TestScheduler.settings = settings(max_examples=120, stateful_step_count=50, dead
                                   suppress_health_check=[HealthCheck.too_slow])
 
 
-# Two failures Hypothesis found (replayed exactly): with a reservation, (1) a plan that
+# Failures Hypothesis found (replayed exactly): with a reservation, (1) a plan that
 # preempted a request to make room for a reserved class re-admitted that request in the
 # same plan; (2) a request whose first chunk (with a revived prefix hit) could only fit
-# into another tenant's reserved blocks was accepted and then waited forever.
+# into another tenant's reserved blocks was accepted and then waited forever; (3) a
+# request resumed after preemption, longer than the room outside the reservation, waited
+# forever in an idle pool.
 def test_regression_a_plan_never_preempts_and_readmits_the_same_request():
     state = SchedulerMachine()
     state.setup(block_size=4, num_blocks=5, budget=2, max_seqs=2, max_model_len=6, policy="fcfs",
@@ -242,5 +244,14 @@ def test_regression_a_request_that_fits_only_into_reserved_blocks_is_refused_not
                 kv_allocation="paged", chunked=True, caching=True, watermark=0.0, reserve=("t2", 3, 1))
     state.add(reqs=[(0, [], None, 0, None, False, None), (0, [1, 1, 1], None, 0, None, False, None)])
     assert "r1" not in state.sched.requests  # 3 prompt tokens + 1 need 4 blocks; 2 are not reserved
+    state.drain()
+    state.teardown()
+
+
+def test_regression_a_resumed_request_longer_than_the_unreserved_room_runs_in_an_idle_pool():
+    state = SchedulerMachine()
+    state.setup(block_size=1, num_blocks=5, budget=2, max_seqs=3, max_model_len=6, policy="fcfs",
+                kv_allocation="paged", chunked=False, caching=False, watermark=0.0, reserve=("t2", 3, 1))
+    state.add(reqs=[(0, [], None, 0, None, False, None)] * 4)
     state.drain()
     state.teardown()

@@ -240,11 +240,11 @@ def test_two_backlogged_tenants_at_their_share_preempt_nobody():
         assert abs(running.count("a") - running.count("b")) <= 2  # the slots are shared
 
 
-def test_a_request_preempted_for_a_reservation_resumes_in_smaller_chunks_after_it():
+def test_a_request_preempted_for_a_reservation_resumes_once_the_pool_is_idle():
     """bulk grows into gold's reserved blocks while gold is absent; gold arrives and takes
-    them back. bulk now needs 10 blocks and only 8 lie outside gold's reservation: it
-    resumes with a first chunk that fits (dropping prefix hits that would take free
-    blocks), grows again once gold has gone, and finishes."""
+    them back. bulk now needs 10 blocks and only 8 lie outside gold's reservation: once
+    nothing else runs it resumes anyway (no block would come free by waiting; gold would
+    take its blocks back by preemption) and finishes."""
     s = sched(num_blocks=12, max_seqs=4, reservations={"gold": Reservation(blocks=4, seqs=1)})
     bulk = add(s, "bulk", range(12), tenant="bulk", max_tokens=36)
     while len(s.kv_cache_manager.req_to_blocks.get("bulk", ())) < 10:
