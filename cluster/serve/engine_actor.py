@@ -45,6 +45,7 @@ from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, dra
 from pagedserve.cluster.serve.engine_health import EngineDeadError, EngineHealth
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
+from pagedserve.cluster.serve.stream_wire import merge, merge_texts
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
 from pagedserve.cluster.serve.tool_choice import renders_tools
 from pagedserve.scheduler import QueueFullError
@@ -334,11 +335,18 @@ class AsyncEngine(EngineStatus, EngineHealth):
                 if isinstance(item, Exception):
                     finished = True
                     raise item
+                # Steps that ran while this caller was behind go out as one item.
+                nxt = None
+                while not item[0].finished and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if not isinstance(nxt, tuple):
+                        break
+                    item, nxt = (merge(item[0], nxt[0]), merge_texts(item[1], nxt[1])), None
                 finished = item[0].finished
                 yield item  # (RequestOutput, {token id: text} | None)
                 if finished:
                     return
-                item = await queue.get()
+                item = nxt if nxt is not None and not isinstance(nxt, QueueStatus) else await queue.get()
         finally:
             self._queues.pop(request_id, None)
             self._pending_blocks.pop(request_id, None)

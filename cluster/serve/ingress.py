@@ -32,6 +32,7 @@ from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, M
 from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequests, queue_header,
                                                      request_object)
 from pagedserve.cluster.serve.shed_gate import ShedGate
+from pagedserve.cluster.serve.stream_wire import Accumulated
 from pagedserve.cluster.serve.tool_choice import constrain_to_schema, tool_plan
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
 
@@ -109,7 +110,7 @@ class OpenAIIngress:
                 self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic())
             return None, error(adm.status, adm.message, adm.retry_after_s)
         self._gate.accepted(adm.replica_id, time.monotonic())
-        return stream, adm
+        return Accumulated(stream), adm
 
     async def _generate(self, body, chat: bool, request: Request):
         tenant = getattr(request.state, "tenant", None)
