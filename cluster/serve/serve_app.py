@@ -174,7 +174,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
         opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"]),
                                      "num_gpus": 1 if use_gpu else 0}
     env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE",
-                                      "PAGEDSERVE_FAULT_INJECTION") if k in os.environ}
+                                      "PAGEDSERVE_FAULT_INJECTION", "GOMP_SPINCOUNT") if k in os.environ}
     if env:
         opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     return opts
