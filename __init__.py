@@ -23,7 +23,7 @@ import os
 # 300,000 spins). On a CPU that other processes also use (the Ray proxy, the ingress, the
 # tokenizer, another tenant), the spinning takes the core the late thread needs: measured
 # (AMD EPYC, 2 cores, offline, one core kept busy by another process) 74 tok/s with the
-# default against 126 with 1,000 spins, which cost 3% on the quiet machine (231 vs 239).
+# default against 127 with 1,000 spins, which cost 3-8% on the quiet machine.
 # Set before torch loads libgomp; a value the user exported wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
