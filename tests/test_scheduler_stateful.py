@@ -217,10 +217,17 @@ TestScheduler.settings = settings(max_examples=120, stateful_step_count=50, dead
 # into another tenant's reserved blocks was accepted and then waited forever; (3) a
 # request resumed after preemption, longer than the room outside the reservation, waited
 # forever in an idle pool.
-def test_regression_a_plan_never_preempts_and_readmits_the_same_request():
+def _replay(**overrides) -> SchedulerMachine:
+    """The machine as the failing cases set it up: 5 blocks, budget 2, t2 reserving 3 blocks and a slot."""
+    setup = dict(block_size=1, num_blocks=5, budget=2, max_seqs=2, max_model_len=6, policy="fcfs",
+                 kv_allocation="paged", chunked=True, caching=True, watermark=0.0, reserve=("t2", 3, 1))
     state = SchedulerMachine()
-    state.setup(block_size=4, num_blocks=5, budget=2, max_seqs=2, max_model_len=6, policy="fcfs",
-                kv_allocation="paged", chunked=True, caching=True, watermark=0.0, reserve=("t2", 3, 1))
+    state.setup(**{**setup, **overrides})
+    return state
+
+
+def test_regression_a_plan_never_preempts_and_readmits_the_same_request():
+    state = _replay(block_size=4)
     state.add(reqs=[(0, [], None, 0, None, False, None), (0, [1, 1, 1], None, 0, None, False, None)])
     state.drain()
     state.drain()
@@ -239,9 +246,7 @@ def test_regression_a_plan_never_preempts_and_readmits_the_same_request():
 
 
 def test_regression_a_request_that_fits_only_into_reserved_blocks_is_refused_not_stuck():
-    state = SchedulerMachine()
-    state.setup(block_size=1, num_blocks=5, budget=2, max_seqs=2, max_model_len=6, policy="fcfs",
-                kv_allocation="paged", chunked=True, caching=True, watermark=0.0, reserve=("t2", 3, 1))
+    state = _replay()
     state.add(reqs=[(0, [], None, 0, None, False, None), (0, [1, 1, 1], None, 0, None, False, None)])
     assert "r1" not in state.sched.requests  # 3 prompt tokens + 1 need 4 blocks; 2 are not reserved
     state.drain()
@@ -249,9 +254,7 @@ def test_regression_a_request_that_fits_only_into_reserved_blocks_is_refused_not
 
 
 def test_regression_a_resumed_request_longer_than_the_unreserved_room_runs_in_an_idle_pool():
-    state = SchedulerMachine()
-    state.setup(block_size=1, num_blocks=5, budget=2, max_seqs=3, max_model_len=6, policy="fcfs",
-                kv_allocation="paged", chunked=False, caching=False, watermark=0.0, reserve=("t2", 3, 1))
+    state = _replay(max_seqs=3, chunked=False, caching=False)
     state.add(reqs=[(0, [], None, 0, None, False, None)] * 4)
     state.drain()
     state.teardown()

@@ -47,9 +47,10 @@ def cpu_threads(engine_config: EngineConfig) -> EngineConfig:
     output tok/s and -32% TTFT at c=8, +18% and -25% at c=32."""
     if engine_config.num_threads is not None or engine_config.resolve_device() != "cpu":
         return engine_config
-    n = max(1, len(os.sched_getaffinity(0)) // engine_config.tensor_parallel_size)
+    cores = len(os.sched_getaffinity(0))
+    n = max(1, cores // engine_config.tensor_parallel_size)
     logger.info("CPU threads per rank: %d (%d cores, tensor_parallel_size %d; --num-threads to choose)",
-                n, len(os.sched_getaffinity(0)), engine_config.tensor_parallel_size)
+                n, cores, engine_config.tensor_parallel_size)
     return dataclasses.replace(engine_config, num_threads=n)
 
 
@@ -143,8 +144,13 @@ def _use_gpu(engine_config: EngineConfig) -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def serve_options(serve_opts: dict[str, Any]) -> dict[str, Any]:
+    """The given serve options over SERVE_OPTION_DEFAULTS (None: the default)."""
+    return {**SERVE_OPTION_DEFAULTS, **{k: v for k, v in serve_opts.items() if v is not None}}
+
+
 def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) -> dict:
-    o = {**SERVE_OPTION_DEFAULTS, **{k: v for k, v in serve_opts.items() if v is not None}}
+    o = serve_options(serve_opts)
     tp = engine_config.tensor_parallel_size
     use_gpu = _use_gpu(engine_config)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
@@ -203,7 +209,7 @@ def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: 
     engine = EngineDeployment.options(
         name=name_prefix + "EngineDeployment",
         **engine_deployment_options(engine_config, **serve_opts)).bind(
-            engine_config, stats, all_cores=int(serve_opts.get("max_replicas", 1)) == 1)
+            engine_config, stats, all_cores=int(serve_options(serve_opts)["max_replicas"]) == 1)
     return OpenAIIngress.options(name=name_prefix + "OpenAIIngress").bind(engine, stats, ingress_config)
 
 
