@@ -1,14 +1,15 @@
 """Pick the CPU GEMM for a loaded model and apply it to every linear layer (and the LM head).
 
     PAGEDSERVE_CPU_LINEAR=auto     (default) probe the model's own largest weights at batch
-                                   sizes 1, 8 and 128 with both backends, keep the faster
+                                   sizes 1, 8, 32 and 128 with both backends, keep the faster
+                                   (by the geometric mean of the per-batch-size time ratios)
     PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
     PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
 
 The probe costs tens of milliseconds and its result is logged with the timings, so a
 figure in BENCHMARKS.md can be traced to the kernel that produced it. "onednn" needs a
-5% margin to win: a probe on a busy machine is noisy, and near-ties go to plain F.linear,
-the path transformers itself runs.
+5% margin to win (its mean time ratio <= 0.95): a probe on a busy machine is noisy, and
+near-ties go to plain F.linear, the path transformers itself runs.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import os
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu_linear import BACKENDS, onednn_available, probe_linear_backends
+from pagedserve.kernels.cpu_linear import BACKENDS, onednn_available, probe_linear_backends, relative_time
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import PackableLinear
 
 logger = logging.getLogger("pagedserve")
 
-_MARGIN = 0.95  # onednn must take <= 95% of aten's time
+_MARGIN = 0.95  # onednn must take <= 95% of aten's time (geometric mean over batch sizes)
 
 
 def _packable(model: nn.Module) -> list[nn.Module]:
@@ -33,7 +34,7 @@ def _packable(model: nn.Module) -> list[nn.Module]:
 
 
 def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> tuple[str, dict]:
-    """("aten" | "onednn", probe timings in seconds or {})."""
+    """("aten" | "onednn", probe timings {backend: {batch size: seconds}} or {})."""
     requested = (requested or os.environ.get("PAGEDSERVE_CPU_LINEAR") or "auto").lower()
     if requested not in BACKENDS + ("auto",):
         raise ValueError(f"PAGEDSERVE_CPU_LINEAR must be 'auto' or one of {BACKENDS}, got {requested!r}.")
@@ -52,7 +53,7 @@ def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) ->
         by_shape.setdefault(tuple(m.weight.shape), m.weight.data)
     weights = sorted(by_shape.values(), key=lambda w: -w.numel())[:3]
     timings = probe_linear_backends(weights)
-    return ("onednn" if timings["onednn"] <= _MARGIN * timings["aten"] else "aten"), timings
+    return ("onednn" if relative_time(timings, "onednn") <= _MARGIN else "aten"), timings
 
 
 def apply_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> str:
@@ -64,7 +65,10 @@ def apply_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> 
         with torch.no_grad():
             for m in _packable(model):
                 m.pack_for_cpu()
-    shown = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in timings.items()) or "not probed"
+    shown = "; ".join(f"{k} " + " ".join(f"M={m} {t * 1e3:.2f}" for m, t in per_m.items()) + " ms"
+                      for k, per_m in timings.items()) or "not probed"
+    if len(timings) > 1:
+        shown += f"; onednn/aten time {relative_time(timings, 'onednn'):.2f}"
     logger.info("CPU linear backend: %s (probe: %s; %s, %d threads)", backend, shown,
                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     return backend
