@@ -1,12 +1,13 @@
 """Pick the CPU GEMM for a loaded model and apply it to every linear layer (and the LM head).
 
-    PAGEDSERVE_CPU_LINEAR=auto     (default) probe the model's own largest weights at batch
-                                   sizes 1, 8, 32 and 128 with both backends, keep the faster
+    PAGEDSERVE_CPU_LINEAR=auto     (default) probe passes over the model's weights (up to
+                                   256 MB) at batch sizes 1, 8, 32 and 128 with both
+                                   backends, keep the faster
                                    (by the geometric mean of the per-batch-size time ratios)
     PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
     PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
 
-The probe costs tens of milliseconds and its result is logged with the timings, so a
+The probe costs about a second and its result is logged with the timings, so a
 figure in BENCHMARKS.md can be traced to the kernel that produced it. "onednn" needs a
 5% margin to win (its mean time ratio <= 0.95): a probe on a busy machine is noisy, and
 near-ties go to plain F.linear, the path transformers itself runs.
@@ -26,6 +27,7 @@ from pagedserve.worker.layers.linear import PackableLinear
 
 logger = logging.getLogger("pagedserve")
 
+_PROBE_BYTES = 256 << 20  # ~1-2 s of probing at 1 thread (4 batch sizes x 2 backends x 4 passes)
 _MARGIN = 0.95  # onednn must take <= 95% of aten's time (geometric mean over batch sizes)
 
 
@@ -47,11 +49,14 @@ def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) ->
     layers = [m for m in _packable(model) if isinstance(m, PackableLinear)]
     if not layers:
         return "aten", {}
-    # The distinct weight shapes, largest first; three cover qkv, gate_up and down.
-    by_shape = {}
+    # The weights in the order a step reads them, up to _PROBE_BYTES: streamed from memory
+    # as in a step (a few hot ones measured a cache, not the step; kernels/cpu_linear.py).
+    weights, total = [], 0
     for m in layers:
-        by_shape.setdefault(tuple(m.weight.shape), m.weight.data)
-    weights = sorted(by_shape.values(), key=lambda w: -w.numel())[:3]
+        weights.append(m.weight.data)
+        total += m.weight.numel() * m.weight.element_size()
+        if total >= _PROBE_BYTES:
+            break
     timings = probe_linear_backends(weights)
     return ("onednn" if relative_time(timings, "onednn") <= _MARGIN else "aten"), timings
 
