@@ -38,6 +38,14 @@ def test_serve_cli_starts_answers_and_leaves_nothing_behind(serve_model, tmp_pat
         assert "KV cache per replica: 64 blocks x 16 tokens = 1024 tokens" in text
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in p.name() for p in tree)  # it started its own Ray
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 2:  # --cpu-omp-threads-bind auto: the model on its cores, the rest on the first
+            assert f"CPU cores: serving path {cores[0]}, model ranks {','.join(map(str, cores[1:]))}" in text
+            masks = {" ".join(p.cmdline())[:40]: p.cpu_affinity() for p in tree}
+            workers = [m for name, m in masks.items() if "RayWorkerWrapper" in name]
+            assert workers == [cores[1:]], masks
+            serving = [m for name, m in masks.items() if "RayWorkerWrapper" not in name]
+            assert serving and all(m == cores[:1] for m in serving), masks
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         # vLLM's id and root: --model as given (the CLI resolved it, and must not show that).

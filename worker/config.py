@@ -61,12 +61,16 @@ class EngineConfig:
     isolate_tenant_prefix_cache: bool = True
     preemption_protect_steps: int = 32
     # Plan step N+1 while step N runs (vLLM's --async-scheduling); outputs then come one
-    # step later. Off: every step is planned after the previous one's result.
-    async_scheduling: bool = False
+    # step later. Off: every step is planned after the previous one's result. None: off,
+    # except for a worker bound to cores of its own (cpu_omp_threads_bind), where it is on.
+    async_scheduling: bool | None = None
     # Where the workers run (vLLM's --distributed-executor-backend): "uni", in this process
     # (tensor_parallel_size 1 only); "ray", worker actors, one per rank (a TP=1 worker in an
     # actor of its own steps outside the serving process's GIL). None: "uni" at TP=1, else "ray".
     distributed_executor_backend: str | None = None
+    # CPU: the cores each rank computes on (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto",
+    # "nobind" or one core list per rank, e.g. "1-3|4-7" (worker/cpu_affinity.py).
+    cpu_omp_threads_bind: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -83,6 +87,9 @@ class EngineConfig:
                              f"{self.distributed_executor_backend!r}.")
         if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend 'uni' runs tensor_parallel_size 1 only; use 'ray'.")
+        from pagedserve.worker.cpu_affinity import parse_bind
+
+        parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
 

@@ -16,6 +16,7 @@ from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cac
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.worker import parallel_state
 from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_this_process
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_runner import ModelRunner
@@ -53,8 +54,15 @@ class Worker:
         self.runner: ModelRunner | None = None
 
     def init_device(self) -> None:
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        threads = self.config.num_threads
+        bound = parse_bind(self.config.cpu_omp_threads_bind, self.world_size)
+        if bound is not None and self.device.type == "cpu":
+            cores = bound[self.rank]
+            pin_this_process(cores)  # before the OpenMP pool starts: its threads inherit
+            threads = threads or len(cores)
+            logger.info("rank %d bound to cores %s, %d threads", self.rank, format_core_list(cores), threads)
+        if threads:
+            torch.set_num_threads(threads)
         if self.device.type == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)

@@ -62,8 +62,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "ray"],
                    help="workers in this process (uni; TP=1) or in Ray actors (ray); default: uni at "
                         "TP=1, else ray")
-    g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
-                   help="plan step N+1 while step N runs (outputs one step later)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="plan step N+1 while step N runs (outputs one step later); default: on for a "
+                        "worker bound to cores of its own, else off")
+    g.add_argument("--cpu-omp-threads-bind", default=d.cpu_omp_threads_bind,
+                   help="CPU cores per worker rank (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (serve: the "
+                        "first core for the serving path, the rest for the model), nobind, or e.g. "
+                        "'1-3|4-7' (one list per rank)")
     t = parser.add_argument_group("tenants")
     t.add_argument("--tenant-weight", action="append", type=_tenant_weight, default=None,
                    metavar="NAME=W", help="fair-share weight of a tenant (default 1); repeatable")

@@ -71,9 +71,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from pagedserve.cluster.control.ray_utils import init_ray
-    from pagedserve.cluster.serve.serve_app import build_app
+    from pagedserve.cluster.serve.serve_app import build_app, resolve_cpu_bind
+    from pagedserve.worker.cpu_affinity import pin_this_process
 
     t0 = time.monotonic()
+    if args.ray_address is None:  # a node of our own: the serving path keeps its cores
+        cfg, serving = resolve_cpu_bind(cfg, single_replica=max_replicas == 1)
+        if serving:
+            pin_this_process(serving)  # before Ray starts: its processes inherit the mask
     init_ray(address=args.ray_address)
     # SIGTERM behaves like Ctrl-C. Installed after ray.init, which puts a C++ failure
     # handler on SIGTERM that dumps a stack and aborts the process mid-cleanup.

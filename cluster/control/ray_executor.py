@@ -93,6 +93,13 @@ class RayWorkerWrapper:
         self.worker.shutdown()
 
 
+# A CPU worker's malloc backs its large chunks with transparent huge pages (THP is
+# "madvise" on most distributions, so nothing else does): decode steps at batch 8, 1 thread,
+# 8% faster on an Intel Xeon (36.6 / 38.5 -> 33.4 / 34.8 ms, GEMMs 24 -> 21 ms).
+# PAGEDSERVE_WORKER_THP=0 leaves the environment alone.
+WORKER_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
+
+
 class RayExecutor(Executor):
     # "zmq" (default) or "cgraph"; see loadtest/bench_dispatch.py for both measured.
     dispatch = os.environ.get("PAGEDSERVE_DISPATCH", "zmq")
@@ -113,6 +120,10 @@ class RayExecutor(Executor):
             # max_concurrency 2: the ZMQ loop holds one thread, control calls use the other.
             opts = dict(num_cpus=1, num_gpus=1 if use_gpu else 0, max_concurrency=2,
                         scheduling_strategy=in_bundle(self.placement_group, bundle))
+            if not use_gpu and os.environ.get("PAGEDSERVE_WORKER_THP", "1") != "0":
+                mine = os.environ.get("GLIBC_TUNABLES")
+                opts["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": f"{mine}:{WORKER_GLIBC_TUNABLES}"
+                                                    if mine else WORKER_GLIBC_TUNABLES}}
             self.workers.append(actor_cls.options(**opts).remote(
                 engine_config, rank, tp, init_method))
         # All ranks must enter the rendezvous together: submit to all, then wait.
