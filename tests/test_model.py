@@ -215,7 +215,10 @@ def test_bf16_model_runs_and_tracks_fp32(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_and_rotary_are_bit_identical_to_hf(dtype, model_root):
+def test_rmsnorm_and_rotary_match_hf(dtype, model_root):
+    """Rotary is bit-identical; so is RMSNorm in bf16 (torch ops). In fp32 on CPU the norm is
+    one C++ loop (kernels/cpu_fused.py) whose sum of squares runs in another order: within
+    ~1e-7 relative, and the greedy oracle tests hold on top of it."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
     from pagedserve.worker.layers.norm import RMSNorm
     from pagedserve.worker.layers.rotary import RotaryEmbedding, apply_rotary
@@ -223,9 +226,11 @@ def test_rmsnorm_and_rotary_are_bit_identical_to_hf(dtype, model_root):
     ours.weight.data.copy_(torch.randn(256))
     theirs.weight.data.copy_(ours.weight)
     x, r = (torch.randn(40, 256) * 3).to(dtype), torch.randn(40, 256).to(dtype)
-    assert torch.equal(ours(x.clone()), theirs(x))
+    same = torch.equal if dtype != torch.float32 else (
+        lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6) and not torch.equal(a, torch.zeros_like(a)))
+    assert same(ours(x.clone()), theirs(x))
     normed, summed = ours(x.clone(), r)  # fused residual add
-    assert torch.equal(summed, x + r) and torch.equal(normed, theirs(x + r))
+    assert torch.equal(summed, x + r) and same(normed, theirs(x + r))
 
     path = make_test_model("llama3-rope", model_root)
     cfg = ModelConfig.from_pretrained(path)

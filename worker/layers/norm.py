@@ -1,10 +1,13 @@
 """RMSNorm with Hugging Face's numerics (fp32 statistics, cast back, then scale),
-optionally fused with the residual add that precedes it in every decoder layer."""
+optionally fused with the residual add that precedes it in every decoder layer. On CPU in
+fp32 both run as one C++ loop (kernels/cpu_fused.py), elsewhere as torch ops."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagedserve.kernels.cpu_fused import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,17 +16,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm so fp32 results are bit-identical.
-        # (In-place where HF allocates; products commute, so the bits are the same.)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        inv_rms = h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return (h * inv_rms).to(dtype).mul_(self.weight)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """``norm(x)``; with ``residual``: ``s = x + residual`` and returns ``(norm(s), s)``."""
+        """``norm(x)``; with ``residual``: ``s = x + residual`` and returns ``(norm(s), s)``
+        (x is the fresh output of attention/MLP and nobody else holds it: s is x, updated)."""
         if residual is None:
-            return self._norm(x)
-        s = x.add_(residual)  # x is the fresh output of attention/MLP; nobody else holds it
-        return self._norm(s), s
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

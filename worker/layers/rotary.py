@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedserve.kernels.cpu_fused import rotary
+
 
 def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -55,7 +57,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [n, heads, head_dim]; same op order as HF (x*cos + rotate_half(x)*sin)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos).add_(rotated.mul_(sin))
+    """x: [n, heads, head_dim]; same op order as HF (x*cos + rotate_half(x)*sin); one C++
+    loop on CPU in fp32 (kernels/cpu_fused.py)."""
+    return rotary(x, cos, sin)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels import AttentionMetadata, paged_attention, write_kv_cache
+from pagedserve.kernels.cpu_fused import silu_and_mul
 from pagedserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedserve.worker.layers.kv_rotation import kv_rotation
 from pagedserve.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
@@ -105,8 +106,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, params_dtype=cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [gate_r ; up_r] per rank
 
 
 class LlamaDecoderLayer(nn.Module):

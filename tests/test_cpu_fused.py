@@ -1,0 +1,54 @@
+"""The fused elementwise ops of a Llama layer on CPU (kernels/cpu_fused.py) against the
+torch formulas they replace (transformers' numerics), and the fallbacks they keep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import cpu_fused as F
+
+
+def test_the_extension_builds_here():
+    assert F.available()  # g++ is on every machine of this project's kind
+
+
+@pytest.mark.parametrize("n,d", [(1, 64), (7, 576), (300, 768)])  # 300 rows: several threads' chunks
+def test_rms_norm_and_the_residual_add(n, d):
+    g = torch.Generator().manual_seed(n)
+    x, r, w = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+    torch.testing.assert_close(F.rms_norm(x, w, 1e-5), F.rms_norm_ref(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    strided = torch.randn(n, 2 * d, generator=g)[:, :d]  # rows apart: a view, not a copy
+    torch.testing.assert_close(F.rms_norm(strided, w, 1e-6), F.rms_norm_ref(strided, w, 1e-6),
+                               rtol=2e-6, atol=2e-6)
+    x2 = x.clone()
+    out, s = F.add_rms_norm(x2, r, w, 1e-5)
+    assert s is x2 and torch.equal(s, x + r)  # the sum lands in x, in place (the model relies on it)
+    torch.testing.assert_close(out, F.rms_norm_ref(x + r, w, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_silu_and_mul():
+    g = torch.Generator().manual_seed(1)
+    for n, d in [(1, 16), (5, 2048), (129, 1536)]:
+        x = torch.randn(n, 2 * d, generator=g) * 4
+        torch.testing.assert_close(F.silu_and_mul(x), F.silu_and_mul_ref(x), rtol=2e-6, atol=1e-6)
+
+
+def test_rotary_is_bit_identical_on_a_view_of_fused_qkv():
+    g = torch.Generator().manual_seed(2)
+    n, heads, kv_heads, d = 37, 12, 4, 64
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g)
+    x = qkv[:, : (heads + kv_heads) * d].view(n, -1, d)  # q and k side by side, token rows apart
+    pos = torch.randint(0, 4096, (n,), generator=g).float()
+    freqs = pos[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+    got = F.rotary(x, cos, sin)
+    assert got.is_contiguous() and torch.equal(got, F.rotary_ref(x, cos, sin))
+
+
+def test_other_dtypes_take_the_torch_formulas():
+    x, w = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
+    assert torch.equal(F.rms_norm(x, w, 1e-6), F.rms_norm_ref(x, w, 1e-6))
+    y = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert torch.equal(F.silu_and_mul(y), F.silu_and_mul_ref(y))
