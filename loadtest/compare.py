@@ -107,7 +107,7 @@ class Ctx:
         return {"default": base, "static": {**base, "scheduling_policy": "static"},
                 "no-chunk": {**base, "enable_chunked_prefill": False, "max_num_batched_tokens": self.max_model_len},
                 "no-prefix": {**base, "enable_prefix_caching": False},
-                "tenants": {**base, "allow_tenant_header": True, "max_queue_delay_s": 0},
+                "tenants": {**base, "allow_tenant_header": True},
                 "paged-kv": {**base, **kv}, "contig-kv": {**base, **kv, "kv_allocation": "contiguous"}}[key]
 
     def start(self, key: str):

@@ -132,3 +132,60 @@ def test_shed_gate_refuses_only_while_every_live_replica_sheds():
     for _ in range(MIN_REFUSALS):
         off.refused("a", 0.5, now=50.0)
     assert off.closed_for(50.1) is not None and off.refuse(50.1) is None
+
+
+def _tenants(**per):
+    """SchedulerStats with per-tenant running/waiting, e.g. bursty=(8, 30), steady=(0, 0)."""
+    tenants = {t: {"running": r, "waiting": w, "tokens": 0, "counter": 0.0} for t, (r, w) in per.items()}
+    return SchedulerStats(running=sum(r for r, _ in per.values()), waiting=sum(w for _, w in per.values()),
+                          waiting_by_reason={"max_seqs": 1} if any(w for _, w in per.values()) else {},
+                          tenants=tenants)
+
+
+def test_with_two_tenants_the_delay_bound_is_each_tenants_own():
+    """One tenant holds every slot and a 30-deep queue (a global bound refuses anyone: 39
+    ahead at 4/s); the other tenant's request starts ahead of that backlog (the fair share),
+    so it is admitted, and the flooding tenant is the one refused, at its half of the rate."""
+    def ask(stats, tenant):
+        return admit(stats, replica_id="r", max_num_seqs=8, num_blocks=64, block_size=16, pending_blocks={},
+                     num_prompt_tokens=16, rate=4.0, max_waiting=None, max_queue_delay_s=2.0, tenant=tenant)
+
+    alone = _tenants(bursty=(8, 30))
+    assert ask(alone, "steady") is None
+    adm = ask(alone, "bursty")  # the only tenant active: the replica's bound, as before...
+    assert adm.status == 429 and "tenant" not in adm.message
+    assert adm.shed_tenant == "bursty"  # ...but the gate sheds only bursty: another tenant gets in
+    adm = ask(_tenants(bursty=(7, 30), steady=(1, 0)), "bursty")
+    # Share 1/2 of 8 slots: 7 running + 30 waiting + 1 - 4 = 34 ahead, at 2/s: 17 s.
+    assert adm.status == 429 and "tenant 'bursty', 50% of the replica" in adm.message
+    assert "would wait about 17.0 s" in adm.message and adm.shed_tenant == "bursty"
+    assert adm.retry_after_s == 15  # what 2 s at 2/s does not drain: (34 - 4) / 2
+
+
+def test_a_tenant_within_its_share_waits_at_its_share_of_the_rate():
+    def steady(running, waiting, rate=4.0, weights=None):
+        return admit(_tenants(bursty=(8 - running, 30), steady=(running, waiting)), replica_id="r",
+                     max_num_seqs=8, num_blocks=64, block_size=16, pending_blocks={}, num_prompt_tokens=16,
+                     rate=rate, max_waiting=None, max_queue_delay_s=2.0, tenant="steady", weights=weights)
+
+    assert steady(3, 0) is None  # 4th of its 4 slots: starts at once
+    assert steady(4, 3) is None  # 4 ahead of it beyond its slots, at 2/s: 2 s
+    assert steady(4, 4).status == 429  # 5 at 2/s: 2.5 s
+    assert steady(4, 4, weights={"steady": 3.0}) is None  # 3/4 of 8 = 6 slots: 3 at 3/s
+    assert steady(4, 3, rate=None) is None  # no rate yet: at most its slots' worth waits
+    assert steady(4, 8, rate=None).status == 429
+
+
+def test_shed_gate_closes_per_tenant_when_the_replica_refused_a_tenants_share():
+    from pagedserve.cluster.serve.shed_gate import MIN_REFUSALS, ShedGate
+
+    g = ShedGate(enabled=True)
+    for k in range(MIN_REFUSALS):
+        g.refused("a", 0.5, now=1.0 + 0.01 * k, tenant="bursty")
+    assert g.refuse(1.1, "bursty") is not None
+    assert g.refuse(1.1, "steady") is None  # the others still reach the replica
+    g.accepted("a", now=1.2, tenant="steady")
+    assert g.refuse(1.25, "bursty") is not None  # admitting another tenant does not reopen it
+    for k in range(MIN_REFUSALS):
+        g.refused("a", 0.5, now=2.0 + 0.01 * k)  # the replica refuses everyone
+    assert g.refuse(2.1, "steady") is not None and g.refuse(2.1, "bursty") is not None

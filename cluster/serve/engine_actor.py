@@ -49,6 +49,7 @@ from pagedserve.cluster.serve.stream_wire import merge, merge_texts
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
 from pagedserve.cluster.serve.tool_choice import renders_tools
 from pagedserve.scheduler import QueueFullError
+from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.config import EngineConfig
 
@@ -255,7 +256,8 @@ class AsyncEngine(EngineStatus, EngineHealth):
             num_blocks=self.engine.num_gpu_blocks, block_size=self.config.block_size,
             pending_blocks=self._pending_blocks.copy(), num_prompt_tokens=len(prompt_ids),
             rate=self._drain.rate, max_waiting=self.max_waiting,
-            max_queue_delay_s=self.max_queue_delay_s)
+            max_queue_delay_s=self.max_queue_delay_s, tenant=tenant or DEFAULT_TENANT,
+            weights=self.config.tenant_weights)
         if rejected is None:
             self.engine.add_request(request_id, prompt_ids, params, None, priority, cache_salt, tenant)
             self._new_ids.append(request_id)

@@ -33,6 +33,7 @@ from pagedserve.cluster.serve.request_status import (DASHBOARD_HTML, LiveRequest
                                                      request_object)
 from pagedserve.cluster.serve.shed_gate import ShedGate
 from pagedserve.cluster.serve.stream_wire import Accumulated
+from pagedserve.cluster.serve.tenants import DEFAULT_TENANT
 from pagedserve.cluster.serve.tool_choice import constrain_to_schema, tool_plan
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
 
@@ -93,8 +94,9 @@ class OpenAIIngress:
                      template: bool | str = True, tools=None):
         """Open the engine stream; return (stream, admission) or (None, error response).
         ``template``: what the chat template appends (ChatCompletionRequest.template_mode)."""
-        shed = self._gate.refuse(time.monotonic())
-        if shed is not None:  # every replica is shedding: no trip (shed_gate.py)
+        who = tenant or DEFAULT_TENANT
+        shed = self._gate.refuse(time.monotonic(), who)
+        if shed is not None:  # every replica is shedding (this tenant): no trip (shed_gate.py)
             if self._metrics is not None:
                 self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
@@ -107,9 +109,9 @@ class OpenAIIngress:
             raise
         if not adm.accepted:
             if adm.status == 429:
-                self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic())
+                self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic(), adm.shed_tenant)
             return None, error(adm.status, adm.message, adm.retry_after_s)
-        self._gate.accepted(adm.replica_id, time.monotonic())
+        self._gate.accepted(adm.replica_id, time.monotonic(), who)
         return Accumulated(stream), adm
 
     async def _generate(self, body, chat: bool, request: Request):
