@@ -313,19 +313,16 @@ def _load():
                 _FAILED = True
                 return None
             try:
-                from torch.utils.cpp_extension import load_inline
+                from .cpu_build import load_cpu_extension
 
                 # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; built
                 # without it the loop ran on one thread (measured: 1 and 2 threads took
                 # the same time). The extension links libgomp.so.1, the soname torch's
                 # own copy has, so the loader reuses the runtime torch loaded.
-                _MODULE = load_inline(
-                    name="pagedserve_cpu_decode_attention_v6",
-                    cpp_sources=_SOURCE + "\n",
-                    functions=None,  # its own PYBIND11_MODULE: the calls release the GIL
-                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                # Its own PYBIND11_MODULE: the calls release the GIL.
+                _MODULE = load_cpu_extension(
+                    "pagedserve_cpu_decode_attention_v6", _SOURCE + "\n",
+                    ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], ["-fopenmp"])
             except Exception as e:  # no compiler, no ninja, ...: the torch path still works
                 _FAILED = True
                 logger.warning("CPU decode-attention extension unavailable (%s); using the torch path.", e)

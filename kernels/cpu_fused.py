@@ -137,12 +137,11 @@ def _load():
                 _FAILED = True
                 return None
             try:
-                from torch.utils.cpp_extension import load_inline
+                from .cpu_build import load_cpu_extension
 
-                _MODULE = load_inline(
-                    name="pagedserve_cpu_fused_v1", cpp_sources=_SOURCE + "\n", functions=None,
-                    extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+                _MODULE = load_cpu_extension(
+                    "pagedserve_cpu_fused_v1", _SOURCE + "\n",
+                    ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"])
             except Exception as e:  # no compiler, no ninja, ...: the torch formulas still work
                 _FAILED = True
                 logger.warning("CPU fused-op extension unavailable (%s); using the torch formulas.", e)

@@ -87,6 +87,12 @@ class Worker:
             from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
 
             self.cpu_linear_backend = apply_cpu_linear_backend(model)
+            # Build (first time on a machine, ~1 min) or load the C++ kernels now, while the
+            # engine starts, not inside the first request's forward pass.
+            from pagedserve.kernels import cpu_decode_attention, cpu_fused
+
+            cpu_decode_attention.available()
+            cpu_fused.available()
         budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
                                   device=self.device, seed=self.config.seed, max_num_seqs=self.config.max_num_seqs,
