@@ -54,7 +54,12 @@ def test_engine_scales_from_one_to_two_replicas_and_both_serve(serve_url, serve_
         assert values["pagedserve:num_replicas"] == 2
         assert values["pagedserve:num_gpu_blocks"] == 2 * SERVE_ENGINE["num_gpu_blocks_override"]
     finally:
+        t0 = time.monotonic()
         serve.delete(APP)
+    # Both engine replicas shut down gracefully, not force-killed after Serve's 20 s grace
+    # period: their __del__ reported to the stats aggregator, deleted with them, and that
+    # handle call waited for a replica forever (every app deletion took 21 s).
+    assert time.monotonic() - t0 < 15
 
 
 async def _drive_load(base: str, timeout_s: float = 90.0) -> set[str]:

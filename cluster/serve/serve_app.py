@@ -10,6 +10,7 @@ the import path for ``serve run`` / ``serve deploy`` config files (deploy/serve_
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -172,9 +173,15 @@ class EngineDeployment:
     async def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (downscaling, serve.shutdown).
         if self._stats is not None:
-            try:
+            # Bounded: when the whole app is deleted the aggregator may be gone already, and
+            # a handle call then waits for a replica forever; Serve force-killed this one
+            # after its grace period (20 s), before the engine shut its workers down.
+            async def remove() -> None:
                 await self._stats.remove.remote(self.core.replica_id)
-            except Exception:
+
+            try:
+                await asyncio.wait_for(remove(), timeout=0.5)
+            except Exception:  # gone, or timed out: the aggregator drops stale replicas itself
                 pass
         self.core.shutdown()
 
