@@ -237,13 +237,14 @@ class ModelRunner:
         """One (k, v) pair per layer; a quantised ``dtype`` (kernels/kv_quant.py) adds the
         per-(token, head) bf16 scales: (k, v, k_scale, v_scale)."""
         from pagedserve.kernels.kv_quant import QUANT_DTYPES, SCALE_DTYPE
+        from pagedserve.worker import cpu_memory
 
         shape = (num_blocks, self.block_size, num_kv_heads, self.model_config.head_dim)
         # zeros, not empty: padded rows of a batched decode multiply probability 0 by
         # whatever the unused slots hold, and 0 * NaN would poison the row.
+        # On CPU the pool asks for huge pages first (worker/cpu_memory.py).
         def layer() -> tuple[torch.Tensor, ...]:
-            kv = (torch.zeros(shape, dtype=dtype, device=self.device),
-                  torch.zeros(shape, dtype=dtype, device=self.device))
+            kv = (cpu_memory.zeros(shape, dtype, self.device), cpu_memory.zeros(shape, dtype, self.device))
             if dtype not in QUANT_DTYPES:
                 return kv
             return kv + tuple(torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(2))

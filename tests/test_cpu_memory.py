@@ -1,0 +1,71 @@
+"""The CPU KV pool asks for transparent huge pages before its first touch
+(worker/cpu_memory.py): on a "madvise" kernel that is the only way it gets them, and the
+offline calibration run went 343 / 350 -> 384 / 395 tok/s with them (Intel Xeon, 2 threads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.worker import cpu_memory
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text.split("[")[1].split("]")[0]
+
+
+def _mapping_of(t: torch.Tensor) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds the first 2 MB-aligned address
+    inside ``t`` (the advice covers the whole huge pages inside; madvise splits the mapping)."""
+    ptr = (t.data_ptr() + cpu_memory.HUGE_PAGE - 1) & ~(cpu_memory.HUGE_PAGE - 1)
+    fields: dict[str, str] = {}
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= ptr < hi
+        elif inside:
+            k, v = line.split(":", 1)
+            fields[k] = v.strip()
+    return fields
+
+
+needs_thp = pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
+                               reason="transparent huge pages are off on this kernel")
+
+
+@needs_thp
+def test_zeros_are_zeros_in_huge_pages():
+    t = cpu_memory.zeros((512, 16, 8, 64), torch.float32, torch.device("cpu"))  # 16 MiB
+    assert t.shape == (512, 16, 8, 64) and t.dtype == torch.float32 and not t.any()
+    m = _mapping_of(t)
+    assert m.get("THPeligible") == "1", m
+    assert int(m["AnonHugePages"].split()[0]) >= 2048, m  # at least one 2 MB page, touched by the zeroing
+
+
+def test_off_by_environment_and_on_small_or_gpu_tensors(monkeypatch):
+    assert not cpu_memory.advise_huge_pages(torch.empty(1000))  # no whole 2 MB page inside
+    monkeypatch.setenv("PAGEDSERVE_KV_THP", "0")
+    assert not cpu_memory.advise_huge_pages(torch.empty(8 << 20))
+
+
+@needs_thp
+def test_the_engine_kv_pool_is_in_huge_pages(tmp_path):
+    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.worker.testing import make_test_model
+
+    llm = LLM(model=make_test_model("llama-mha", tmp_path), max_model_len=512, num_gpu_blocks_override=1024)
+    try:
+        k = llm.engine.executor.worker.runner.kv_caches[0][0]
+        assert k.numel() * k.element_size() >= 4 << 20  # big enough to hold a whole huge page
+        m = _mapping_of(k)
+        assert int(m["AnonHugePages"].split()[0]) >= 2048, m
+    finally:
+        llm.shutdown()
