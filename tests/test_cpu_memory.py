@@ -69,3 +69,28 @@ def test_the_engine_kv_pool_is_in_huge_pages(tmp_path):
         assert int(m["AnonHugePages"].split()[0]) >= 2048, m
     finally:
         llm.shutdown()
+
+
+def test_tune_malloc_keeps_large_chunks_in_the_heap():
+    """After tune_malloc a 64 MB tensor is carved from the heap (reused next step), not a
+    fresh mapping that is unmapped on free and faulted in again. In a subprocess: it is
+    process-wide."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from pagedserve.worker import cpu_memory
+def in_heap(t):
+    p = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= p < hi:
+            return line.rstrip().endswith("[heap]")
+before = in_heap(torch.empty(16 << 20))
+assert cpu_memory.tune_malloc()
+print(before, in_heap(torch.empty(16 << 20)))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["False", "True"]

@@ -1,4 +1,5 @@
-"""Transparent huge pages for the CPU KV cache.
+"""Memory for a CPU worker: transparent huge pages for the KV cache, and malloc kept from
+handing a step's large temporaries back to the kernel.
 
 A decode step reads every running sequence's K/V blocks: 16-token blocks in random order
 over a pool of hundreds of MB, each block spread over 4 KB pages, so the reads miss the
@@ -9,6 +10,15 @@ tokens in a 655 MB pool): 12.7 -> 18.4 GB/s of K/V; 32 x 300: 16.6 -> 21.9.
 
 ``PAGEDSERVE_KV_THP=0`` turns it off. A no-op off Linux, on GPU tensors and where the
 kernel refuses (THP "never").
+
+A step's activations are malloc'ed and freed every step (up to ~30 MB at a 2048-token
+prefill). glibc serves chunks above its mmap threshold with a fresh mmap and unmaps them on
+free, so every step faulted its temporaries in again, page by page. :func:`tune_malloc`
+raises the mmap and trim thresholds to 1 GB: freed chunks stay in the heap and the next
+step reuses them. Offline calibration run, Intel Xeon 2 threads, interleaved: 400.3 / 376.4
+vs 382.0 / 367.1 tok/s (oneDNN / aten starts). Process-wide, so the worker calls it
+(``PAGEDSERVE_CPU_MALLOPT=0`` leaves malloc alone); the heap keeps up to that much freed
+memory instead of returning it.
 """
 
 from __future__ import annotations
@@ -21,16 +31,33 @@ import torch
 
 MADV_HUGEPAGE = 14
 HUGE_PAGE = 2 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MALLOC_KEEP = 1 << 30
 
 _libc = None
 
 
-def _madvise(addr: int, length: int, advice: int) -> bool:
+def _c():
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL("libc.so.6", use_errno=True)
         _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return _libc.madvise(addr, length, advice) == 0
+    return _libc
+
+
+def _madvise(addr: int, length: int, advice: int) -> bool:
+    return _c().madvise(addr, length, advice) == 0
+
+
+def tune_malloc() -> bool:
+    """Keep large freed chunks in glibc's heap (see the module doc); True if applied."""
+    if not sys.platform.startswith("linux") or os.environ.get("PAGEDSERVE_CPU_MALLOPT") == "0":
+        return False
+    try:
+        libc = _c()
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MALLOC_KEEP)) and bool(libc.mallopt(M_TRIM_THRESHOLD, MALLOC_KEEP))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:

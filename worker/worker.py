@@ -63,6 +63,10 @@ class Worker:
             logger.info("rank %d bound to cores %s, %d threads", self.rank, format_core_list(cores), threads)
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            from pagedserve.worker.cpu_memory import tune_malloc
+
+            tune_malloc()
         if self.device.type == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
