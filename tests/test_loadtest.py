@@ -177,6 +177,7 @@ def test_knee_table_and_plots(tmp_path):
 
 # ------------------------------------------------------------------ compare --quick (real servers)
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # five real servers in turn (~210 s on 2 cores)
 def test_compare_quick_smoke(tmp_path):
     """Starts real pagedserve servers; asserts the report's structure and that every
     request of every run was accounted for (not the speed of this machine)."""
