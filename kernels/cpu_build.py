@@ -11,9 +11,9 @@ first (the kernel drops it when its holder dies, however it dies); whoever holds
 only one of our loaders in the directory, so a ``lock`` file found then is stale and is
 removed before torch looks. Loaders wait for each other's build, as with torch's lock.
 
-Every loader also stops at one module per name and process (the build's result is cached
-by the callers), and :func:`load_cpu_extension` returns ``None`` with a warning when the
-build cannot run (no compiler, no ninja): the callers fall back to torch formulas.
+:func:`load_cpu_extension` raises what the build raises (no compiler, no ninja); the
+callers catch it, cache the module (or the failure) per process and fall back to torch
+formulas.
 """
 
 from __future__ import annotations

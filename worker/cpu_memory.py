@@ -5,8 +5,9 @@ A decode step reads every running sequence's K/V blocks: 16-token blocks in rand
 over a pool of hundreds of MB, each block spread over 4 KB pages, so the reads miss the
 TLB at every block. Most distributions set THP to "madvise": a region gets 2 MB pages
 only if it asks. The pool asks before its first touch (zeroing it then faults in huge
-pages). Measured (Intel Xeon, 2 threads, the C++ decode attention, 64 sequences x 600
-tokens in a 655 MB pool): 12.7 -> 18.4 GB/s of K/V; 32 x 300: 16.6 -> 21.9.
+pages). Offline calibration run, Intel Xeon 2 threads, interleaved: 343.2 / 349.9 -> 384.3 /
+394.7 tok/s; most of the time saved was in the GEMMs (28.7 -> 25.4 s of a ~45 s run), whose
+weight stream the KV pool's page walks had slowed, less in attention (7.9 -> 7.5 s).
 
 ``PAGEDSERVE_KV_THP=0`` turns it off. A no-op off Linux, on GPU tensors and where the
 kernel refuses (THP "never").
