@@ -18,6 +18,7 @@ def test_a_stale_torch_build_lock_does_not_hang_the_next_load(tmp_path):
     force-killed by Serve) left the file, and every later load on the machine polled for
     it forever: a model worker hung in its first forward (CI timed out on it). A fresh
     process now loads, with the stale file in place, and removes it."""
+    import os
     import shutil
     import subprocess
     import sys
@@ -28,8 +29,8 @@ def test_a_stale_torch_build_lock_does_not_hang_the_next_load(tmp_path):
     name = "pagedserve_cpu_fused_v1"
     shutil.copytree(build_directory(name), tmp_path / name, ignore=shutil.ignore_patterns("lock", "*.flock"))
     (tmp_path / name / "lock").touch()
-    env = {**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    code = ("from pagedserve.kernels import cpu_fused, cpu_build; import sys; "
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    code = ("from pagedserve.kernels import cpu_fused; import sys; "
             "sys.exit(0 if cpu_fused.available() else 3)")
     r = subprocess.run([sys.executable, "-c", code], env=env, timeout=240, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -94,8 +94,10 @@ class RayWorkerWrapper:
 
 
 # A CPU worker's malloc backs its large chunks with transparent huge pages (THP is
-# "madvise" on most distributions, so nothing else does): decode steps at batch 8, 1 thread,
-# 8% faster on an Intel Xeon (36.6 / 38.5 -> 33.4 / 34.8 ms, GEMMs 24 -> 21 ms).
+# "madvise" on most distributions; the KV pool asks for them itself, worker/cpu_memory.py,
+# this covers the weights and step buffers): decode steps at batch 8, 1 thread, 8% faster
+# on an Intel Xeon (36.6 / 38.5 -> 33.4 / 34.8 ms, GEMMs 24 -> 21 ms), measured before the
+# KV pool asked.
 # PAGEDSERVE_WORKER_THP=0 leaves the environment alone.
 WORKER_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 
