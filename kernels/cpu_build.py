@@ -1,5 +1,5 @@
-"""Build and load the CPU C++ extensions (cpu_decode_attention.py, cpu_fused.py) safely
-across processes.
+"""Build and load the CPU C++ extensions (cpu_decode_attention.py, cpu_fused.py,
+cpu_gemm.py) safely across processes, once per process and per CPU kind.
 
 torch's ``load_inline`` guards a build directory with a lock *file* (``FileBaton``): the
 process that creates ``<build>/lock`` builds, every other one polls until the file is gone.
@@ -13,19 +13,50 @@ removed before torch looks. Loaders wait for each other's build, as with torch's
 
 :func:`load_cpu_extension` raises what the build raises (no compiler, no ninja); the
 callers catch it, cache the module (or the failure) per process and fall back to torch
-formulas.
+formulas; :class:`LazyExtension` does that for them.
+
+The extensions are built with ``-march=native``, and torch reuses a build whose source and
+flags are unchanged. The machine kind under one home directory can change (this project's
+CI and dev machines move between Intel and AMD parts), and a module built for AVX-512 dies
+of SIGILL on a CPU without it. So the build name carries a hash of the CPU's model and
+feature flags: a new CPU kind gets a build of its own.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
+import hashlib
 import logging
 import os
+import threading
 import time
 
 logger = logging.getLogger(__name__)
 
 FLOCK_NAME = "pagedserve.flock"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kind_tag() -> str:
+    """8 hex digits of the CPU's vendor, model and feature flags (/proc/cpuinfo), so that
+    ``-march=native`` builds for different CPU kinds never share a directory."""
+    keys = ("vendor_id", "cpu family", "model", "flags")
+    seen: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in keys and key not in seen:
+                    seen[key] = value.strip()
+                if len(seen) == len(keys):
+                    break
+    except OSError:
+        import platform
+
+        seen["platform"] = platform.processor() or platform.machine()
+    return hashlib.sha1(repr(sorted(seen.items())).encode()).hexdigest()[:8]
 
 
 def build_directory(name: str) -> str:
@@ -40,6 +71,7 @@ def load_cpu_extension(name: str, source: str, extra_cflags: list[str], extra_ld
     survives its holder's death (see the module docstring). Raises what the build raises."""
     from torch.utils.cpp_extension import load_inline
 
+    name = f"{name}_{cpu_kind_tag()}"
     build_dir = build_directory(name)
     t0 = time.monotonic()
     with open(os.path.join(build_dir, FLOCK_NAME), "a+") as fh:
@@ -57,3 +89,40 @@ def load_cpu_extension(name: str, source: str, extra_cflags: list[str], extra_ld
     if took > 5.0:
         logger.info("Built the CPU extension %s in %.0f s (%s).", name, took, build_dir)
     return mod
+
+
+class LazyExtension:
+    """One C++ extension, built or loaded on the first :meth:`get` in a process and cached
+    (the failure too: no compiler, no ninja, ``PAGEDSERVE_CPU_EXT=0``); callers fall back
+    to torch when :meth:`get` returns None. ``what`` and ``fallback`` word the warning."""
+
+    def __init__(self, name: str, source: str, extra_cflags: list[str], what: str, fallback: str) -> None:
+        self.name, self.source, self.cflags = name, source + "\n", list(extra_cflags)
+        self.what, self.fallback = what, fallback
+        self._lock = threading.Lock()
+        self._module = None
+        self._failed = False
+
+    def get(self):
+        if self._module is not None or self._failed:
+            return self._module
+        with self._lock:
+            if self._module is None and not self._failed:
+                if os.environ.get("PAGEDSERVE_CPU_EXT", "1") == "0":
+                    self._failed = True
+                    return None
+                try:
+                    # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; built
+                    # without it the loop ran on one thread (measured: 1 and 2 threads took
+                    # the same time). The module links libgomp.so.1, the soname torch's own
+                    # copy has, so the loader reuses the runtime torch loaded. Each source has
+                    # its own PYBIND11_MODULE, whose calls release the GIL.
+                    self._module = load_cpu_extension(self.name, self.source, self.cflags + ["-fopenmp"],
+                                                      ["-fopenmp"])
+                except Exception as e:
+                    self._failed = True
+                    logger.warning("%s extension unavailable (%s); %s.", self.what, e, self.fallback)
+        return self._module
+
+    def available(self) -> bool:
+        return self.get() is not None

@@ -26,13 +26,9 @@ well under a second.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-logger = logging.getLogger(__name__)
+from .cpu_build import LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -298,39 +294,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_LOCK = threading.Lock()
-_MODULE = None
-_FAILED = False
-
-
-def _load():
-    global _MODULE, _FAILED
-    if _MODULE is not None or _FAILED:
-        return _MODULE
-    with _LOCK:
-        if _MODULE is None and not _FAILED:
-            if os.environ.get("PAGEDSERVE_CPU_EXT", "1") == "0":
-                _FAILED = True
-                return None
-            try:
-                from .cpu_build import load_cpu_extension
-
-                # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; built
-                # without it the loop ran on one thread (measured: 1 and 2 threads took
-                # the same time). The extension links libgomp.so.1, the soname torch's
-                # own copy has, so the loader reuses the runtime torch loaded.
-                # Its own PYBIND11_MODULE: the calls release the GIL.
-                _MODULE = load_cpu_extension(
-                    "pagedserve_cpu_decode_attention_v6", _SOURCE + "\n",
-                    ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], ["-fopenmp"])
-            except Exception as e:  # no compiler, no ninja, ...: the torch path still works
-                _FAILED = True
-                logger.warning("CPU decode-attention extension unavailable (%s); using the torch path.", e)
-    return _MODULE
-
-
-def available() -> bool:
-    return _load() is not None
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v6", _SOURCE,
+                     ["-O3", "-march=native", "-fno-math-errno"],
+                     "CPU decode-attention", "using the torch path")
+_load = _EXT.get
+available = _EXT.available
 
 
 def decode_attention_cpu(

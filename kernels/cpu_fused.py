@@ -18,13 +18,9 @@ whenever the extension or the dtype does not fit.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-logger = logging.getLogger(__name__)
+from .cpu_build import LazyExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -122,34 +118,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_LOCK = threading.Lock()
-_MODULE = None
-_FAILED = False
-
-
-def _load():
-    global _MODULE, _FAILED
-    if _MODULE is not None or _FAILED:
-        return _MODULE
-    with _LOCK:
-        if _MODULE is None and not _FAILED:
-            if os.environ.get("PAGEDSERVE_CPU_EXT", "1") == "0":
-                _FAILED = True
-                return None
-            try:
-                from .cpu_build import load_cpu_extension
-
-                _MODULE = load_cpu_extension(
-                    "pagedserve_cpu_fused_v1", _SOURCE + "\n",
-                    ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"], ["-fopenmp"])
-            except Exception as e:  # no compiler, no ninja, ...: the torch formulas still work
-                _FAILED = True
-                logger.warning("CPU fused-op extension unavailable (%s); using the torch formulas.", e)
-    return _MODULE
-
-
-def available() -> bool:
-    return _load() is not None
+_EXT = LazyExtension("pagedserve_cpu_fused_v1", _SOURCE,
+                     ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"],
+                     "CPU fused-op", "using the torch formulas")
+_load = _EXT.get
+available = _EXT.available
 
 
 def _fits(*ts: torch.Tensor) -> bool:
@@ -183,7 +156,7 @@ def rms_norm(x: torch.Tensor,  # [n, d], rows contiguous
     if x.dim() != 2 or x.stride(1) != 1 or not w.is_contiguous() or not _fits(x, w):
         return rms_norm_ref(x, w, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _MODULE.rms_norm(out, x, w, float(eps))
+    _load().rms_norm(out, x, w, float(eps))
     return out
 
 
@@ -195,7 +168,7 @@ def add_rms_norm(x: torch.Tensor,  # [n, d] contiguous; becomes x + residual
         s = x.add_(residual)
         return rms_norm_ref(s, w, eps), s
     out = torch.empty(x.shape, dtype=x.dtype)
-    _MODULE.add_rms_norm(out, x, residual, w, float(eps))
+    _load().add_rms_norm(out, x, residual, w, float(eps))
     return out, x
 
 
@@ -203,7 +176,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
     if x.dim() != 2 or not x.is_contiguous() or x.shape[1] % 2 or not _fits(x):
         return silu_and_mul_ref(x)
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
-    _MODULE.silu_and_mul(out, x)
+    _load().silu_and_mul(out, x)
     return out
 
 
@@ -214,5 +187,5 @@ def rotary(x: torch.Tensor,  # [n, heads, D], last dim contiguous (a view of qkv
             or not sin.is_contiguous() or cos.shape[0] != x.shape[0] or not _fits(x, cos, sin)):
         return rotary_ref(x, cos, sin)
     out = torch.empty(x.shape, dtype=x.dtype)
-    _MODULE.rotary(out, x, cos, sin)
+    _load().rotary(out, x, cos, sin)
     return out

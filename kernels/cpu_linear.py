@@ -9,20 +9,29 @@ choice is made by a probe at load time, not hard-coded:
     "aten"    F.linear(x, W, b)                     plain [out, in] weight
     "onednn"  mkldnn._linear_pointwise(x, Wp, b)    Wp: W reordered once into oneDNN's
                                                     blocked layout (an opaque mkldnn tensor)
+    "panel"   cpu_gemm.gemm(x, Wp, N, b)            Wp: W in 16-column panels, fp32 only,
+                                                    AVX-512 (kernels/cpu_gemm.py)
 
-Both compute x W^T + b with fp32 accumulation (bf16 inputs included), so fp32 results
-differ from each other only in summation order (~1e-6 relative).
+All compute x W^T + b with fp32 accumulation (bf16 inputs included), so fp32 results
+differ from each other only in summation order (~1e-6 relative). Each replaces the plain
+weight: one copy of the weights whichever runs.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("aten", "onednn")
+from . import cpu_gemm
+
+BACKENDS = ("aten", "onednn", "panel")
+
+# shape -> a new fp32 tensor for the panels (the worker passes one that is in huge pages)
+Alloc = Callable[[tuple[int, ...]], torch.Tensor]
 
 
 def onednn_available() -> bool:
@@ -44,11 +53,55 @@ def linear_onednn(x: torch.Tensor,  # [..., in], same dtype as the packed weight
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def panel_available(dtype: torch.dtype) -> bool:
+    return dtype == torch.float32 and cpu_gemm.available()
+
+
+class PanelWeight:
+    """W [N, K] in cpu_gemm's panel layout, with N (the panels are padded to 16 rows)."""
+
+    __slots__ = ("panels", "n")
+
+    def __init__(self, weight: torch.Tensor, alloc: Alloc | None = None) -> None:
+        out = alloc(cpu_gemm.panel_shape(weight)) if alloc is not None else None
+        self.panels = cpu_gemm.pack_panels(weight.detach(), out)
+        self.n = weight.shape[0]
+
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def pack_cpu_weight(weight: torch.Tensor, backend: str, alloc: Alloc | None = None):
+    """W [out, in] in ``backend``'s layout, for :func:`cpu_linear`."""
+    if backend == "onednn":
+        return pack_weight(weight)
+    if backend == "panel":
+        if not panel_available(weight.dtype):
+            raise RuntimeError(f"the panel GEMM needs fp32 weights and AVX-512 (got {weight.dtype}).")
+        return PanelWeight(weight, alloc)
+    raise ValueError(f"no packed layout for CPU linear backend {backend!r}.")
+
+
+def cpu_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T + b`` with W packed by :func:`pack_cpu_weight`."""
+    if type(packed) is PanelWeight:
+        return cpu_gemm.gemm(x, packed.panels, packed.n, bias)
+    return linear_onednn(x, packed, bias)
+
+
+def packed_nbytes(packed) -> int:
+    """Bytes of a weight packed by :func:`pack_cpu_weight` (what a step reads of it)."""
+    if type(packed) is PanelWeight:
+        return packed.nbytes()
+    return packed.numel() * packed.element_size()
+
+
 def probe_linear_backends(weights: list[torch.Tensor], batch_sizes: tuple[int, ...] = (1, 8, 32, 128),
-                          reps: int = 5) -> dict[str, dict[int, float]]:
+                          reps: int = 5, alloc: Alloc | None = None) -> dict[str, dict[int, float]]:
     """Seconds for one pass of ``x W^T`` over every weight, per backend and batch size:
-    ``{"aten": {1: s, 8: s, 32: s, 128: s}, "onednn": {...}}`` (the fastest of ``reps``; the
-    two backends' passes alternate, so a load change on the machine hits both alike). The
+    ``{"aten": {1: s, 8: s, 32: s, 128: s}, "onednn": {...}, "panel": {...}}`` (the fastest of
+    ``reps``; the backends' passes alternate, so a load change on the machine hits all alike;
+    oneDNN and the panel GEMM only where they run here, the panels in ``alloc``'s memory). The
     fastest, not the median: noise only slows a pass, and on a shared 2-core guest a median
     of 3 took two slow passes (oneDNN at M = 128: 77 ms against 51-55 in other starts) and
     flipped the choice to aten in 1 start of 3, whose decode steps are 1.3x slower at M = 8.
@@ -58,25 +111,25 @@ def probe_linear_backends(weights: list[torch.Tensor], batch_sizes: tuple[int, .
     streams its weights from memory, and so must the probe. Three hot weights in a loop
     measured MKL at M = 8 within 1.2-1.4x of oneDNN on a Xeon whose decode steps it made
     2x slower; a pass over the whole 63M model measured 1.7x (42 vs 25 ms, 1 thread)."""
-    out: dict[str, dict[int, float]] = {"aten": {}}
     with torch.inference_mode():
-        fns = {"aten": lambda x, w, p: F.linear(x, w)}
-        packed = [None] * len(weights)
+        layouts: dict[str, list] = {"aten": weights}
         if onednn_available():
-            packed = [pack_weight(w) for w in weights]
-            fns["onednn"] = lambda x, w, p: linear_onednn(x, p)
-            out["onednn"] = {}
+            layouts["onednn"] = [pack_weight(w) for w in weights]
+        if weights and all(panel_available(w.dtype) for w in weights):
+            layouts["panel"] = [PanelWeight(w, alloc) for w in weights]
+        out: dict[str, dict[int, float]] = {name: {} for name in layouts}
         for m in batch_sizes:
             xs = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights]
-            times: dict[str, list[float]] = {name: [] for name in fns}
+            times: dict[str, list[float]] = {name: [] for name in layouts}
             for rep in range(reps + 1):
-                for name, fn in fns.items():
+                for name, ws in layouts.items():
+                    fn = F.linear if name == "aten" else cpu_linear
                     t = time.perf_counter()
-                    for x, w, p in zip(xs, weights, packed):
-                        fn(x, w, p)
+                    for x, p in zip(xs, ws):
+                        fn(x, p)
                     if rep:  # the first pass warms caches and oneDNN's primitive cache
                         times[name].append(time.perf_counter() - t)
-            for name in fns:
+            for name in layouts:
                 out[name][m] = min(times[name])
     return out
 

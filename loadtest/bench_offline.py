@@ -185,12 +185,15 @@ def run_b1_decode(path, n_tokens):
 def decode_weight_bytes(model, tied: bool) -> int:
     """Bytes a decode step must read: every weight except the input embedding table, of
     which a step reads one row (unless it is tied to the LM head, which reads it all).
-    A layer packed for oneDNN (worker/layers/cpu_backend.py) reads its packed copy."""
+    A layer packed for oneDNN or the panel GEMM (worker/layers/cpu_backend.py) reads its
+    packed copy."""
+    from pagedserve.kernels.cpu_linear import packed_nbytes
+
     total, seen = 0, set()
     for m in model.modules():
         packed = getattr(m, "_packed", None)
         if packed is not None:
-            total += packed.numel() * packed.element_size()
+            total += packed_nbytes(packed)
     lm_packed = getattr(getattr(model, "lm_head", None), "_packed", None) is not None
     for name, p in model.named_parameters():
         if p.numel() == 0 or p.data_ptr() in seen:  # packed layers keep a 0-element plain weight

@@ -3,6 +3,8 @@ torch formulas they replace (transformers' numerics), and the fallbacks they kee
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,15 +20,14 @@ def test_a_stale_torch_build_lock_does_not_hang_the_next_load(tmp_path):
     force-killed by Serve) left the file, and every later load on the machine polled for
     it forever: a model worker hung in its first forward (CI timed out on it). A fresh
     process now loads, with the stale file in place, and removes it."""
-    import os
     import shutil
     import subprocess
     import sys
 
-    from pagedserve.kernels.cpu_build import build_directory
+    from pagedserve.kernels.cpu_build import build_directory, cpu_kind_tag
 
     assert F.available()  # built once on this machine; copied, so the load below is no rebuild
-    name = "pagedserve_cpu_fused_v1"
+    name = f"pagedserve_cpu_fused_v1_{cpu_kind_tag()}"
     shutil.copytree(build_directory(name), tmp_path / name, ignore=shutil.ignore_patterns("lock", "*.flock"))
     (tmp_path / name / "lock").touch()
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
@@ -77,3 +78,17 @@ def test_other_dtypes_take_the_torch_formulas():
     assert torch.equal(F.rms_norm(x, w, 1e-6), F.rms_norm_ref(x, w, 1e-6))
     y = torch.randn(4, 64, dtype=torch.bfloat16)
     assert torch.equal(F.silu_and_mul(y), F.silu_and_mul_ref(y))
+
+
+def test_extension_builds_are_per_cpu_kind():
+    """Built with -march=native, a module from another CPU kind under the same home directory
+    (CI and dev machines move between Intel and AMD parts) would die of SIGILL: the build
+    name carries a tag of the CPU's model and flags, stable within a machine."""
+    from pagedserve.kernels import cpu_build
+
+    tag = cpu_build.cpu_kind_tag()
+    assert len(tag) == 8 and int(tag, 16) >= 0
+    cpu_build.cpu_kind_tag.cache_clear()
+    assert cpu_build.cpu_kind_tag() == tag
+    assert F.available()
+    assert os.path.isdir(cpu_build.build_directory(f"pagedserve_cpu_fused_v1_{tag}"))

@@ -1,6 +1,7 @@
 """The CPU GEMM choice (kernels/cpu_linear.py, worker/layers/cpu_backend.py): oneDNN with
-pre-packed weights against plain F.linear, the load-time probe, and the oracle: greedy
-tokens equal transformers' generate() under each backend."""
+pre-packed weights and the panel GEMM (kernels/cpu_gemm.py) against plain F.linear, the
+load-time probe, and the oracle: greedy tokens equal transformers' generate() under each
+backend."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels.cpu_linear import linear_onednn, onednn_available, pack_weight, probe_linear_backends
+from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels.cpu_linear import (cpu_linear, linear_onednn, onednn_available, pack_cpu_weight, pack_weight,
+                                           panel_available, probe_linear_backends)
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
@@ -31,9 +34,61 @@ def test_onednn_linear_matches_f_linear(dtype, tol):
             assert torch.equal(linear_onednn(x, p), linear_onednn(x, p, None))
 
 
-def test_probe_times_both_backends_at_each_batch_size():
+needs_panel = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX-512 here, or no C++ compiler")
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@needs_panel
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (49, 768), (1280, 768)])
+def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
+    """Row counts around the 8-row tile, column counts around the 16-column panel and the
+    3-panel tile (a masked last panel), with and without bias, batched inputs, strided rows."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
+    packed = pack_cpu_weight(w, "panel")
+    assert tuple(packed.panels.shape) == ((n + 15) // 16, k, 16) and packed.n == n
+    if n % 16:
+        assert packed.panels[-1, :, n % 16:].abs().sum() == 0  # the padding columns are zeros
+    for m in (1, 3, 7, 8, 9, 16, 17, 130):
+        x = torch.randn(m, k, generator=g)
+        assert _rel_err(cpu_linear(x, packed, b), F.linear(x, w, b)) < 5e-5
+        assert _rel_err(cpu_linear(x, packed), F.linear(x, w)) < 5e-5
+    x3 = torch.randn(2, 5, k, generator=g)
+    assert cpu_linear(x3, packed, b).shape == (2, 5, n)
+    assert _rel_err(cpu_linear(x3, packed, b), F.linear(x3, w, b)) < 5e-5
+    wide = torch.randn(6, k + 8, generator=g)[:, 4:4 + k]  # rows k + 8 apart
+    assert _rel_err(cpu_linear(wide, packed, b), F.linear(wide, w, b)) < 5e-5
+    assert cpu_linear(torch.empty(0, k), packed).shape == (0, n)
+
+
+@needs_panel
+def test_panel_gemm_uses_the_threads_and_packs_into_the_callers_memory():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 48, generator=g)
+    out = torch.full(cpu_gemm.panel_shape(w), float("nan"))
+    packed = pack_cpu_weight(w, "panel", alloc=lambda shape: out)
+    assert packed.panels is out and not out.isnan().any()
+    x = torch.randn(33, 48, generator=g)
+    ref = F.linear(x, w)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            assert _rel_err(cpu_linear(x, packed), ref) < 5e-5
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_gemm.pack_panels(w.to(torch.bfloat16))
+    assert not panel_available(torch.bfloat16)
+
+
+def test_probe_times_every_backend_at_each_batch_size():
     t = probe_linear_backends([torch.randn(64, 32), torch.randn(32, 64)], batch_sizes=(1, 4), reps=2)
-    assert set(t) == {"aten", "onednn"}
+    assert set(t) == {"aten", "onednn"} | ({"panel"} if cpu_gemm.available() else set())
     assert all(set(per_m) == {1, 4} and all(v > 0 for v in per_m.values()) for per_m in t.values())
 
 
@@ -80,10 +135,31 @@ def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
     monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         chosen = apply_cpu_linear_backend(_model(make_test_model("llama-mha", tmp_path)))
-    assert chosen in ("aten", "onednn")
+    assert chosen in ("aten", "onednn", "panel")
     [msg] = [r.getMessage() for r in caplog.records if "CPU linear backend" in r.getMessage()]
     assert msg.startswith(f"CPU linear backend: {chosen} (probe: aten M=1 ") and "; onednn M=1 " in msg
     assert "onednn/aten time" in msg
+    assert ("; panel M=1 " in msg and "panel/aten time" in msg) == cpu_gemm.available()
+
+
+@needs_panel
+def test_panel_packing_replaces_the_plain_weights(tmp_path):
+    from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
+    from pagedserve.worker.layers.linear import PackableLinear
+    from pagedserve.worker.testing import make_test_model
+
+    model = _model(make_test_model("qwen2-tied", tmp_path))  # Qwen2: q/k/v have biases
+    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    x = torch.randn(5, layers[0].weight.shape[1])
+    ref = layers[0](x)
+    assert layers[0].bias is not None
+    assert apply_cpu_linear_backend(model, "panel") == "panel"
+    assert sum(m.weight.numel() for m in layers) == 0
+    assert all(m._packed.panels.numel() > 0 for m in layers) and model.lm_head._packed is not None
+    assert _rel_err(layers[0](x), ref) < 5e-5
+    with pytest.raises(RuntimeError, match="fp32"):
+        m16 = _model(make_test_model("qwen2-tied", tmp_path / "b"))
+        apply_cpu_linear_backend(m16.to(torch.bfloat16), "panel")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +182,8 @@ def oracle_case(tmp_path_factory):
     return path, prompts, refs
 
 
-@pytest.mark.parametrize("backend", ["aten", "onednn"])
+@pytest.mark.parametrize("backend", ["aten", "onednn",
+                                     pytest.param("panel", marks=needs_panel)])
 def test_greedy_equals_transformers_under_each_backend(oracle_case, backend, monkeypatch):
     from pagedserve import LLM, SamplingParams
 

@@ -1,16 +1,19 @@
 """Pick the CPU GEMM for a loaded model and apply it to every linear layer (and the LM head).
 
     PAGEDSERVE_CPU_LINEAR=auto     (default) probe passes over the model's weights (up to
-                                   256 MB) at batch sizes 1, 8, 32 and 128 with both
-                                   backends, keep the faster
+                                   256 MB) at batch sizes 1, 8, 32 and 128 with every
+                                   backend that runs here, keep the fastest
                                    (by the geometric mean of the per-batch-size time ratios)
+    PAGEDSERVE_CPU_LINEAR=panel    the panel GEMM of kernels/cpu_gemm.py (fp32, AVX-512), no probe
     PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
     PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
 
-The probe costs about a second and its result is logged with the timings, so a
-figure in BENCHMARKS.md can be traced to the kernel that produced it. "onednn" needs a
-5% margin to win (its mean time ratio <= 0.95): a probe on a busy machine is noisy, and
-near-ties go to plain F.linear, the path transformers itself runs.
+The probe costs a second or two and its result is logged with the timings, so a
+figure in BENCHMARKS.md can be traced to the kernel that produced it. A packed backend
+needs a 5% margin over aten to win (its mean time ratio <= 0.95): a probe on a busy
+machine is noisy, and near-ties go to plain F.linear, the path transformers itself runs.
+The panel weights are allocated in transparent huge pages (worker/cpu_memory.py;
+``PAGEDSERVE_KV_THP=0`` turns that off with the KV pool's).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import os
 import torch
 from torch import nn
 
-from pagedserve.kernels.cpu_linear import BACKENDS, onednn_available, probe_linear_backends, relative_time
+from pagedserve.kernels.cpu_linear import (BACKENDS, onednn_available, panel_available, probe_linear_backends,
+                                           relative_time)
+from pagedserve.worker import cpu_memory
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import PackableLinear
 
@@ -35,16 +40,24 @@ def _packable(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (PackableLinear, ParallelLMHead))]
 
 
+def _huge_page_alloc(shape: tuple[int, ...]) -> torch.Tensor:
+    return cpu_memory.zeros(shape, torch.float32, torch.device("cpu"))
+
+
 def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> tuple[str, dict]:
-    """("aten" | "onednn", probe timings {backend: {batch size: seconds}} or {})."""
+    """(one of BACKENDS, probe timings {backend: {batch size: seconds}} or {})."""
     requested = (requested or os.environ.get("PAGEDSERVE_CPU_LINEAR") or "auto").lower()
     if requested not in BACKENDS + ("auto",):
         raise ValueError(f"PAGEDSERVE_CPU_LINEAR must be 'auto' or one of {BACKENDS}, got {requested!r}.")
     if requested == "onednn" and not onednn_available():
         raise RuntimeError("PAGEDSERVE_CPU_LINEAR=onednn, but this torch build has no oneDNN (mkldnn).")
+    dtype = next(model.parameters()).dtype
+    if requested == "panel" and not panel_available(dtype):
+        raise RuntimeError(f"PAGEDSERVE_CPU_LINEAR=panel needs fp32 weights ({dtype} here) and a CPU with "
+                           "AVX-512 whose C++ extension builds.")
     if requested != "auto":
         return requested, {}
-    if not onednn_available():
+    if not (onednn_available() or panel_available(dtype)):
         return "aten", {}
     layers = [m for m in _packable(model) if isinstance(m, PackableLinear)]
     if not layers:
@@ -57,23 +70,26 @@ def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) ->
         total += m.weight.numel() * m.weight.element_size()
         if total >= _PROBE_BYTES:
             break
-    timings = probe_linear_backends(weights)
-    return ("onednn" if relative_time(timings, "onednn") <= _MARGIN else "aten"), timings
+    timings = probe_linear_backends(weights, alloc=_huge_page_alloc)
+    ratios = {name: relative_time(timings, name) for name in timings if name != "aten"}
+    best = min(ratios, key=ratios.__getitem__)
+    return (best if ratios[best] <= _MARGIN else "aten"), timings
 
 
 def apply_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> str:
-    """Choose (see module doc) and, for "onednn", pack every linear weight in place."""
+    """Choose (see module doc) and, for "onednn" or "panel", pack every linear weight in place."""
     if next(model.parameters()).device.type != "cpu":
         return "device"
     backend, timings = choose_cpu_linear_backend(model, requested)
-    if backend == "onednn":
+    if backend != "aten":
         with torch.no_grad():
             for m in _packable(model):
-                m.pack_for_cpu()
+                m.pack_for_cpu(backend, _huge_page_alloc)
     shown = "; ".join(f"{k} " + " ".join(f"M={m} {t * 1e3:.2f}" for m, t in per_m.items()) + " ms"
                       for k, per_m in timings.items()) or "not probed"
-    if len(timings) > 1:
-        shown += f"; onednn/aten time {relative_time(timings, 'onednn'):.2f}"
+    for name in timings:
+        if name != "aten":
+            shown += f"; {name}/aten time {relative_time(timings, name):.2f}"
     logger.info("CPU linear backend: %s (probe: %s; %s, %d threads)", backend, shown,
                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
     return backend

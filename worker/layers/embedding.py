@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu_linear import linear_onednn, pack_weight
+from pagedserve.kernels.cpu_linear import Alloc, cpu_linear, pack_cpu_weight
 from pagedserve.worker.layers.linear import copy_checked, loaded_shape, read_shard
 from pagedserve.worker.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                    tensor_model_parallel_all_reduce)
@@ -59,15 +59,15 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h W^T over this rank's vocab shard, gathered to the full vocabulary."""
 
-    _packed: torch.Tensor | None = None
+    _packed = None  # pack_cpu_weight(W, backend)
 
-    def pack_for_cpu(self) -> None:
+    def pack_for_cpu(self, backend: str = "onednn", alloc: Alloc | None = None) -> None:
         # The plain weight stays: with tied embeddings it is also the embedding table.
-        self._packed = pack_weight(self.weight.data)
+        self._packed = pack_cpu_weight(self.weight.data, backend, alloc)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            logits = linear_onednn(hidden_states, self._packed)
+            logits = cpu_linear(hidden_states, self._packed)
         else:
             logits = F.linear(hidden_states, self.weight)
         if self.tp_size > 1:

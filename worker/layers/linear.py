@@ -10,9 +10,10 @@
 A weight loader receives either a tensor or a safetensors slice (``safe_open().get_slice``)
 and reads only this rank's rows/columns of it, so no rank materialises the full tensor.
 
-On CPU, after loading, ``pack_for_cpu()`` may move a layer's weight into oneDNN's blocked
-layout (pagedserve.kernels.cpu_linear; chosen by a load-time probe in
-worker/layers/cpu_backend.py). The plain weight is then dropped, so memory stays the same.
+On CPU, after loading, ``pack_for_cpu(backend)`` may move a layer's weight into oneDNN's
+blocked layout or the panel layout of kernels/cpu_gemm.py (pagedserve.kernels.cpu_linear;
+chosen by a load-time probe in worker/layers/cpu_backend.py). The plain weight is then
+dropped, so memory stays the same.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.cpu_linear import linear_onednn, pack_weight
+from pagedserve.kernels.cpu_linear import Alloc, cpu_linear, pack_cpu_weight
 from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
@@ -64,18 +65,18 @@ def _param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
 
 class PackableLinear(nn.Module):
     """The GEMM of every linear layer here: ``F.linear`` on the plain weight, or, once
-    ``pack_for_cpu`` ran, oneDNN on the packed one."""
+    ``pack_for_cpu`` ran, the chosen CPU backend on the packed one."""
 
-    _packed: torch.Tensor | None = None
+    _packed = None  # pack_cpu_weight(W, backend): an mkldnn tensor or a PanelWeight
 
-    def pack_for_cpu(self, free_plain: bool = True) -> None:
-        self._packed = pack_weight(self.weight.data)
+    def pack_for_cpu(self, backend: str = "onednn", alloc: Alloc | None = None, free_plain: bool = True) -> None:
+        self._packed = pack_cpu_weight(self.weight.data, backend, alloc)
         if free_plain:  # no longer read; a 0-element tensor keeps .dtype and .device answering
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._packed is not None:
-            return linear_onednn(x, self._packed, bias)
+            return cpu_linear(x, self._packed, bias)
         return F.linear(x, self.weight, bias)
 
 
