@@ -15,13 +15,15 @@ the KV pool does.
 Measured on a 2-core Xeon (AVX-512; the 63M bench model's 32 weights, streamed from memory,
 fastest of 5 passes, against oneDNN's pre-packed weights of kernels/cpu_linear.py):
 
-    M           1      8      16     32     128    512    2048
-    2 threads   1.55x  1.55x  1.33x  1.29x  1.03x  1.00x  0.96x
-    1 thread    1.48x  1.46x  1.27x
+    M           1      8      16     32     64     128    512    2048
+    2 threads   1.55x  1.55x  1.33x  1.25x  1.05x  1.03x  1.00x  0.96x
+    1 thread    1.48x  1.46x  1.27x  1.23x  1.06x  0.95x  1.00x  0.93x
 
-At large M both are bound by the FMA units; oneDNN's blocking for the caches wins the last
-4% at prefill sizes. Summation over k is in order, one FMA per k, as in a plain dot
-product: fp32 results differ from F.linear's in rounding only (~1e-6 relative).
+At large M both are bound by the FMA units (~300 GFLOP/s on 2 cores); oneDNN's blocking for
+the caches wins the last 4-7% at prefill sizes. (An M-blocked loop order, x's rows kept in
+L2 across panel groups, measured slower: more parallel regions, less work in each.)
+Summation over k is in order, one FMA per k, as in a plain dot product: fp32 results differ
+from F.linear's in rounding only (~1e-6 relative).
 Without AVX-512 the module builds but reports ``supported() == False``, and the load-time
 probe (worker/layers/cpu_backend.py) never picks it.
 """

@@ -50,6 +50,48 @@ def test_zeros_are_zeros_in_huge_pages():
     assert int(m["AnonHugePages"].split()[0]) >= 2048, m  # at least one 2 MB page, touched by the zeroing
 
 
+@needs_thp
+def test_zeros_get_huge_pages_where_the_heap_holds_touched_pages():
+    """The engine's pool came out in 4 KB pages once the load probe had touched and freed
+    heap memory before it: advice on pages already faulted in changes nothing. zeros()
+    maps memory of its own, whole huge pages over all of it, for every dtype, and the
+    mapping goes away with the tensor. In a subprocess: mallopt is process-wide."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, torch
+from pagedserve.worker import cpu_memory
+assert cpu_memory.tune_malloc()
+junk = torch.ones(96 << 20, dtype=torch.uint8)  # from the heap, touched, then freed
+del junk
+def huge_kb(t):
+    lo = t.data_ptr()
+    total = 0
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            a, b = (int(x, 16) for x in head.split("-"))
+            inside = a < lo + t.numel() * t.element_size() and lo < b
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+for dtype in (torch.float32, torch.bfloat16, torch.int8):
+    t = cpu_memory.zeros((1024, 16, 8, 64), dtype, "cpu")
+    n = t.numel() * t.element_size()
+    assert t.data_ptr() % cpu_memory.HUGE_PAGE == 0 and not t.any(), dtype
+    assert huge_kb(t) * 1024 == n, (dtype, huge_kb(t), n)
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    assert not any(line.startswith(f"{ptr:x}-") for line in open("/proc/self/maps")), dtype
+print("OK")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-2000:]
+
+
 def test_off_by_environment_and_on_small_or_gpu_tensors(monkeypatch):
     assert not cpu_memory.advise_huge_pages(torch.empty(1000))  # no whole 2 MB page inside
     monkeypatch.setenv("PAGEDSERVE_KV_THP", "0")

@@ -5,7 +5,10 @@ A decode step reads every running sequence's K/V blocks: 16-token blocks in rand
 over a pool of hundreds of MB, each block spread over 4 KB pages, so the reads miss the
 TLB at every block. Most distributions set THP to "madvise": a region gets 2 MB pages
 only if it asks. The pool asks before its first touch (zeroing it then faults in huge
-pages). Offline calibration run, Intel Xeon 2 threads, interleaved: 343.2 / 349.9 -> 384.3 /
+pages), in a mapping of its own: from malloc's heap it could land on pages that earlier
+buffers had touched (the load probe's weight copies, freed), which stay 4 KB pages whatever
+it asks; that happened to the engine's pool once the probe grew. The CPU panel GEMM's
+weights (kernels/cpu_gemm.py) are allocated the same way. Offline calibration run, Intel Xeon 2 threads, interleaved: 343.2 / 349.9 -> 384.3 /
 394.7 tok/s; most of the time saved was in the GEMMs (28.7 -> 25.4 s of a ~45 s run), whose
 weight stream the KV pool's page walks had slowed, less in attention (7.9 -> 7.5 s).
 
@@ -25,6 +28,8 @@ memory instead of returning it.
 from __future__ import annotations
 
 import ctypes
+import math
+import mmap
 import os
 import sys
 
@@ -77,10 +82,26 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
 
 
+def _fresh_mapping(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (uint8, CPU) at a 2 MB boundary of an anonymous mapping of their own:
+    pages nothing has touched, freed with the last tensor that views them."""
+    # Private: Python's default for an anonymous mmap is MAP_SHARED, which is shmem, where
+    # THP follows shmem_enabled ("never" on most systems), not the madvise below.
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to mm
+    off = -raw.data_ptr() % HUGE_PAGE
+    return raw[off: off + nbytes]
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.zeros``; on CPU the memory asks for huge pages before it is first touched."""
+    """``torch.zeros``; on CPU, from a size of one huge page up, in a fresh mapping that
+    asks for huge pages before it is first touched."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    t = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes >= HUGE_PAGE and sys.platform.startswith("linux") and os.environ.get("PAGEDSERVE_KV_THP") != "0":
+        t = _fresh_mapping(nbytes).view(dtype).view(shape)
+    else:
+        t = torch.empty(shape, dtype=dtype, device=device)
     advise_huge_pages(t)
     return t.zero_()
