@@ -16,11 +16,11 @@ Measured on a 2-core Xeon (AVX-512; the 63M bench model's 32 weights, streamed f
 fastest of 5 passes, against oneDNN's pre-packed weights of kernels/cpu_linear.py):
 
     M           1      8      16     32     64     128    512    2048
-    2 threads   1.55x  1.55x  1.33x  1.25x  1.05x  1.03x  1.00x  0.96x
-    1 thread    1.48x  1.46x  1.27x  1.23x  1.06x  0.95x  1.00x  0.93x
+    2 threads   1.29x  1.37x  1.24x  1.22x  1.06x  1.03x  1.06x  0.99x
+    1 thread    1.30x  1.48x  1.26x  1.21x  1.10x  1.02x  0.97x  1.03x
 
-At large M both are bound by the FMA units (~300 GFLOP/s on 2 cores); oneDNN's blocking for
-the caches wins the last 4-7% at prefill sizes. (An M-blocked loop order, x's rows kept in
+At large M both are bound by the FMA units (~300 GFLOP/s on 2 cores) and run within a few
+percent of each other. (An M-blocked loop order, x's rows kept in
 L2 across panel groups, measured slower: more parallel regions, less work in each.)
 Summation over k is in order, one FMA per k, as in a plain dot product: fp32 results differ
 from F.linear's in rounding only (~1e-6 relative).
