@@ -18,8 +18,9 @@ into L1 with their scales folded in, so a quantised context reads a quarter of t
 Where the compiler targets AVX-512 (``-march=native``), a block is computed 16 tokens at a
 time: per query head, the 16 scores out of one transpose-and-add tree, the softmax with a
 vectorised exp (degree-7 polynomial, ~1 ulp), q and the accumulator in registers (D = 32, 64,
-128; other D load each K and V row once for all the group's heads). Elsewhere the portable loop runs. The calls
-release the GIL, so a serving process's event loop runs while a step is in attention.
+128; other D load each K and V row once for all the group's heads). Elsewhere the portable
+loop runs. The calls release the GIL, so a serving process's event loop runs while a step is
+in attention.
 Anything else, or a machine where the extension cannot be built, falls back to the torch
 path. Built once per machine into torch's extension cache (~1 min with g++), then loaded in
 well under a second.

@@ -8,9 +8,10 @@ only if it asks. The pool asks before its first touch (zeroing it then faults in
 pages), in a mapping of its own: from malloc's heap it could land on pages that earlier
 buffers had touched (the load probe's weight copies, freed), which stay 4 KB pages whatever
 it asks; that happened to the engine's pool once the probe grew. The CPU panel GEMM's
-weights (kernels/cpu_gemm.py) are allocated the same way. Offline calibration run, Intel Xeon 2 threads, interleaved: 343.2 / 349.9 -> 384.3 /
-394.7 tok/s; most of the time saved was in the GEMMs (28.7 -> 25.4 s of a ~45 s run), whose
-weight stream the KV pool's page walks had slowed, less in attention (7.9 -> 7.5 s).
+weights (kernels/cpu_gemm.py) are allocated the same way. Offline calibration run, Intel
+Xeon 2 threads, interleaved: 343.2 / 349.9 -> 384.3 / 394.7 tok/s; most of the time saved
+was in the GEMMs (28.7 -> 25.4 s of a ~45 s run), whose weight stream the KV pool's page
+walks had slowed, less in attention (7.9 -> 7.5 s).
 
 ``PAGEDSERVE_KV_THP=0`` turns it off. A no-op off Linux, on GPU tensors and where the
 kernel refuses (THP "never").
