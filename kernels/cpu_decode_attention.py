@@ -20,10 +20,8 @@ time: per query head, the 16 scores out of one transpose-and-add tree, the softm
 vectorised exp (degree-7 polynomial, ~1 ulp), q and the accumulator in registers (D = 32, 64,
 128; other D load each K and V row once for all the group's heads). Elsewhere the portable
 loop runs. The calls release the GIL, so a serving process's event loop runs while a step is
-in attention.
-Anything else, or a machine where the extension cannot be built, falls back to the torch
-path. Built once per machine into torch's extension cache (~1 min with g++), then loaded in
-well under a second.
+in attention. Anything else, or a machine where the extension cannot be built, falls back to
+the torch path. Built once per CPU kind into torch's extension cache (kernels/cpu_build.py).
 """
 
 from __future__ import annotations
@@ -167,11 +165,10 @@ static inline __m512 reduce16(const __m512* a) {
                        _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));  // chunk i: a_4i .. a_4i+3
 }
 
-// block_avx512 for D = 16 C, with each query head's q and accumulator in registers: per head,
-// its 16 scores come out of one reduce16 and its P.V runs over the block's V rows (in L1
-// after the first head), so no score or accumulator goes through memory. Intel Xeon, D = 64,
-// G = 3: 17.6 -> 33.5 GB/s of K/V with the cache hot in L2 (1 thread), 1.13-1.35x from memory
-// (2 threads; block_avx512 below was compute bound: with no overlap, 1/17.6 + 1/18 s/GB).
+// block_avx512 for D = 16 C with each query head's q and accumulator in registers: per head,
+// 16 scores from one reduce16, then P.V over the block's V rows (in L1 after the first head).
+// Intel Xeon, D 64, G 3: 17.6 -> 33.5 GB/s of K/V hot in L2 (1 thread), 1.13-1.35x from
+// memory (2 threads); block_avx512 above was compute bound (cold: 1/(1/17.6 + 1/18) GB/s).
 template <int C>
 static inline void block_avx512_regs(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
                                      int64_t G, float* acc, float* m, float* l) {

@@ -99,7 +99,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     asks for huge pages before it is first touched."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= HUGE_PAGE and sys.platform.startswith("linux") and os.environ.get("PAGEDSERVE_KV_THP") != "0":
         t = _fresh_mapping(nbytes).view(dtype).view(shape)
     else:
