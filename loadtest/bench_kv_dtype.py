@@ -10,6 +10,11 @@ so the peak grows a little less than the pool; the memory-bound mean is the stea
 The last line is one JSON object.
 
     python -m pagedserve.loadtest.bench_kv_dtype [--kv-cache-memory 720MiB] [--model DIR] [--requests 600]
+        [--workload chat|long]
+
+``--workload long`` is the case the article behind issue 14 measures ("14 sequences of 8K
+in FP16, 26 in Q8_0"): every request a long context (a 1,500-2,500-token prompt, 256 new
+tokens), all arriving at once, so the pool holds few, long sequences.
 
 The default shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64), the default model.
 """
@@ -18,8 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 
-from pagedserve.loadtest.bench_scheduler import make_workload, simulate
+from pagedserve.loadtest.bench_scheduler import VOCAB, make_workload, simulate
 from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token
 
 SMOLLM2_135M = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
@@ -34,10 +40,16 @@ def _memory(text: str) -> int:
     return parse(text)
 
 
-def run(cfg: dict, budget: int, requests: int, seed: int, max_tokens: int) -> dict:
+def make_long_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length): long contexts, 1,500-2,500 prompt tokens, 256 new."""
+    rng = random.Random(seed)
+    return [([rng.randrange(VOCAB) for _ in range(rng.randint(1500, 2500))], 256) for _ in range(n)]
+
+
+def run(cfg: dict, budget: int, requests: int, seed: int, max_tokens: int, workload: str = "chat") -> dict:
     layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-    workload = make_workload(requests, seed, max_tokens)
+    workload = make_workload(requests, seed, max_tokens) if workload == "chat" else make_long_workload(requests, seed)
     rows = {}
     for label, kv, elt in FORMATS:
         per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, kv, elt)
@@ -54,24 +66,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workload", choices=("chat", "long"), default="chat",
+                    help="chat: bench_scheduler's workload; long: long contexts (see above)")
     args = ap.parse_args()
     cfg = SMOLLM2_135M
     if args.model:
         from pagedserve.cluster.cli.kv_size import load_hf_config
 
         cfg = load_hf_config(args.model)
-    rows = run(cfg, args.kv_cache_memory, args.requests, args.seed, args.max_tokens)
-    print(f"KV budget {args.kv_cache_memory / 2**20:.0f} MiB, {args.requests} requests "
-          f"(bench_scheduler's workload, seed {args.seed})")
+    rows = run(cfg, args.kv_cache_memory, args.requests, args.seed, args.max_tokens, args.workload)
+    what = "bench_scheduler's workload" if args.workload == "chat" else "long contexts, 1,500-2,500 + 256 tokens"
+    print(f"KV budget {args.kv_cache_memory / 2**20:.0f} MiB, {args.requests} requests ({what}, seed {args.seed})")
     bf16, fp32 = rows["bf16 (auto)"], rows["fp32 (auto)"]
     for label, r in rows.items():
-        full = r["mean_seqs_when_full"]
+        full, f16, f32 = r["mean_seqs_when_full"], bf16["mean_seqs_when_full"], fp32["mean_seqs_when_full"]
+        # None: the pool never filled (the budget holds the whole workload).
+        bound = (f"{full:6.1f} ({full / f16:.2f}x bf16, {full / f32:.2f}x fp32)" if full and f16 and f32
+                 else "   - (the pool never filled)")
         print(f"  {label:12s} {r['bytes_per_token']:6d} B/token  {r['num_blocks']:6d} blocks "
               f"({r['num_blocks'] / bf16['num_blocks']:.2f}x bf16)  peak seqs {r['peak_seqs']:4d} "
               f"({r['peak_seqs'] / bf16['peak_seqs']:.2f}x bf16, {r['peak_seqs'] / fp32['peak_seqs']:.2f}x fp32)  "
-              f"memory-bound mean {full:6.1f} ({full / bf16['mean_seqs_when_full']:.2f}x bf16, "
-              f"{full / fp32['mean_seqs_when_full']:.2f}x fp32)  preemptions {r['preemptions']:4d}  steps {r['steps']}")
-    print(json.dumps({"kv_cache_memory": args.kv_cache_memory, "requests": args.requests,
+              f"memory-bound mean {bound}  preemptions {r['preemptions']:4d}  steps {r['steps']}")
+    print(json.dumps({"kv_cache_memory": args.kv_cache_memory, "requests": args.requests, "workload": args.workload,
                       **{label: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                          for label, r in rows.items()}}))
 

@@ -62,6 +62,17 @@ def _drop(tasks) -> None:
 
 async def _merged(streams, finished: list[bool]):
     """(prompt index, (RequestOutput, token_text)) from every stream, as they come."""
+    if len(streams) == 1:
+        # One prompt: read it as the caller reads, with no pump in between, so the engine
+        # sees this reader's pace (flow control: ray_utils.stream_with_backpressure).
+        try:
+            async for item in streams[0]:
+                finished[0] = item[0].finished
+                yield 0, item
+        finally:
+            if not finished[0]:
+                streams[0].cancel()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):

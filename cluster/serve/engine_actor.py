@@ -337,7 +337,9 @@ class AsyncEngine(EngineStatus, EngineHealth):
                 if isinstance(item, Exception):
                     finished = True
                     raise item
-                # Steps that ran while this caller was behind go out as one item.
+                # Steps that ran while this caller was behind go out as one item. Serve pulls
+                # this generator only as the ingress reads (ray_utils.stream_with_backpressure),
+                # so under load a stream's items carry several tokens and cost what one does.
                 nxt = None
                 while not item[0].finished and not queue.empty():
                     nxt = queue.get_nowait()

@@ -18,7 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 
 from pagedserve import __version__
-from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip
+from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip, stream_with_backpressure
 from pagedserve.cluster.serve import openai_format as fmt
 from pagedserve.cluster.serve.completion_format import prompt_logprobs_json
 from pagedserve.cluster.serve.completions import create_completion
@@ -64,6 +64,7 @@ def _remote_error(e: Exception) -> JSONResponse:
 class OpenAIIngress:
     def __init__(self, engine, stats, config: IngressConfig | None = None) -> None:
         serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
+        stream_with_backpressure()  # before this replica's first handle call
         self.engine = engine
         self.stats = stats
         self.config = config or IngressConfig()

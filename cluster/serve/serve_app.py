@@ -231,8 +231,14 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
                                      "num_gpus": 1 if use_gpu else 0}
     env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE",
                                       "PAGEDSERVE_FAULT_INJECTION", "GOMP_SPINCOUNT") if k in os.environ}
-    if env:
-        opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+    # The replica runs AsyncEngine.generate on Serve's own loop, which then pulls each
+    # stream only as its caller reads (flow control: ray_utils.stream_with_backpressure).
+    # In Serve's default separate thread, a task drains the generator into a queue at once,
+    # and the engine never sees a slow reader. The engine's own work is off the loop anyway
+    # (one step thread, the tokenizer pool).
+    env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = os.environ.get(
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
+    opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
     return opts
 
 
