@@ -80,6 +80,9 @@ async def _drive_load(base: str, timeout_s: float = 90.0) -> set[str]:
                         break
 
     async with httpx.AsyncClient(timeout=120) as ac:
+        r = await ac.post(url, json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+        first = r.headers["x-pagedserve-replica"]  # the only replica before the load
         workers = [asyncio.create_task(keep_busy(ac)) for _ in range(8)]
         try:
             deadline = time.monotonic() + timeout_s
@@ -89,7 +92,10 @@ async def _drive_load(base: str, timeout_s: float = 90.0) -> set[str]:
                     if w.done():
                         w.result()  # surface a failed request
                 await asyncio.sleep(0.5)
-            assert len(seen) == 1  # everything so far went to the first replica
+            # Not "everything so far went to the first replica": a stream that started just
+            # as the new replica came up may already be on it (the router can learn of it
+            # before serve.status() says RUNNING; seen once in the suite with fast streams).
+            assert first in seen  # the replica that was there before the load kept serving
             while len(seen) < 2 and time.monotonic() < deadline:
                 r = await ac.post(url, json={"prompt": "hi", "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
