@@ -1,6 +1,6 @@
 """Ray start-up and placement helpers (the only module that decides how Ray is started).
 
-Two quirks of Ray 2.60 shape this file (see /work/shared/PEERS.md):
+These quirks of Ray 2.60 shape this file (see /work/shared/PEERS.md):
 - token auth is on by default; a local single-user cluster turns it off with
   ``RAY_AUTH_MODE=disabled`` (set before ``ray.init``, inherited by Ray's processes);
 - Ray binds the host's routable address, and ``_node_ip_address="127.0.0.1"`` alone
