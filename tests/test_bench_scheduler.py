@@ -32,3 +32,28 @@ def test_bench_thrash_counts_preemptions_on_a_tight_pool():
     roomy = run(protect=0, num_blocks=4096, requests=40, seed=0, tenants=2)
     assert tight["preemptions_per_request"] > 0 and tight["steps"] > roomy["steps"]
     assert roomy["preemptions_per_request"] == 0
+
+
+def _kv_dtype_bench(*args):
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.bench_kv_dtype", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_bench_kv_dtype_long_contexts_hold_more_sequences_in_a_1_byte_cache():
+    """--workload long (issue 14, the article's case): at one budget the 1-byte caches run
+    more long sequences at once than bf16, about as many more as they have blocks."""
+    _, s = _kv_dtype_bench("--workload", "long", "--requests", "60", "--kv-cache-memory", "1GiB")
+    assert s["workload"] == "long"
+    bf16, fp8 = s["bf16 (auto)"], s["fp8_e4m3"]
+    assert fp8["num_blocks"] / bf16["num_blocks"] > 1.9
+    assert 1.7 < fp8["peak_seqs"] / bf16["peak_seqs"] <= fp8["num_blocks"] / bf16["num_blocks"]
+
+
+def test_bench_kv_dtype_with_a_budget_that_never_fills():
+    """A budget that holds the whole workload has no memory-bound steps: printed as such
+    (it raised a TypeError formatting None before)."""
+    out, s = _kv_dtype_bench("--requests", "20", "--kv-cache-memory", "16GiB")
+    assert "the pool never filled" in out
+    assert s["bf16 (auto)"]["mean_seqs_when_full"] is None
