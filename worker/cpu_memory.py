@@ -67,9 +67,13 @@ def tune_malloc() -> bool:
         return False
 
 
+def _thp_wanted() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("PAGEDSERVE_KV_THP") != "0"
+
+
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask for 2 MB pages over the whole huge pages inside ``t``'s memory; True if asked."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or os.environ.get("PAGEDSERVE_KV_THP") == "0":
+    if t.device.type != "cpu" or not _thp_wanted():
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
@@ -100,7 +104,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= HUGE_PAGE and sys.platform.startswith("linux") and os.environ.get("PAGEDSERVE_KV_THP") != "0":
+    if nbytes >= HUGE_PAGE and _thp_wanted():
         t = _fresh_mapping(nbytes).view(dtype).view(shape)
     else:
         t = torch.empty(shape, dtype=dtype, device=device)
