@@ -6,7 +6,7 @@ The model calls exactly two functions per layer and step, in this order:
     out = paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend[, k_scale=, v_scale=])
 
 A quantised cache (``--kv-cache-dtype fp8 | fp8_e5m2 | int8``, see kv_quant.py) is told by
-the caches' dtype and carries per-(token, head) bf16 scales: writes quantise, every
+the caches' dtype and carries a 1-byte scale per (token, head): writes quantise, every
 attention path dequantises as it reads.
 ``backend`` comes from ``resolve_attention_backend("auto", device)`` once, at start-up.
 Triton is imported lazily, so this package imports on a machine without triton or CUDA.
@@ -61,7 +61,7 @@ def write_kv_cache(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0: skip
     backend: str = "torch",
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> None:
     if backend == "triton":
@@ -82,7 +82,7 @@ def paged_attention(
     scale: float,
     backend: str = "torch",
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this step's rows over their cached context (written beforehand)."""

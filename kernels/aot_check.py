@@ -35,7 +35,7 @@ def _attention_types(dt: str, kv_dt: str | None = None) -> dict[str, str]:
         elif n in ("k_cache_ptr", "v_cache_ptr"):
             types[n] = "*" + (kv_dt or dt)
         elif n in ("k_scale_ptr", "v_scale_ptr"):
-            types[n] = "*bf16" if kv_dt else "*" + dt
+            types[n] = "*u8" if kv_dt else "*" + dt
         elif n in ("block_table_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"):
             types[n] = "*i32"
         elif n in ("part_out_ptr", "part_lse_ptr"):
@@ -56,7 +56,7 @@ def variants(quick: bool = False):
         for group, gpad, hd, bm, split in (shapes[:3] if quick else shapes):
             consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd, BLOCK_SIZE=16,
                           TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split, FP32_DOT=dt == "fp32",
-                          KV_QUANT=False, NUM_KV_HEADS=8)
+                          KV_QUANT=False, NUM_KV_HEADS=8, INV_QMAX=0.0)
             yield (f"attention {dt} group {group} d{hd} BLOCK_M {bm} split {split}",
                    triton_paged_attention._paged_attention_kernel, _attention_types(dt), consts)
     yield ("split-KV reduce", triton_split_kv_reduce._split_kv_reduce_kernel,
@@ -67,7 +67,7 @@ def variants(quick: bool = False):
            {n: ("*i64" if n == "slot_mapping_ptr" else "*bf16" if n.endswith("_ptr") else "i32")
             for n in triton_cache_write._write_kv_cache_kernel.arg_names},
            dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, QUANT=0, QMAX=0.0,
-                MIN_SCALE=2.0 ** -126))
+                INV_QMAX=0.0))
 
 
 # kv format -> (triton pointer type, cache-write QUANT code, QMAX, lowest arch that must compile)
@@ -84,15 +84,15 @@ def kv_quant_variants():
                                                    (1, 1, 64, 16, True)):
                     consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd,
                                   BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split,
-                                  FP32_DOT=False, KV_QUANT=True, NUM_KV_HEADS=8)
+                                  FP32_DOT=False, KV_QUANT=True, NUM_KV_HEADS=8, INV_QMAX=1.0 / qmax)
                     yield (f"sm_{arch} attention q {dt} kv {kv_dt} group {group} BLOCK_M {bm} split {split}",
                            triton_paged_attention._paged_attention_kernel, _attention_types(dt, ptr), consts, arch)
-            types = {n: ("*i64" if n == "slot_mapping_ptr" else "*bf16" if "scale" in n else
+            types = {n: ("*i64" if n == "slot_mapping_ptr" else "*u8" if "scale" in n else
                          f"*{ptr}" if "cache" in n else "*bf16" if n.endswith("_ptr") else "i32")
                      for n in triton_cache_write._write_kv_cache_kernel.arg_names}
             yield (f"sm_{arch} cache write bf16 -> {kv_dt}", triton_cache_write._write_kv_cache_kernel, types,
                    dict(NUM_KV_HEADS=3, HEADS_PAD=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, QUANT=code,
-                        QMAX=qmax, MIN_SCALE=2.0 ** -126), arch)
+                        QMAX=qmax, INV_QMAX=1.0 / qmax), arch)
 
 
 def main() -> int:

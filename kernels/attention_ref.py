@@ -28,7 +28,7 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset; < 0: skip
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> None:
     quantized = check_scales(k_cache, v_cache, k_scale, v_scale)
@@ -62,7 +62,7 @@ def paged_attention_ref(
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Slow and obviously correct: one sequence at a time, fp32 math."""

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.kernels.cpu_decode_attention import decode_attention_cpu
-from pagedserve.kernels.kv_quant import check_scales, dequantize_rows
+from pagedserve.kernels.kv_quant import check_scales, dequantize_rows, row_scales
 from pagedserve.kernels.metadata import AttentionMetadata
 
 # Decode groups are padded to their longest member; a sequence joins the current group
@@ -170,12 +170,14 @@ def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int, first_seq: 
     return _PLAN
 
 
-def _gather_scales(scales: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    """scales (as [-1]) at the same rows as the values -> fp32 [b, num_kv_heads, 1, padded]."""
+def _gather_scales(scales: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...], name: str,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """absmax codes (as [-1]) at the same rows as the values -> fp32 scales [b, num_kv_heads, 1, padded]
+    of a ``dtype`` cache."""
     b, kvh, padded, _ = shape
-    low = torch.index_select(scales.view(-1), 0, rows, out=_workspace(name + "_s16", (rows.numel(),), scales.dtype,
-                                                                       scales.device))
-    return _workspace(name + "_s", (b, kvh, 1, padded), torch.float32, scales.device).copy_(low.view(b, kvh, 1, padded))
+    codes = torch.index_select(scales.view(-1), 0, rows, out=_workspace(name + "_s8", (rows.numel(),), scales.dtype,
+                                                                         scales.device))
+    return row_scales(codes, dtype).view(b, kvh, 1, padded)
 
 
 def _decode_group(
@@ -185,7 +187,7 @@ def _decode_group(
     g: _DecodeGroup,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -199,12 +201,12 @@ def _decode_group(
     scores = _workspace("scores", (b, num_kv_heads, group, g.padded), torch.float32, q.device)
     torch.matmul(qg, kp.transpose(-1, -2), out=scores)
     if k_scale is not None:
-        scores.mul_(_gather_scales(k_scale, g.kv_rows, shape, "k"))
+        scores.mul_(_gather_scales(k_scale, g.kv_rows, shape, "k", k_cache.dtype))
     if g.is_pad is not None:
         scores.masked_fill_(g.is_pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if v_scale is not None:
-        probs.mul_(_gather_scales(v_scale, g.kv_rows, shape, "v"))
+        probs.mul_(_gather_scales(v_scale, g.kv_rows, shape, "v", v_cache.dtype))
     o = torch.matmul(probs, vp)  # [b, num_kv_heads, group, head_dim]
     out.index_copy_(0, g.rows, o.view(b, num_heads, head_dim).to(out.dtype))
 
@@ -216,7 +218,7 @@ def _prefill_seq(
     blocks_row: torch.Tensor,  # [max_num_blocks_per_seq]
     seq_len: int,
     scale: float,
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -251,7 +253,7 @@ def paged_attention_torch(
     attn_metadata: AttentionMetadata,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     md = attn_metadata

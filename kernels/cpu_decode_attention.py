@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 
 from .cpu_build import LazyExtension
+from .cpu_kv_dequant import DEQUANT_SOURCE
+from .kv_quant import INV_QMAX
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -45,40 +47,8 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-// Cache formats: 0 fp32; quantised (1 byte + one bf16 scale per (token, kv head)):
-// 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8. A quantised block is dequantised once per (block,
-// kv head) into a [BS, D] fp32 buffer with its scales folded in, so every query head of
-// the group reads it from L1, and the loops below stay the fp32 ones.
-// fp8 code -> fp32 in integer ops the d loop vectorises: the code's exponent and mantissa
-// bits placed at fp32's positions give the value times 2^-(127 - BIAS) (its subnormals land
-// on fp32 denormals, exactly), and one multiply rebiases. Were denormals flushed on this
-// thread (DAZ), only subnormal codes (|x| < 2^-6 of a row's scale step) would read as 0.
-template <int FMT>
-static inline float fp8_to_float(uint8_t byte) {
-  constexpr uint32_t MB = FMT == 1 ? 3 : 2;
-  constexpr float REBIAS = FMT == 1 ? 0x1p120f : 0x1p112f;
-  const uint32_t b = byte;
-  const uint32_t bits = ((b & 0x80u) << 24) | ((b & 0x7Fu) << (23 - MB));
-  return __builtin_bit_cast(float, bits) * REBIAS;
-}
-
-template <int FMT>
-static inline void dequant_block(const uint8_t* src, const at::BFloat16* scales, int64_t n, int64_t row_stride,
-                                 int64_t D, float* dst) {
-  for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* row = src + t * row_stride;
-    const float s = static_cast<float>(scales[t * row_stride / D]);
-    float* d_row = dst + t * D;
-    if constexpr (FMT == 3) {
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) d_row[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
-    } else {
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) d_row[d] = fp8_to_float<FMT>(row[d]) * s;
-    }
-  }
-}
-
+// Formats: 0 fp32; 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8 (dequant_block: cpu_kv_dequant.py).
+""" + DEQUANT_SOURCE + r"""
 #if defined(__AVX512F__)
 // exp(x) for x <= 0 in 16 lanes: x = n ln2 + r (Cody-Waite), e^r by its degree-7 Taylor
 // polynomial (|r| <= ln2 / 2: relative error ~1e-7, 1 ulp), times 2^n by scalef. Lanes
@@ -245,11 +215,12 @@ static inline void block_scalar(const float* qs, const float* kb, const float* v
 }
 
 // q [S, H, D] fp32 (one decode row per sequence), caches [NB, BS, KVH, D] (fp32, or
-// 1-byte codes with scales [NB, BS, KVH] bf16), block_table [S, MAXB] int32,
+// 1-byte codes with scale codes [NB, BS, KVH] uint8), block_table [S, MAXB] int32,
 // seq_lens [S] int32, out [S, H, D] fp32.
 template <int FMT>
 static void decode_attention_impl(torch::Tensor q, const void* k_data, const void* v_data,
-                                  const at::BFloat16* k_scales, const at::BFloat16* v_scales, int64_t BS, int64_t KVH,
+                                  const uint8_t* k_scales, const uint8_t* v_scales, float inv_qmax, int64_t BS,
+                                  int64_t KVH,
                                   torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                   torch::Tensor out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
@@ -302,10 +273,10 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
           vb = static_cast<const float*>(v_data) + first;
           row = KVH * D;
         } else {
-          dequant_block<FMT>(static_cast<const uint8_t*>(k_data) + first, k_scales + first / D, n, KVH * D, D,
-                             kbuf.data());
-          dequant_block<FMT>(static_cast<const uint8_t*>(v_data) + first, v_scales + first / D, n, KVH * D, D,
-                             vbuf.data());
+          dequant_block<FMT>(static_cast<const uint8_t*>(k_data) + first, k_scales + first / D, inv_qmax, n,
+                             KVH * D, D, kbuf.data());
+          dequant_block<FMT>(static_cast<const uint8_t*>(v_data) + first, v_scales + first / D, inv_qmax, n,
+                             KVH * D, D, vbuf.data());
           kb = kbuf.data();
           vb = vbuf.data();
           row = D;
@@ -333,21 +304,22 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
 void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                       torch::Tensor out) {
-  decode_attention_impl<0>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr,
+  decode_attention_impl<0>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr, 0.0f,
                            k_cache.size(1), k_cache.size(2), block_table, seq_lens, scale, out);
 }
 
 void decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
-                            torch::Tensor seq_lens, double scale, torch::Tensor out, int64_t fmt) {
+                            torch::Tensor seq_lens, double scale, torch::Tensor out, int64_t fmt, double inv_qmax) {
   const void* k = k_cache.data_ptr<uint8_t>();
   const void* v = v_cache.data_ptr<uint8_t>();
-  const at::BFloat16* ks = k_scale.data_ptr<at::BFloat16>();
-  const at::BFloat16* vs = v_scale.data_ptr<at::BFloat16>();
+  const uint8_t* ks = k_scale.data_ptr<uint8_t>();
+  const uint8_t* vs = v_scale.data_ptr<uint8_t>();
+  const float iq = static_cast<float>(inv_qmax);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, BS, KVH, block_table, seq_lens, scale, out);
-  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, BS, KVH, block_table, seq_lens, scale, out);
-  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, BS, KVH, block_table, seq_lens, scale, out);
+  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out);
+  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out);
+  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out);
   else TORCH_CHECK(false, "unknown quantised KV format ", fmt);
 }
 
@@ -360,7 +332,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v7", _SOURCE,
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v8", _SOURCE,
                      ["-O3", "-march=native", "-fno-math-errno"],
                      "CPU decode-attention", "using the torch path")
 _load = _EXT.get
@@ -375,7 +347,7 @@ def decode_attention_cpu(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> bool:
     """Fills ``out`` and returns True, or returns False when it cannot (caller falls back)."""
@@ -384,7 +356,8 @@ def decode_attention_cpu(
             or q.stride(-1) != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or out.stride(-1) != 1 or q.shape[1] % k_cache.shape[2] != 0):
         return False
-    if fmt and (k_scale is None or v_scale is None or not k_scale.is_contiguous() or not v_scale.is_contiguous()):
+    if fmt and (k_scale is None or v_scale is None or not k_scale.is_contiguous() or not v_scale.is_contiguous()
+                or k_scale.dtype != torch.uint8 or v_scale.dtype != torch.uint8):
         return False
     mod = _load()
     if mod is None:
@@ -395,5 +368,5 @@ def decode_attention_cpu(
         mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out)
     else:
         mod.decode_attention_quant(q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, bt,
-                                   lens, float(scale), out, fmt)
+                                   lens, float(scale), out, fmt, INV_QMAX[k_cache.dtype])
     return True

@@ -6,8 +6,9 @@
 One program per token copies its [num_kv_heads, head_dim] K and V rows; the block
 offset is computed in int64 because block_id * stride_blk overflows int32 in large pools.
 
-Quantised caches (kv_quant.py): each (token, head) row gets scale = absmax / QMAX rounded
-up to bf16, and its values x / scale, clamped to +-QMAX, are rounded to the format's grid in fp32
+Quantised caches (kv_quant.py): each (token, head) row's absmax is rounded up to its UE5M3
+code (integer ops on the fp32 bits, as torch's encode_amax), its scale is that absmax times
+1 / QMAX, and its values x / scale, clamped to +-QMAX, are rounded to the format's grid in fp32
 before the cast (round to nearest even, as torch's cast does), so the bytes equal the torch
 reference's whatever rounding mode this Triton's fp8 cast uses.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.kv_quant import MIN_SCALE, QMAX, check_scales, check_fp8_device
+from pagedserve.kernels.kv_quant import (AMAX_CODE_BIAS, AMAX_MIN, INV_QMAX, QMAX, SCALE_NAN, check_fp8_device,
+                                         check_scales)
 
 try:
     import triton
@@ -28,6 +30,11 @@ except ImportError:
 _QUANT = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
 if triton is not None:
+    # kv_quant's scale-code constants, as compile-time constants of the kernels
+    _AMAX_CODE_BIAS = tl.constexpr(AMAX_CODE_BIAS)
+    _SCALE_NAN = tl.constexpr(SCALE_NAN)
+    _AMAX_MIN = tl.constexpr(AMAX_MIN)
+
 
     @triton.jit
     def _to_grid(y, QUANT: tl.constexpr):
@@ -50,7 +57,7 @@ if triton is not None:
     def _store_row(cache_ptr, scale_ptr, x, slot, offs_h, mask, h_ok,
                    stride_blk, stride_tok, stride_head,
                    NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr,
-                   QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, offs_d):
+                   QMAX: tl.constexpr, INV_QMAX: tl.constexpr, offs_d):
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         dst = cache_ptr + blk * stride_blk + off * stride_tok + offs_h[:, None] * stride_head + offs_d[None, :]
@@ -59,11 +66,14 @@ if triton is not None:
         else:
             xf = x.to(tl.float32)
             amax = tl.max(tl.abs(xf), 1)
-            s = tl.maximum(amax / QMAX, MIN_SCALE)
-            # Round up to bf16 in fp32 bits (carry into the top 16, drop the rest): exact, so
-            # the bf16 store below cannot round again.
-            s = ((s.to(tl.int32, bitcast=True) + 0xFFFF) & -65536).to(tl.float32, bitcast=True)
-            tl.store(scale_ptr + slot * NUM_KV_HEADS + offs_h, s.to(tl.bfloat16), mask=h_ok)  # [num_slots, heads]
+            # The absmax's UE5M3 code: carry into fp32's top 3 mantissa bits, keep exponent and
+            # those bits, rebias; floored at code 0 (2^-15), saturated at 254, NaN -> 255.
+            a = tl.maximum(amax, _AMAX_MIN)
+            code = ((a.to(tl.int32, bitcast=True) + 0xFFFFF) >> 20) - _AMAX_CODE_BIAS
+            code = tl.minimum(tl.maximum(code, 0), _SCALE_NAN - 1)
+            code = tl.where(amax != amax, _SCALE_NAN, code)
+            tl.store(scale_ptr + slot * NUM_KV_HEADS + offs_h, code.to(tl.uint8), mask=h_ok)  # [num_slots, heads]
+            s = ((code + _AMAX_CODE_BIAS) << 20).to(tl.float32, bitcast=True) * INV_QMAX
             y = tl.minimum(tl.maximum(xf / s[:, None], -QMAX), QMAX)
             tl.store(dst, _to_grid(y, QUANT).to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -73,8 +83,8 @@ if triton is not None:
         value_ptr,  # [num_tokens, num_kv_heads, head_dim]
         k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (QUANT only)
-        v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (QUANT only)
+        k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] uint8 absmax codes, contiguous (QUANT only)
+        v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] uint8 absmax codes, contiguous (QUANT only)
         slot_mapping_ptr,  # [num_tokens] int64
         stride_key_tok, stride_key_head,
         stride_value_tok, stride_value_head,
@@ -87,7 +97,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         QUANT: tl.constexpr,  # 0 copy, 1 fp8 e4m3, 2 fp8 e5m2, 3 int8
         QMAX: tl.constexpr,
-        MIN_SCALE: tl.constexpr,
+        INV_QMAX: tl.constexpr,  # 1 / QMAX in fp32 (kv_quant.INV_QMAX)
     ):
         tok = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -103,9 +113,9 @@ if triton is not None:
         v = tl.load(value_ptr + tok * stride_value_tok + offs_h[:, None] * stride_value_head + offs_d[None, :],
                     mask=mask, other=0.0)
         _store_row(k_cache_ptr, k_scale_ptr, k, slot, offs_h, mask, h_ok, stride_kc_blk, stride_kc_tok,
-                   stride_kc_head, NUM_KV_HEADS, BLOCK_SIZE, QUANT, QMAX, MIN_SCALE, offs_d)
+                   stride_kc_head, NUM_KV_HEADS, BLOCK_SIZE, QUANT, QMAX, INV_QMAX, offs_d)
         _store_row(v_cache_ptr, v_scale_ptr, v, slot, offs_h, mask, h_ok, stride_vc_blk, stride_vc_tok,
-                   stride_vc_head, NUM_KV_HEADS, BLOCK_SIZE, QUANT, QMAX, MIN_SCALE, offs_d)
+                   stride_vc_head, NUM_KV_HEADS, BLOCK_SIZE, QUANT, QMAX, INV_QMAX, offs_d)
 
 
 def write_kv_cache_triton(
@@ -114,7 +124,7 @@ def write_kv_cache_triton(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0: skip
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> None:
     if triton is None:
@@ -147,5 +157,5 @@ def write_kv_cache_triton(
         NUM_KV_HEADS=num_kv_heads, HEADS_PAD=1 << max(0, (num_kv_heads - 1).bit_length()),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=1 << max(0, (head_dim - 1).bit_length()),
         BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0),
-        QMAX=QMAX.get(k_cache.dtype, 0.0), MIN_SCALE=MIN_SCALE,
+        QMAX=QMAX.get(k_cache.dtype, 0.0), INV_QMAX=INV_QMAX.get(k_cache.dtype, 0.0),
     )

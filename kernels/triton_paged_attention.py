@@ -23,8 +23,10 @@ triton_split_kv_reduce.py merges them.
 
 Quantised cache (``KV_QUANT``, kv_quant.py): K/V tiles load as 1-byte codes (fp8 e4m3 /
 e5m2 or int8; every code is exact in fp16 and bf16) and are converted in registers to the
-dot's dtype; the per-(token, head) bf16 scales multiply the score columns (``q . s k =
-s (q . k)``) and the probability columns before the PV dot, never the [TILE_N, HEAD_DIM] tiles.
+dot's dtype; the per-(token, head) scales (a byte each: the row's UE5M3 absmax code, its bits
+placed in fp32's exponent and mantissa fields, times 1 / QMAX) multiply the score columns
+(``q . s k = s (q . k)``) and the probability columns before the PV dot, never the
+[TILE_N, HEAD_DIM] tiles.
 """
 
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels.kv_quant import check_fp8_device, check_scales
+from pagedserve.kernels.kv_quant import AMAX_CODE_BIAS, INV_QMAX, SCALE_NAN, check_fp8_device, check_scales
 from pagedserve.kernels.metadata import AttentionMetadata
 
 try:
@@ -45,6 +47,10 @@ _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 
 if triton is not None:
+    # kv_quant's scale-code constants, as compile-time constants of the kernels
+    _AMAX_CODE_BIAS = tl.constexpr(AMAX_CODE_BIAS)
+    _SCALE_NAN = tl.constexpr(SCALE_NAN)
+
 
     @triton.jit
     def _find_seq_idx(cu_seqlens_q_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
@@ -61,6 +67,14 @@ if triton is not None:
                 hi = mid
         return lo - 1
 
+    @triton.jit
+    def _load_scale(scale_ptr, idx, mask, INV_QMAX: tl.constexpr):
+        """Scale codes at idx -> fp32 scales: the UE5M3 absmax (code bits placed at fp32's
+        exponent and mantissa, 255 -> NaN) times 1 / QMAX. Masked lanes: code 0, a finite scale."""
+        c = tl.load(scale_ptr + idx, mask=mask, other=0).to(tl.int32)
+        a = ((c + _AMAX_CODE_BIAS) << 20).to(tl.float32, bitcast=True)
+        return tl.where(c == _SCALE_NAN, float("nan"), a) * INV_QMAX
+
     # num_seqs / num_splits vary per step: no specialisation (a value of 1 would
     # otherwise become a constexpr and compile a second variant).
     @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
@@ -69,8 +83,8 @@ if triton is not None:
         q_ptr,  # [num_tokens, num_heads, head_dim]
         k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (KV_QUANT only)
-        v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] bf16, contiguous (KV_QUANT only)
+        k_scale_ptr,  # [num_blocks, block_size, num_kv_heads] uint8 absmax codes, contiguous (KV_QUANT only)
+        v_scale_ptr,  # [num_blocks, block_size, num_kv_heads] uint8 absmax codes, contiguous (KV_QUANT only)
         block_table_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
         seq_lens_ptr,  # [num_seqs] int32
         cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -96,6 +110,7 @@ if triton is not None:
         FP32_DOT: tl.constexpr,  # fp32 inputs: exact ("ieee") dots, not tf32
         KV_QUANT: tl.constexpr,  # 1-byte K/V codes with per-(token, head) scales
         NUM_KV_HEADS: tl.constexpr,  # scale row stride (KV_QUANT only)
+        INV_QMAX: tl.constexpr,  # 1 / QMAX of the cache's format, fp32 (KV_QUANT only)
     ):
         tile_idx = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -147,7 +162,7 @@ if triton is not None:
             if KV_QUANT:
                 k = k.to(q.dtype)
                 sc_row = (blk * BLOCK_SIZE + in_blk) * NUM_KV_HEADS + kv_head  # [TILE_N] scale index
-                k_sc = tl.load(k_scale_ptr + sc_row, mask=k_ok, other=0.0).to(tl.float32)
+                k_sc = _load_scale(k_scale_ptr, sc_row, k_ok, INV_QMAX)
             if FP32_DOT:
                 s = tl.dot(q, k, input_precision="ieee")
             else:
@@ -169,7 +184,7 @@ if triton is not None:
             pv = p
             if KV_QUANT:
                 v = v.to(q.dtype)
-                pv = p * tl.load(v_scale_ptr + sc_row, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                pv = p * _load_scale(v_scale_ptr, sc_row, k_ok, INV_QMAX)[None, :]
             if FP32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
             else:
@@ -254,7 +269,7 @@ def paged_attention_triton(
     tile_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] bf16 (quantised cache)
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if triton is None:
@@ -301,6 +316,7 @@ def paged_attention_triton(
         NUM_QUERIES_PER_KV=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
         SPLIT_KV=split, FP32_DOT=q.dtype == torch.float32, KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
+        INV_QMAX=INV_QMAX.get(k_cache.dtype, 0.0),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

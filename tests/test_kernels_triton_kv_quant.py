@@ -72,12 +72,13 @@ def _cache_write() -> dict:
             slots[::7] = -1
             dt = getattr(torch, fmt)
             c = [torch.zeros(40, 16, 3, 64, dtype=dt) for _ in range(4)]
-            s = [torch.full((40, 16, 3), -1.0, dtype=torch.bfloat16) for _ in range(4)]
+            s = [torch.full((40, 16, 3), 255, dtype=torch.uint8) for _ in range(4)]  # 255 (NaN): unwritten
             write_kv_cache_ref(key, value, c[0], c[1], slots, s[0], s[1])
             write_kv_cache_triton(key, value, c[2], c[3], slots, s[2], s[3])
             same = all(torch.equal(c[i].view(torch.uint8), c[i + 2].view(torch.uint8)) and torch.equal(s[i], s[i + 2])
                        for i in (0, 1))
-            res[f"{fmt}_{xdt}"] = {"equal": same, "written": int((s[2] >= 0).sum()) // 3}
+            res[f"{fmt}_{xdt}"] = {"equal": same, "written": int((s[2] != 255).sum()) // 3,
+                                   "codes": sorted({int(c) for c in s[2][s[2] != 255]})[:1]}
     return res
 
 
@@ -137,12 +138,13 @@ def test_cache_write_bytes_and_scales_equal_the_torch_reference(results, fmt):
         r = results["cache_write"][f"{fmt}_{xdt}"]
         assert r["equal"], (fmt, xdt)
         assert r["written"] == 120 - 18  # every 7th of 120 rows skipped
+        assert r["codes"] == [0]  # the zero row's absmax floors at code 0 (2^-15)
 
 
 def test_wrappers_reject_missing_or_wrong_scales(results):
     e = results["wrapper_errors"]
     assert "needs k_scale and v_scale" in e["no_scales"]
-    assert "must be a contiguous torch.bfloat16" in e["fp32_scales"]
+    assert "must be a contiguous torch.uint8 tensor (UE5M3 absmax codes)" in e["fp32_scales"]
 
 
 def test_fp8_e4m3_refused_clearly_before_sm89(monkeypatch):

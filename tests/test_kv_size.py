@@ -35,13 +35,13 @@ def test_llama3_70b_bytes_per_token_and_per_sequence():
 
 def test_fp8_cache_halves_and_tp_replicates_kv_heads():
     fp8 = kv_size(LLAMA3_70B, max_model_len=4096, kv_cache_dtype="fp8", num_gpus=4)
-    # 160 KiB of 1-byte values, plus one bf16 scale per (token, KV head) of K and of V
-    # (2 x 80 x 8 x 2 B = 2.5 KiB), which the budget counts too.
+    # 160 KiB of 1-byte values, plus one 1-byte scale per (token, KV head) of K and of V
+    # (2 x 80 x 8 x 1 B = 1.25 KiB), which the budget counts too.
     assert fp8.kv_bytes_per_token - fp8.kv_scale_bytes_per_token == 160 * 1024
-    assert fp8.kv_scale_bytes_per_token == 2560 and fp8.kib_per_token == 162.5
-    assert fp8.gib_per_seq == 162.5 * 4096 / 2**20
+    assert fp8.kv_scale_bytes_per_token == 1280 and fp8.kib_per_token == 161.25
+    assert fp8.gib_per_seq == 161.25 * 4096 / 2**20
     for name in ("fp8_e4m3", "fp8_e5m2", "int8"):
-        assert kv_size(LLAMA3_70B, max_model_len=4096, kv_cache_dtype=name).kv_bytes_per_token == 166_400
+        assert kv_size(LLAMA3_70B, max_model_len=4096, kv_cache_dtype=name).kv_bytes_per_token == 165_120
     # With 16 GPUs and 8 KV heads each GPU still holds one whole KV head (replicated), so the
     # per-GPU cache per token is 1/8 of the total, not 1/16: fewer sequences than 4x the tp=4 case.
     tp4 = kv_size(LLAMA3_70B, max_model_len=4096, num_gpus=4, gpu_memory_gib=80)

@@ -34,7 +34,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + activations + KV
     kv_cache_memory_bytes: int | None = None  # CPU: bytes of KV cache (default 2 GiB, capped by RAM)
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2", "int8": 1-byte values with one
-    # bf16 scale per (token, KV head), counted in the budget (scheduler/kv_cache_dtype.py)
+    # 1-byte scale (a UE5M3 absmax code) per (token, KV head), counted in the budget
+    # (scheduler/kv_cache_dtype.py)
     kv_cache_dtype: str = "auto"
     seed: int = 0
     # The most logprobs a request may ask for per token (vLLM's --max-logprobs); -1: the

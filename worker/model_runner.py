@@ -235,7 +235,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ cache
     def initialize_cache(self, num_blocks: int, num_kv_heads: int, dtype: torch.dtype) -> None:
         """One (k, v) pair per layer; a quantised ``dtype`` (kernels/kv_quant.py) adds the
-        per-(token, head) bf16 scales: (k, v, k_scale, v_scale)."""
+        per-(token, head) scale bytes (UE5M3 absmax codes): (k, v, k_scale, v_scale)."""
         from pagedserve.kernels.kv_quant import QUANT_DTYPES, SCALE_DTYPE
         from pagedserve.worker import cpu_memory
 

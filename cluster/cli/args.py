@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="KV cache size on CPU, e.g. 2GiB")
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
                    help="auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte per value plus "
-                        "one bf16 scale per (token, KV head)")
+                        "a 1-byte scale (the row's absmax) per (token, KV head)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="most logprobs a request may ask for per token (default %(default)s; -1: the "

@@ -6,7 +6,7 @@ calculator runs on a laptop for a 70B model. Units are the ones people quote:
 KiB per token, GiB per sequence (binary units, 1 GiB = 2**30 bytes).
 
     bytes/token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes
-                + 2 (K and V) x num_layers x num_kv_heads x 2     (quantised caches: one fp16
+                + 2 (K and V) x num_layers x num_kv_heads x 1     (quantised caches: one 1-byte
                                                                    scale per token and KV head)
 
 With tensor parallelism each GPU holds ``ceil(num_kv_heads / tp)`` KV heads (KV heads
@@ -177,7 +177,7 @@ def format_report(r: KVSizeReport) -> str:
         f"dtypes: weights {r.weight_dtype}, KV cache {r.kv_cache_dtype}",
         f"KV cache per token: {r.kv_bytes_per_token:,} bytes = {_num(r.kib_per_token)} KiB per token"
         + (f" ({_num((r.kv_bytes_per_token - r.kv_scale_bytes_per_token) / KiB)} KiB of {r.kv_cache_dtype} values"
-           f" + {_num(r.kv_scale_bytes_per_token / KiB)} KiB of bf16 scales, one per token and KV head)"
+           f" + {_num(r.kv_scale_bytes_per_token / KiB)} KiB of 1-byte scales, one per token and KV head)"
            if r.kv_scale_bytes_per_token else ""),
         f"KV cache per sequence: {_num(r.gib_per_seq)} GiB per {r.max_model_len:,}-token sequence",
         f"GPUs: {r.num_gpus} x {_num(r.gpu_memory_gib)} GiB, tensor parallel {r.tensor_parallel_size}, "
@@ -209,7 +209,7 @@ def add_kv_size_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="weight dtype: auto (the config's), fp32, fp16, bf16")
     p.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
-                   help="fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte per value + one bf16 scale per token and KV head")
+                   help="fp8 (= fp8_e4m3), fp8_e5m2, int8: 1 byte per value + a 1-byte scale per token and KV head")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_kv_size)

@@ -31,7 +31,8 @@ from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import get_tp_size
 
 # (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; a quantised
-# cache adds (k_scale, v_scale), each [num_blocks, block_size, num_kv_heads] bf16 (kernels/kv_quant.py).
+# cache adds (k_scale, v_scale), each [num_blocks, block_size, num_kv_heads]
+# uint8 absmax codes (kernels/kv_quant.py).
 KVCache = tuple[torch.Tensor, ...]
 
 
