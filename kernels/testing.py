@@ -8,7 +8,7 @@ blocks; with ``high_block_ids`` they come from the end of the pool, where an int
 memory is NaN (``poison``): reading a block or slot the batch does not own poisons the
 output instead of passing silently. With ``kv_dtype`` (a quantised format, kv_quant.py) the
 caches are quantised after filling and come with their scales; unused slots then have NaN
-scales, which poison the same way.
+scale codes (255), which poison the same way.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class PagedBatch:
     v_cache: torch.Tensor
     attn_metadata: AttentionMetadata
     scale: float
-    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] fp16 (quantised cache)
+    k_scale: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None
 
 
