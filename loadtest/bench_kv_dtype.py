@@ -10,7 +10,11 @@ so the peak grows a little less than the pool; the memory-bound mean is the stea
 The last line is one JSON object.
 
     python -m pagedserve.loadtest.bench_kv_dtype [--kv-cache-memory 720MiB] [--model DIR] [--requests 600]
-        [--workload chat|long]
+        [--workload chat|long] [--seed 0 | --seeds 0-4]
+
+``--seeds`` runs one workload per seed and prints, per format, the peak ratio to bf16 for each
+seed with its minimum and mean (the peak is one draw of a random process: a seed moves it a few
+percent either way).
 
 ``--workload long`` is the case the article behind issue 14 measures ("14 sequences of 8K
 in FP16, 26 in Q8_0"): every request a long context (a 1,500-2,500-token prompt, 256 new
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None, help="several seeds, e.g. 0-4 or 0,3,7: per-seed peak ratios")
     ap.add_argument("--workload", choices=("chat", "long"), default="chat",
                     help="chat: bench_scheduler's workload; long: long contexts (see above)")
     args = ap.parse_args()
@@ -74,6 +79,8 @@ def main() -> None:
         from pagedserve.cluster.cli.kv_size import load_hf_config
 
         cfg = load_hf_config(args.model)
+    if args.seeds:
+        return over_seeds(cfg, args, _seeds(args.seeds))
     rows = run(cfg, args.kv_cache_memory, args.requests, args.seed, args.max_tokens, args.workload)
     what = "bench_scheduler's workload" if args.workload == "chat" else "long contexts, 1,500-2,500 + 256 tokens"
     print(f"KV budget {args.kv_cache_memory / 2**20:.0f} MiB, {args.requests} requests ({what}, seed {args.seed})")
@@ -90,6 +97,31 @@ def main() -> None:
     print(json.dumps({"kv_cache_memory": args.kv_cache_memory, "requests": args.requests, "workload": args.workload,
                       **{label: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                          for label, r in rows.items()}}))
+
+
+def _seeds(text: str) -> list[int]:
+    if "-" in text:
+        lo, hi = text.split("-", 1)
+        return list(range(int(lo), int(hi) + 1))
+    return [int(x) for x in text.split(",")]
+
+
+def over_seeds(cfg: dict, args, seeds: list[int]) -> None:
+    ratios: dict[str, list[float]] = {}
+    peaks: dict[str, list[int]] = {}
+    for seed in seeds:
+        rows = run(cfg, args.kv_cache_memory, args.requests, seed, args.max_tokens, args.workload)
+        for label, r in rows.items():
+            peaks.setdefault(label, []).append(r["peak_seqs"])
+            ratios.setdefault(label, []).append(r["peak_seqs"] / rows["bf16 (auto)"]["peak_seqs"])
+    print(f"KV budget {args.kv_cache_memory / 2**20:.0f} MiB, {args.requests} requests ({args.workload}), "
+          f"seeds {seeds}: peak running sequences, and their ratio to bf16's")
+    for label, rs in ratios.items():
+        each = "  ".join(f"{p} ({x:.2f}x)" for p, x in zip(peaks[label], rs))
+        print(f"  {label:12s} {each}   min {min(rs):.2f}x  mean {sum(rs) / len(rs):.2f}x")
+    print(json.dumps({"kv_cache_memory": args.kv_cache_memory, "requests": args.requests, "workload": args.workload,
+                      "seeds": seeds, "peak_seqs": peaks,
+                      "peak_ratio_vs_bf16": {k: [round(x, 4) for x in v] for k, v in ratios.items()}}))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,17 @@ def test_bench_kv_dtype_long_contexts_hold_more_sequences_in_a_1_byte_cache():
     assert 1.7 < fp8["peak_seqs"] / bf16["peak_seqs"] <= fp8["num_blocks"] / bf16["num_blocks"]
 
 
+def test_bench_kv_dtype_over_seeds_reports_each_seeds_peak_ratio():
+    """--seeds: one run per seed, the peak ratio to bf16 of each (the acceptance line of issue 14
+    is read over seeds, not from one draw)."""
+    out, s = _kv_dtype_bench("--workload", "long", "--requests", "60", "--kv-cache-memory", "1GiB", "--seeds", "0-1")
+    assert s["seeds"] == [0, 1] and len(s["peak_ratio_vs_bf16"]["int8"]) == 2
+    assert s["peak_ratio_vs_bf16"]["bf16 (auto)"] == [1.0, 1.0]
+    for seed, (bf16, q) in enumerate(zip(s["peak_seqs"]["bf16 (auto)"], s["peak_seqs"]["fp8_e4m3"])):
+        assert s["peak_ratio_vs_bf16"]["fp8_e4m3"][seed] == round(q / bf16, 4) and q > bf16
+    assert "min" in out and "mean" in out
+
+
 def test_bench_kv_dtype_with_a_budget_that_never_fills():
     """A budget that holds the whole workload has no memory-bound steps: printed as such
     (it raised a TypeError formatting None before)."""
