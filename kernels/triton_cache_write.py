@@ -35,7 +35,6 @@ if triton is not None:
     _SCALE_NAN = tl.constexpr(SCALE_NAN)
     _AMAX_MIN = tl.constexpr(AMAX_MIN)
 
-
     @triton.jit
     def _to_grid(y, QUANT: tl.constexpr):
         """fp32 y (|y| <= QMAX) rounded to nearest even on the format's grid, still fp32."""

@@ -51,7 +51,6 @@ if triton is not None:
     _AMAX_CODE_BIAS = tl.constexpr(AMAX_CODE_BIAS)
     _SCALE_NAN = tl.constexpr(SCALE_NAN)
 
-
     @triton.jit
     def _find_seq_idx(cu_seqlens_q_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
         # Annotated (as vLLM does): older Triton rejects a loop-carried variable that
