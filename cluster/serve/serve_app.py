@@ -229,8 +229,11 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
         # loadtest/bench_dispatch.py for what a worker actor would add).
         opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"]),
                                      "num_gpus": 1 if use_gpu else 0}
+    # The engine's knobs set where the app is built reach the replica even on a Ray cluster that
+    # was started before (whose workers have the raylet's environment, not this process's).
     env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE",
-                                      "PAGEDSERVE_FAULT_INJECTION", "GOMP_SPINCOUNT") if k in os.environ}
+                                      "PAGEDSERVE_FAULT_INJECTION", "GOMP_SPINCOUNT", "PAGEDSERVE_CPU_LINEAR",
+                                      "PAGEDSERVE_CPU_EXT", "PAGEDSERVE_KV_THP") if k in os.environ}
     # The replica runs AsyncEngine.generate on Serve's own loop, which then pulls each
     # stream only as its caller reads (flow control: ray_utils.stream_with_backpressure).
     # In Serve's default separate thread, a task drains the generator into a queue at once,
