@@ -13,11 +13,13 @@ exactly: were they flushed (DAZ), only codes below 2^-6 of a row's step would re
 power-of-two rebias and the row's scale are one factor, so a value costs one multiply.
 """
 
+from .kv_quant import AMAX_CODE_BIAS, SCALE_NAN
+
 DEQUANT_SOURCE = r"""
 // See this file's docstring (kernels/cpu_kv_dequant.py).
 static inline float row_scale(uint8_t c, float inv_qmax) {
-  if (c == 255) return __builtin_nanf("");
-  return __builtin_bit_cast(float, (static_cast<uint32_t>(c) + 896u) << 20) * inv_qmax;
+  if (c == SCALE_NAN) return __builtin_nanf("");
+  return __builtin_bit_cast(float, (static_cast<uint32_t>(c) + AMAX_CODE_BIASu) << 20) * inv_qmax;
 }
 
 template <int FMT>
@@ -52,4 +54,4 @@ static inline void dequant_block(const uint8_t* src, const uint8_t* scales, floa
   }
 }
 
-"""
+""".replace("AMAX_CODE_BIAS", str(AMAX_CODE_BIAS)).replace("SCALE_NAN", str(SCALE_NAN))

@@ -42,8 +42,9 @@ QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.
 # The scale byte (UE5M3): code c < 255 is the absmax 2^((c >> 3) - 15) x (1 + (c & 7) / 8), i.e. fp32
 # bits ((c + AMAX_CODE_BIAS) << 20); 255 is NaN (a NaN row stays poisoned in every path).
 SCALE_DTYPE = torch.uint8
-AMAX_CODE_BIAS = (127 - 15) << 3  # fp32 bits >> 20 of 2^-15, the absmax of code 0
-AMAX_MIN = 2.0 ** -15
+AMAX_MIN_EXP = -15  # code 0 is the absmax 2^-15
+AMAX_MIN = 2.0 ** AMAX_MIN_EXP
+AMAX_CODE_BIAS = (127 + AMAX_MIN_EXP) << 3  # fp32 bits >> 20 of AMAX_MIN
 SCALE_NAN = 255
 # 1 / QMAX rounded to fp32 once, so every path multiplies by the same number
 INV_QMAX = {dt: float(torch.tensor(1.0 / q, dtype=torch.float32)) for dt, q in QMAX.items()}

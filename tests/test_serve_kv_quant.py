@@ -8,12 +8,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SERVE_ENGINE
+from test_api_surface import _scrape
 
 MODEL = "kvq-int8"
 ENGINE = dict(SERVE_ENGINE, max_waiting_requests=None, kv_cache_dtype="int8")
@@ -58,12 +57,6 @@ def offline(serve_model, one_gemm):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _metrics(url: str) -> dict[str, float]:
-    fams = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
-    return {s.name + "".join(f"|{k}={v}" for k, v in sorted(s.labels.items()) if k == "kv_cache_dtype"): s.value
-            for f in fams for s in f.samples}
-
-
 def test_int8_cache_serves_the_offline_engines_tokens_to_concurrent_clients(url, offline):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -93,7 +86,7 @@ def test_metrics_report_the_quantised_bytes_and_the_pool_comes_back(url, offline
 
     deadline = time.monotonic() + 10
     while True:  # replica stats are pushed every 0.1 s; the last request's blocks free at its end
-        m = _metrics(url)
+        m = _scrape(url)[1]
         if m["pagedserve:num_free_blocks"] == ENGINE["num_gpu_blocks_override"] or time.monotonic() > deadline:
             break
         time.sleep(0.2)
