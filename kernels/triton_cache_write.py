@@ -50,7 +50,9 @@ if triton is not None:
         normal = bits.to(tl.float32, bitcast=True)
         sub = (a + SUB_MAGIC) - SUB_MAGIC
         r = tl.where(a < MIN_NORMAL, sub, normal)
-        return tl.where(y < 0, -r, r)
+        # y's sign bit onto |y| rounded, so -0.0 stays -0.0 (torch's cast keeps it: byte 0x80)
+        sign = y.to(tl.int32, bitcast=True) & -2147483648
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _store_row(cache_ptr, scale_ptr, x, slot, offs_h, mask, h_ok,
