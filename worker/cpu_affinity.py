@@ -20,6 +20,10 @@ numbers in BENCHMARKS.md; Intel Xeon 2 cores, 153.6 / 160.8 vs 131.0 / 129.1 tok
 interleaved). Two OpenMP threads across both cores with the serving path on one of them
 measured below the split (160.2 vs 177.9): a static OpenMP split waits for its preempted half.
 
+The split is not a wall the other way: once Serve runs, cluster/control/serving_cpu.py lets
+the serving processes onto the model's cores too, at nice 19 (``yield_process`` below), so
+they use what the model leaves idle without preempting it.
+
 No ray here: the serving side (cluster/) decides and pins its own processes; a worker pins
 itself from the resolved string it is given.
 """
@@ -90,3 +94,28 @@ def pin_this_process(cores: list[int]) -> None:
         except (ProcessLookupError, PermissionError):  # a thread that just ended
             pass
     os.sched_setaffinity(0, mask)
+
+
+def yield_process(pid: int, cores: list[int], niceness: int, done: set[int] | None = None) -> int:
+    """Every thread of process ``pid`` onto ``cores`` at ``niceness`` (only ever raised:
+    an unprivileged user may lower its own priority, not raise it back). Threads whose id
+    is in ``done`` are skipped, and the ones changed are added to it. Threads a changed
+    thread starts later inherit both. Returns how many threads changed."""
+    mask, n = set(cores), 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:  # the process ended
+        return 0
+    for tid in tids:
+        if done is not None and tid in done:
+            continue
+        try:
+            os.sched_setaffinity(tid, mask)
+            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)  # Linux: per thread
+        except (ProcessLookupError, PermissionError):  # a thread that just ended
+            continue
+        n += 1
+        if done is not None:
+            done.add(tid)
+    return n

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import time
 
@@ -53,6 +54,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--ray-address", default=None,
                    help="join a running Ray cluster ('auto' on a cluster node); default: a "
                         "private local instance on 127.0.0.1")
+    s.add_argument("--serving-nice", type=int, default=int(os.environ.get("PAGEDSERVE_SERVING_NICE", "19")),
+                   help="with the CPU split of --cpu-omp-threads-bind auto, the serving path may also use "
+                        "the model's cores at this nice value, i.e. when the model leaves them idle "
+                        "(default %(default)s, or $PAGEDSERVE_SERVING_NICE; 0: its own core only)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -71,14 +76,23 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from pagedserve.cluster.control.ray_utils import init_ray
+    from pagedserve.cluster.control.serving_cpu import ServingCPU
     from pagedserve.cluster.serve.serve_app import build_app, resolve_cpu_bind
     from pagedserve.worker.cpu_affinity import pin_this_process
 
     t0 = time.monotonic()
+    serving, shared = None, None
     if args.ray_address is None:  # a node of our own: the serving path keeps its cores
-        cfg, serving = resolve_cpu_bind(cfg, single_replica=max_replicas == 1)
+        cores = sorted(os.sched_getaffinity(0))
+        cfg, serving = resolve_cpu_bind(cfg, single_replica=max_replicas == 1, cores=cores)
         if serving:
             pin_this_process(serving)  # before Ray starts: its processes inherit the mask
+            if args.serving_nice > 0:  # and the model's cores when it idles (serving_cpu.py)
+                shared = ServingCPU(cores, args.serving_nice)
+                # Ray starts its workers at nice 15 (raylet and GCS at 0); the model worker
+                # must stay above the serving path, and an unprivileged process cannot
+                # lower its nice later. The serving processes get theirs from ServingCPU.
+                os.environ.setdefault("RAY_worker_niceness", "0")
     init_ray(address=args.ray_address)
     # SIGTERM behaves like Ctrl-C. Installed after ray.init, which puts a C++ failure
     # handler on SIGTERM that dumps a stack and aborts the process mid-cleanup.
@@ -100,6 +114,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 if dep.message:
                     logger.error("%s: %s", name, dep.message)
             raise SystemExit(1) from None
+        if shared is not None:  # the model workers are up and pinned: move the rest
+            shared.start()
         info = serve.get_deployment_handle("EngineDeployment", APP_NAME).info.remote().result()
         kv = info.get("kv_sizing") or {}
         url = f"http://{args.host}:{args.port}"
@@ -117,6 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
+        if shared is not None:
+            shared.stop()
         # A second TERM/Ctrl-C must not cut the cleanup short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,151 @@
+"""What one request costs the serving path in CPU, process by process (issue 15).
+
+A 2-core box runs the model on one core and everything else on the other: the Serve
+proxy, the ingress, the engine replica (scheduler), the stats aggregator, Ray's own
+processes and the load generator. Under a flood it is that core which saturates, and a
+steady tenant's TTFT then queues behind it whatever the scheduler's fair share does. This
+measures its price list: a real ``pagedserve serve`` on 127.0.0.1, one kind of request at a
+time from a fixed number of concurrent clients, and each process's CPU time (utime + stime
+from /proc) over the batch divided by the requests sent.
+
+    models    GET /v1/models                      the HTTP path alone (proxy + ingress)
+    bad400    a completion with an unknown field  refused by the ingress (a 429 costs as much)
+    tok1      a 1-token completion                + one engine call: the per-request cost
+    stream64  a streamed 64-token completion      + 63 more tokens: the per-token cost
+
+    python -m pagedserve.loadtest.bench_frontend [--kinds models:300 bad400:300 tok1:200 stream64:64]
+        [--concurrency 8] [--model DIR] [--rounds 2]
+
+Rounds interleave the kinds (A B C D A B C D) so drift lands on all of them. The last line
+printed is one JSON object: per kind, CPU ms per request by process role, and the rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import httpx
+
+from pagedserve.loadtest.servers import pagedserve_server, session_pids
+
+# Process role by what its command line contains (Ray sets actor titles: ray::<Class>...).
+ROLES = (("ProxyActor", "proxy"), ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
+         ("StatsAggregator", "stats"), ("RayWorkerWrapper", "model worker"), ("ServeController", "controller"),
+         ("cli.main serve", "serve cli"), ("gcs_server", "ray"), ("raylet", "ray"), ("dashboard", "ray"),
+         ("DashboardAgent", "ray"), ("RuntimeEnvAgent", "ray"), ("log_monitor", "ray"))
+KINDS = ("models", "bad400", "tok1", "stream64")
+_TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def role(cmdline: str) -> str:
+    return next((r for key, r in ROLES if key in cmdline), "other")
+
+
+def cpu_ticks(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """pid -> (role, utime + stime in clock ticks) for the live ones."""
+    out = {}
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        f = stat[stat.rindex(")") + 2:].split()
+        out[pid] = (role(cmd), int(f[11]) + int(f[12]))
+    return out
+
+
+def by_role(before: dict, after: dict, n: int) -> dict[str, float]:
+    """CPU ms per request by role between two cpu_ticks snapshots (processes alive in both)."""
+    ms: dict[str, float] = {}
+    for pid, (r, t) in after.items():
+        if pid in before:
+            ms[r] = ms.get(r, 0.0) + (t - before[pid][1]) * _TICK_MS / n
+    return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+
+async def send(base_url: str, kind: str, n: int, concurrency: int, vocab: int) -> tuple[float, dict]:
+    sem = asyncio.Semaphore(concurrency)
+    codes: dict[int, int] = {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as c:
+        async def one(i: int) -> None:
+            prompt = [1 + (i * 7 + j) % (vocab - 1) for j in range(8)]
+            body = {"model": "model", "prompt": prompt, "max_tokens": 1}
+            async with sem:
+                if kind == "models":
+                    code = (await c.get("/v1/models")).status_code
+                elif kind == "bad400":
+                    code = (await c.post("/v1/completions", json={**body, "no_such_field": 1})).status_code
+                elif kind == "tok1":
+                    code = (await c.post("/v1/completions", json=body)).status_code
+                else:
+                    req = {**body, "max_tokens": 64, "ignore_eos": True, "stream": True}
+                    async with c.stream("POST", "/v1/completions", json=req) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+                    code = r.status_code
+                codes[code] = codes.get(code, 0) + 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return time.perf_counter() - t0, codes
+
+
+def measure(base_url: str, sid: int, kind: str, n: int, concurrency: int, vocab: int) -> dict:
+    pids = session_pids(sid) + [os.getpid()]
+    before = cpu_ticks(pids)
+    wall, codes = asyncio.run(send(base_url, kind, n, concurrency, vocab))
+    ms = by_role(before, cpu_ticks(pids), n)
+    ms["load generator"] = ms.pop("other", 0.0)  # this process (the only unnamed one here)
+    serving = sum(v for r, v in ms.items() if r not in ("model worker", "load generator"))
+    return {"n": n, "req_per_s": n / wall, "codes": codes, "cpu_ms_per_request": ms,
+            "serving_ms_per_request": serving}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=["models:300", "bad400:300", "tok1:200", "stream64:64"],
+                    help="KIND:N, KIND one of " + ", ".join(KINDS))
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a model directory (default: compare's serving model)")
+    args = ap.parse_args()
+    kinds = [(k, int(n)) for k, n in (s.split(":") for s in args.kinds)]
+    for k, _ in kinds:
+        if k not in KINDS:
+            ap.error(f"unknown kind {k!r}; one of {KINDS}")
+    from pagedserve.loadtest.compare import SERVE_SHAPE, ensure_model
+
+    model = args.model or ensure_model("serve-h512-l4-v2048", SERVE_SHAPE)
+    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    # compare's "tenants" server: its defaults plus the tenant header.
+    server = pagedserve_server(model, served_model_name="model", max_model_len=512, block_size=16,
+                               dtype="float32", seed=0, max_num_seqs=16, max_num_batched_tokens=128,
+                               enable_prefix_caching=True, enable_chunked_prefill=True,
+                               kv_cache_memory="1GiB", num_threads=1, allow_tenant_header=True)
+    results: dict[str, list[dict]] = {k: [] for k, _ in kinds}
+    with server:
+        asyncio.run(send(server.base_url, "stream64", 16, args.concurrency, vocab))  # warm-up
+        for rnd in range(args.rounds):
+            for kind, n in kinds:
+                r = measure(server.base_url, server.proc.pid, kind, n, args.concurrency, vocab)
+                results[kind].append(r)
+                parts = " ".join(f"{k} {v:.1f}" for k, v in r["cpu_ms_per_request"].items() if v >= 0.05)
+                print(f"round {rnd} {kind:8s} {r['req_per_s']:6.1f} req/s codes {r['codes']}  serving "
+                      f"{r['serving_ms_per_request']:.1f} ms/req | {parts}", flush=True)
+    summary = {k: {"serving_ms_per_request": min(r["serving_ms_per_request"] for r in rs),
+                   "rounds": rs} for k, rs in results.items()}
+    if "tok1" in summary and "stream64" in summary:
+        summary["serving_ms_per_token"] = (summary["stream64"]["serving_ms_per_request"]
+                                           - summary["tok1"]["serving_ms_per_request"]) / 63
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
