@@ -99,10 +99,16 @@ async def send(base_url: str, kind: str, n: int, concurrency: int, vocab: int) -
 
 def measure(base_url: str, sid: int, kind: str, n: int, concurrency: int, vocab: int) -> dict:
     pids = session_pids(sid) + [os.getpid()]
-    before = cpu_ticks(pids)
+
+    def snapshot() -> dict:
+        ticks = cpu_ticks(pids)
+        if os.getpid() in ticks:  # this process sends the requests
+            ticks[os.getpid()] = ("load generator", ticks[os.getpid()][1])
+        return ticks
+
+    before = snapshot()
     wall, codes = asyncio.run(send(base_url, kind, n, concurrency, vocab))
-    ms = by_role(before, cpu_ticks(pids), n)
-    ms["load generator"] = ms.pop("other", 0.0)  # this process (the only unnamed one here)
+    ms = by_role(before, snapshot(), n)
     serving = sum(v for r, v in ms.items() if r not in ("model worker", "load generator"))
     return {"n": n, "req_per_s": n / wall, "codes": codes, "cpu_ms_per_request": ms,
             "serving_ms_per_request": serving}

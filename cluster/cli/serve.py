@@ -81,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.worker.cpu_affinity import pin_this_process
 
     t0 = time.monotonic()
-    serving, shared = None, None
+    shared = None  # ServingCPU, with the CPU split
     if args.ray_address is None:  # a node of our own: the serving path keeps its cores
         cores = sorted(os.sched_getaffinity(0))
         cfg, serving = resolve_cpu_bind(cfg, single_replica=max_replicas == 1, cores=cores)

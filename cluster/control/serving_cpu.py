@@ -14,8 +14,8 @@ thread ~98% of a core against nice-19 ones and preempts them when it wakes).
 Who is moved: this command's process and those below it whose title names a serving role.
 Never the model workers, nor Ray's idle worker processes (one of them may become a model
 worker, and a raised nice cannot be lowered back without privileges), nor the raylet that
-starts them (its children inherit its nice). A thread poll every
-``interval_s`` catches replicas that Serve replaces and threads started since.
+starts them (its children inherit its nice). A pass every ``interval_s`` catches replicas
+that Serve replaces and threads started since.
 """
 
 from __future__ import annotations
@@ -77,7 +77,8 @@ def serving_pids(root: int) -> list[int]:
 
 
 class ServingCPU:
-    """A daemon thread that keeps this session's serving processes on ``cores`` at ``niceness``."""
+    """A daemon thread that keeps the serving processes below ``root`` (default: this
+    command) on ``cores`` at ``niceness``."""
 
     def __init__(self, cores: list[int], niceness: int = SERVING_NICE, interval_s: float = 2.0,
                  root: int | None = None) -> None:
