@@ -87,20 +87,15 @@ def plan_auto(cores: list[int], tensor_parallel_size: int, reserved: int = 1) ->
 def pin_this_process(cores: list[int]) -> None:
     """Every thread of this process, and the ones it starts later (they inherit the
     mask of the thread that starts them), onto ``cores``."""
-    mask = set(cores)
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), mask)
-        except (ProcessLookupError, PermissionError):  # a thread that just ended
-            pass
-    os.sched_setaffinity(0, mask)
+    yield_process(os.getpid(), cores, None)
+    os.sched_setaffinity(0, cores)
 
 
-def yield_process(pid: int, cores: list[int], niceness: int, done: set[int] | None = None) -> int:
-    """Every thread of process ``pid`` onto ``cores`` at ``niceness`` (only ever raised:
-    an unprivileged user may lower its own priority, not raise it back). Threads whose id
-    is in ``done`` are skipped, and the ones changed are added to it. Threads a changed
-    thread starts later inherit both. Returns how many threads changed."""
+def yield_process(pid: int, cores: list[int], niceness: int | None, done: set[int] | None = None) -> int:
+    """Every thread of process ``pid`` onto ``cores`` and, unless it is None, at ``niceness``
+    (only ever raised: an unprivileged user may lower its own priority, not raise it back).
+    Threads whose id is in ``done`` are skipped, and the ones changed are added to it.
+    Threads a changed thread starts later inherit both. Returns how many threads changed."""
     mask, n = set(cores), 0
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
@@ -111,7 +106,7 @@ def yield_process(pid: int, cores: list[int], niceness: int, done: set[int] | No
             continue
         try:
             os.sched_setaffinity(tid, mask)
-            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+            if niceness is not None and os.getpriority(os.PRIO_PROCESS, tid) < niceness:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)  # Linux: per thread
         except (ProcessLookupError, PermissionError):  # a thread that just ended
             continue
