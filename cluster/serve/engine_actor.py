@@ -42,9 +42,10 @@ from pagedserve.cluster.engine.detokenizer import token_texts
 from pagedserve.cluster.engine.outputs import RequestOutput
 from pagedserve.cluster.engine.request_options import truncate_prompt
 from pagedserve.cluster.serve.admission import Admission, DrainMeter, admit, drain_seconds, retry_after
-from pagedserve.cluster.serve.engine_health import EngineDeadError, EngineHealth
+from pagedserve.cluster.serve.engine_health import EngineDeadError, EngineHealth  # noqa: F401
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
+from pagedserve.cluster.serve.output_channel import DONE, OutputRouter
 from pagedserve.cluster.serve.stream_wire import merge, merge_texts
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
 from pagedserve.cluster.serve.tool_choice import renders_tools
@@ -87,6 +88,7 @@ class AsyncEngine(EngineStatus, EngineHealth):
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._tok = TokenizerPool(self.engine.tokenizer, self.engine.max_model_len)
         self._queues: dict[str, asyncio.Queue] = {}
+        self._router = OutputRouter()  # requests whose outputs go on an ingress's channel
         # Accepted requests that have produced nothing yet, with their prompt blocks:
         # the waiting queue as admission control sees it (exact, not one step stale).
         self._pending_blocks: dict[str, int] = {}
@@ -125,35 +127,6 @@ class AsyncEngine(EngineStatus, EngineHealth):
 
     async def detokenize(self, tokens: list[int]) -> str:
         return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size)
-
-    def _die(self, reason: str) -> None:
-        """Fail every open request of this replica at once and stop stepping."""
-        if self._dead is not None:
-            return
-        self._dead = reason
-        logger.error("engine replica %s is dead: %s; failing %d open requests", self.replica_id,
-                     reason, len(self._queues))
-        for q in self._queues.values():
-            q.put_nowait(EngineDeadError(f"the engine replica failed: {reason}"))
-        if self._wakeup is not None:
-            self._wakeup.set()
-        # Free every block, so the gauges tell the truth (nothing stays "running"). This
-        # waits behind the step only if the step itself is what hangs.
-        done = asyncio.wrap_future(self._thread.submit(self._abort_all))
-        asyncio.get_running_loop().create_task(self._push_when_done(done))
-
-    def _abort_all(self) -> None:
-        self.engine.abort_all()
-        self._pending_blocks.clear()
-        self._stats = stats_snapshot(self.engine.get_stats())
-
-    async def _push_when_done(self, done) -> None:
-        try:
-            await asyncio.wait_for(done, 30)
-        except Exception:
-            return
-        self._last_push = 0.0  # the loop has stopped: this is the last snapshot it sends
-        self._push_stats(force=True)
 
     # ---------------------------------------------------------------- loop
     async def _call(self, fn, *args):
@@ -218,12 +191,8 @@ class AsyncEngine(EngineStatus, EngineHealth):
                 q = self._queues.get(rid)
                 if q is not None:
                     q.put_nowait(QueueStatus(st))
-            for out, token_text in outputs or ():
-                self._pending_blocks.pop(out.request_id, None)
-                q = self._queues.get(out.request_id)
-                if q is not None:
-                    q.put_nowait(RequestFailed(f"request {out.request_id} failed: {out.error}")
-                                 if out.error is not None else (out, token_text))
+            if outputs:
+                self._dispatch(outputs)
             idle = outputs is None
             self._push_stats(force=idle)
             if idle:
@@ -233,6 +202,28 @@ class AsyncEngine(EngineStatus, EngineHealth):
                     pass
             else:
                 await asyncio.sleep(0)  # let add/abort calls and consumers run
+
+    def _dispatch(self, outputs) -> None:
+        """A step's outputs to their requests: into the request's queue (its Ray stream),
+        or, with a route, into one channel message per ingress for the whole step."""
+        rest = []
+        for out, token_text in outputs:
+            self._pending_blocks.pop(out.request_id, None)
+            q = self._queues.get(out.request_id)
+            if q is None:
+                continue
+            if out.error is not None:  # on the Ray stream, either way
+                q.put_nowait(RequestFailed(f"request {out.request_id} failed: {out.error}"))
+            elif self._router.routed(out.request_id):
+                rest.append((out, token_text))
+            else:
+                q.put_nowait((out, token_text))
+        lost = self._router.send(rest, self._queues)
+        if lost:  # their ingress stopped reading: they fail here, and free their blocks
+            self._thread.submit(self.engine.abort_request, lost)
+            for rid in lost:
+                self._queues[rid].put_nowait(RequestFailed(
+                    f"request {rid} failed: its ingress stopped reading outputs"))
 
     def _push_stats(self, force: bool) -> None:
         now = time.monotonic()
@@ -295,7 +286,11 @@ class AsyncEngine(EngineStatus, EngineHealth):
     async def generate(self, request_id: str, prompt: str | list[int] | None,
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
                        messages: list[dict] | None = None, add_generation_prompt: bool = True,
-                       tenant: str | None = None, tools: list[dict] | None = None):
+                       tenant: str | None = None, tools: list[dict] | None = None,
+                       output_route: tuple[str, bytes] | None = None):
+        """With ``output_route`` (an ingress's OutputChannel.route), the outputs go out on
+        that channel and this stream carries only the Admission, then ends after the final
+        output (or raises the request's failure)."""
         if self._dead is not None:
             yield Admission(False, self.replica_id, 503,
                             f"This engine replica is unavailable ({self._dead}); retry shortly.",
@@ -309,6 +304,8 @@ class AsyncEngine(EngineStatus, EngineHealth):
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        if output_route is not None:  # before the add: its first step may come at once
+            self._router.add(request_id, output_route)
         finished = False
         try:
             try:
@@ -337,6 +334,14 @@ class AsyncEngine(EngineStatus, EngineHealth):
             yield Admission(True, self.replica_id, prompt_token_ids=prompt_ids, queue=status)
             if isinstance(item, QueueStatus):
                 item = await queue.get()
+            while output_route is not None:  # the outputs go on the channel; wait for the end
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                if item is DONE:
+                    finished = True
+                    return
+                item = await queue.get()
             while True:
                 if isinstance(item, Exception):
                     finished = True
@@ -357,6 +362,7 @@ class AsyncEngine(EngineStatus, EngineHealth):
                 item = nxt if nxt is not None and not isinstance(nxt, QueueStatus) else await queue.get()
         finally:
             self._queues.pop(request_id, None)
+            self._router.remove(request_id)
             self._pending_blocks.pop(request_id, None)
             if not finished:
                 # Cancelled or closed early: abort without awaiting (we may be inside a
@@ -373,6 +379,7 @@ class AsyncEngine(EngineStatus, EngineHealth):
         if self._loop_task is not None:
             self._loop_task.cancel()
         self._tok.shutdown()
+        self._router.close()
         if self._dead is not None:
             # The engine thread may be stuck in the step that killed us: do not queue
             # behind it, and do not wait for workers that cannot answer.

@@ -6,9 +6,13 @@ good (``_die``: its requests fail at once, new ones get 503) and Serve replaces 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from pagedserve.cluster.engine.executor import ExecutorDeadError
+from pagedserve.cluster.serve.metrics import stats_snapshot
+
+logger = logging.getLogger("pagedserve")
 
 # A step running longer than this is hung (the longest legitimate step, a full
 # max_num_batched_tokens prefill of a big model on CPU, takes seconds).
@@ -39,3 +43,32 @@ class EngineHealth:
             self._die(str(e))
             raise EngineDeadError(self._dead) from None
         # A slow answer (TimeoutError) only fails this check: Serve decides after a few.
+
+    def _die(self, reason: str) -> None:
+        """Fail every open request of this replica at once and stop stepping."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("engine replica %s is dead: %s; failing %d open requests", self.replica_id,
+                     reason, len(self._queues))
+        for q in self._queues.values():
+            q.put_nowait(EngineDeadError(f"the engine replica failed: {reason}"))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        # Free every block, so the gauges tell the truth (nothing stays "running"). This
+        # waits behind the step only if the step itself is what hangs.
+        done = asyncio.wrap_future(self._thread.submit(self._abort_all))
+        asyncio.get_running_loop().create_task(self._push_when_done(done))
+
+    def _abort_all(self) -> None:
+        self.engine.abort_all()
+        self._pending_blocks.clear()
+        self._stats = stats_snapshot(self.engine.get_stats())
+
+    async def _push_when_done(self, done) -> None:
+        try:
+            await asyncio.wait_for(done, 30)
+        except Exception:
+            return
+        self._last_push = 0.0  # the loop has stopped: this is the last snapshot it sends
+        self._push_stats(force=True)

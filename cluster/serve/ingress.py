@@ -18,13 +18,14 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from ray import serve
 
 from pagedserve import __version__
-from pagedserve.cluster.control.ray_utils import serve_grpc_on_node_ip, stream_with_backpressure
+from pagedserve.cluster.control.ray_utils import node_ip, serve_grpc_on_node_ip, stream_with_backpressure
 from pagedserve.cluster.serve import openai_format as fmt
 from pagedserve.cluster.serve.completion_format import prompt_logprobs_json
 from pagedserve.cluster.serve.completions import create_completion
 from pagedserve.cluster.serve.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.serve.metrics import ServeMetrics
+from pagedserve.cluster.serve.output_channel import OutputChannel
 from pagedserve.cluster.serve.protocol import (ChatCompletionRequest, CompletionRequest,
                                                DetokenizeRequest, TokenizeRequest)
 from pagedserve.cluster.serve.responses import (DetokenizeResponse, ModelCard, ModelList,
@@ -72,6 +73,7 @@ class OpenAIIngress:
         self._metrics: ServeMetrics | None = None
         self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
         self._gate = ShedGate()  # replicas' recent 429s: refuse at the door while all shed
+        self._channel: OutputChannel | None = None  # made on the loop that reads it
         activate(EdgeGuard(self.config, self._max_model_len))
 
     async def _max_model_len(self) -> int:
@@ -101,19 +103,31 @@ class OpenAIIngress:
             if self._metrics is not None:
                 self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
+        route, sub = {}, None  # the outputs' way back: output_channel.py
+        if self.config.output_channel == "zmq":
+            if self._channel is None:
+                self._channel = OutputChannel(node_ip())
+            sub = self._channel.open(rid)
+            route = {"output_route": self._channel.route}
         stream = self.engine.options(stream=True).generate.remote(
-            rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools)
+            rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
+            **route)
         try:
             adm = await stream.__anext__()
-        except asyncio.CancelledError:
-            stream.cancel()
+        except BaseException as e:
+            if sub is not None:
+                sub.close()
+            if isinstance(e, asyncio.CancelledError):
+                stream.cancel()
             raise
         if not adm.accepted:
+            if sub is not None:
+                sub.close()
             if adm.status == 429:
                 self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic(), adm.shed_tenant)
             return None, error(adm.status, adm.message, adm.retry_after_s)
         self._gate.accepted(adm.replica_id, time.monotonic(), who)
-        return Accumulated(stream), adm
+        return Accumulated(stream if sub is None else sub.attach(stream)), adm
 
     async def _generate(self, body, chat: bool, request: Request):
         tenant = getattr(request.state, "tenant", None)

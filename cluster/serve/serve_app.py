@@ -136,10 +136,12 @@ class EngineDeployment:
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
     async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                       messages=None, add_generation_prompt=True, tenant=None, tools=None):
+                       messages=None, add_generation_prompt=True, tenant=None, tools=None,
+                       output_route=None):
         first = True  # deltas only on the wire; the ingress rebuilds the rest (stream_wire.py)
         async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
-                                             messages, add_generation_prompt, tenant, tools):
+                                             messages, add_generation_prompt, tenant, tools,
+                                             output_route):
             if isinstance(item, tuple):
                 item, first = (slim(item[0], first), item[1]), False
             yield item

@@ -30,7 +30,8 @@ def _cat(a: list | None, b: list | None) -> list | None:
 
 
 def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """``b`` (the later output of the same request) with ``a``'s deltas in front."""
+    """``b`` (the later output of the same request) with ``a``'s deltas in front; full
+    outputs on the engine replica, slim ones on the ingress (output_channel.py)."""
     prev = {c.index: c for c in a.outputs}
     outputs = []
     for c in b.outputs:
@@ -41,6 +42,9 @@ def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                                     delta_logprobs=_cat(p.delta_logprobs, c.delta_logprobs))
         outputs.append(c)
     plp = b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs
+    if a.prompt_token_ids and not b.prompt_token_ids:  # slim items: only the first has them
+        return dataclasses.replace(b, outputs=outputs, prompt_logprobs=plp, prompt=a.prompt,
+                                   prompt_token_ids=a.prompt_token_ids)
     return dataclasses.replace(b, outputs=outputs, prompt_logprobs=plp)
 
 
