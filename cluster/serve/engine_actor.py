@@ -4,7 +4,9 @@ runs its step loop, streaming per-request deltas back to callers.
 
     caller (ingress) ──generate()──▶ size check ─▶ tokenizer pool ─▶ admission ─▶ add_request
                                                                             ▼
-    step loop (asyncio task): engine.step() in one thread ─RequestOutputs──▶ per-request queue
+    step loop (asyncio task): engine.step() in one thread ─RequestOutputs─┬▶ per-request queue
+                                  with an output_route: one message per ingress per step ┘
+                                  (output_channel.py); the queue then gets the end only
 
 Every engine call (add_request, abort_request, step, get_stats) runs in ONE worker thread,
 so the engine needs no locks and the event loop never blocks on a step. Calls submitted

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP ingress (FastAPI under ``serve.ingress``).
 
 It validates (pydantic -> 400), checks the model name (404), forwards the request to an
-engine replica through a streaming Serve handle, and turns the stream into a JSON body
-or SSE. The engine's first item is its admission decision, so a 400/429 is known before
-any 200 header is sent. Leaving early (client disconnect -> Serve cancels this handler,
+engine replica through a streaming Serve handle, and turns the outputs into a JSON body
+or SSE. The outputs come on this replica's output channel (output_channel.py; one message
+per engine step), or on the handle call itself with PAGEDSERVE_OUTPUT_CHANNEL=ray. The
+call's first item is the engine's admission decision, so a 400/429 is known before any
+200 header is sent. Leaving early (client disconnect -> Serve cancels this handler,
 or the SSE generator is closed) cancels the engine call, which aborts the request there.
 """
 
