@@ -48,7 +48,7 @@ from pagedserve.cluster.serve.engine_health import EngineDeadError, EngineHealth
 from pagedserve.cluster.serve.engine_status import EngineStatus, QueueStatus
 from pagedserve.cluster.serve.metrics import stats_snapshot
 from pagedserve.cluster.serve.output_channel import DONE, OutputRouter
-from pagedserve.cluster.serve.stream_wire import merge, merge_texts
+from pagedserve.cluster.serve.stream_wire import merge_items
 from pagedserve.cluster.serve.tokenizer_pool import TokenizerPool, render_chat  # noqa: F401
 from pagedserve.cluster.serve.tool_choice import renders_tools
 from pagedserve.scheduler import QueueFullError
@@ -356,7 +356,7 @@ class AsyncEngine(EngineStatus, EngineHealth):
                     nxt = queue.get_nowait()
                     if not isinstance(nxt, tuple):
                         break
-                    item, nxt = (merge(item[0], nxt[0]), merge_texts(item[1], nxt[1])), None
+                    item, nxt = merge_items(item, nxt), None
                 finished = item[0].finished
                 yield item  # (RequestOutput, {token id: text} | None)
                 if finished:

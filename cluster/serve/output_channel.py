@@ -33,7 +33,7 @@ import secrets
 import zmq
 import zmq.asyncio
 
-from pagedserve.cluster.serve.stream_wire import merge, merge_texts, slim
+from pagedserve.cluster.serve.stream_wire import merge_items, slim
 
 logger = logging.getLogger("pagedserve")
 
@@ -250,8 +250,7 @@ class ChannelStream:
                     self.close()
                     raise item
                 else:
-                    merged = item if merged is None else (
-                        merge(merged[0], item[0]), merge_texts(merged[1], item[1]))
+                    merged = item if merged is None else merge_items(merged, item)
                     if item[0].finished:
                         self.close()
                         break

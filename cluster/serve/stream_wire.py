@@ -54,6 +54,11 @@ def merge_texts(a: dict | None, b: dict | None) -> dict | None:
     return {**a, **b} if b else a
 
 
+def merge_items(a: tuple, b: tuple) -> tuple:
+    """Two (RequestOutput, token_text) stream items of one request, ``b`` the later, as one."""
+    return merge(a[0], b[0]), merge_texts(a[1], b[1])
+
+
 def slim(out: RequestOutput, first: bool) -> RequestOutput:
     """The wire form of a stream item (see the module docstring); the final one whole."""
     if out.finished:
