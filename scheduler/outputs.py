@@ -76,10 +76,23 @@ class SchedulerOutput:
     # allowed (xgrammar's layout). Filled by the engine after schedule(); None: no row.
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes | None = None
+    # How many failed steps the engine had seen when it sent this plan (it stamps each
+    # plan; cluster/engine/step_containment.py). A worker skips plans of an epoch whose
+    # step failed: they were made before the failure was known (async scheduling).
+    epoch: int = 0
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ProbePlan:
+    """Sent to every rank instead of a plan: run ``ModelRunner.probe`` (one token, no KV
+    cache). Rank 0 answers an empty ModelRunnerOutput; a rank that cannot compute raises."""
+
+    step_id: int = 0
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -120,6 +133,9 @@ class ModelRunnerOutput:
     # req_id -> the prompt logprobs this step computed, for requests with
     # ``prompt_logprobs`` set (partial chunks included). None: nobody asked.
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    # True: the worker did not run this plan, because a step before it failed (the
+    # engine re-sends it as a re-run once it has dealt with that failure).
+    skipped: bool = False
 
 
 @dataclass(slots=True)

@@ -174,7 +174,11 @@ def test_stop_strings_aborts_and_a_failing_request_leave_nothing_behind(case, mo
         steps += 1
         if steps == 3:
             engine.abort_request("gone")  # while a step holding it is in flight
+        if steps == 5:  # a step that raises while the next plan is already queued behind it
+            engine.add_request("step", prompts[5], SamplingParams(temperature=0.0, max_tokens=24,
+                                                                   stop=[faults.marker("step")]))
     assert done["bad"].error is not None and "gone" not in done
+    assert done["step"].error is not None and "engine step failed" in done["step"].error
     assert done["ok"].outputs[0].token_ids == llm.generate([prompts[6]], ok, use_tqdm=False)[0].outputs[0].token_ids
     assert engine.scheduler.kv_cache_manager.usage == 0.0 and not engine.scheduler.requests
 

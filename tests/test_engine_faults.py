@@ -2,8 +2,10 @@
 
 - a request that fails on its own raises RequestFailed to its caller only, while another
   request streams on with exactly its tokens; max_num_seqs + 1 of them leave it serving;
-- a step that fails as a whole fails every open request at once, marks the engine dead
-  (check_health raises, new requests get 503) and stops the loop: no spinning;
+- a step that raises with a request in it is re-run in parts: that request fails alone;
+- a worker that cannot compute (no part of the batch and no probe succeeds) fails every
+  open request at once, marks the engine dead (check_health raises, new requests get
+  503) and stops the loop: no spinning;
 - a 20 MB prompt is refused at once and never delays the step of a running request.
 """
 
@@ -60,7 +62,7 @@ async def _wait_idle(core, timeout_s: float = 10.0) -> dict:
     return core.stats()
 
 
-@pytest.mark.parametrize("site", ["setup", "sample", "detokenize"])
+@pytest.mark.parametrize("site", ["setup", "sample", "detokenize", "step"])
 def test_a_failing_request_fails_alone_while_another_streams(core, site):
     async def scenario():
         alone = await _collect(core.generate("ref", [5] * 8, _greedy(40)))
@@ -80,7 +82,7 @@ def test_a_failing_request_fails_alone_while_another_streams(core, site):
     asyncio.run(scenario())
 
 
-def test_a_failing_step_fails_everyone_once_and_the_engine_goes_quiet(core):
+def test_a_broken_worker_fails_everyone_once_and_the_engine_goes_quiet(core):
     async def scenario():
         streams = [asyncio.create_task(_collect(core.generate(f"s{i}", [5 + i] * 8, _greedy(240))))
                    for i in range(MAX_NUM_SEQS - 1)]  # room left for the poison to join them
@@ -91,7 +93,7 @@ def test_a_failing_step_fails_everyone_once_and_the_engine_goes_quiet(core):
             await asyncio.sleep(0.005)
         t0 = time.monotonic()
         poison = asyncio.create_task(_collect(core.generate("p", [7] * 8,
-                                                            _greedy(8, stop=[faults.marker("step")]))))
+                                                            _greedy(8, stop=[faults.marker("broken")]))))
         results = await asyncio.wait_for(asyncio.gather(*streams, poison, return_exceptions=True), 10)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert time.monotonic() - t0 < 5

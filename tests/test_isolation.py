@@ -1,13 +1,16 @@
 """Failure isolation inside the engine step, offline (no Ray, no HTTP).
 
 The story: a request that fails on its own (a real one: a seed torch cannot take; a
-planted one at each place a request can fail inside a step) fails alone. Its neighbours
-in the same batch get exactly the tokens they get without it, its blocks come back and
-nothing stays running. A failure of the step as a whole is not isolated: it reaches the
+planted one at each place a request can fail inside a step, the step itself included)
+fails alone. Its neighbours in the same batch get exactly the tokens they get without it,
+its blocks come back and nothing stays running. Only a worker that cannot compute at all
+(every part of the batch and the probe fail) is the engine's failure: it reaches the
 caller, and the engine is left with nothing unfinished.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -18,20 +21,34 @@ from pagedserve.worker.testing import make_test_model
 PROMPTS = [[5, 9, 13, 17, 21, 25], [7, 11, 3, 40, 41, 42, 43, 44, 45]]
 
 
+ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
+
+
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+def model(tmp_path_factory):
+    return make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "iso-models")
+
+
+def _build(model, inject: bool, **kw):
+    """The hooks are installed when the engine is built, or never (off the hot path)."""
     from pagedserve.cluster.engine.llm import LLM
 
-    path = make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "iso-models")
-    engine = LLM(model=path, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
-                 max_num_seqs=8)
+    saved = os.environ.pop(faults.ENV, None)
+    if inject:
+        os.environ[faults.ENV] = "1"
+    try:
+        return LLM(model=model, **{**ENGINE, **kw})
+    finally:
+        os.environ.pop(faults.ENV, None)
+        if saved is not None:
+            os.environ[faults.ENV] = saved
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    engine = _build(model, inject=True)
     yield engine
     engine.shutdown()
-
-
-@pytest.fixture
-def inject(monkeypatch):
-    monkeypatch.setenv(faults.ENV, "1")
 
 
 def _greedy(n: int = 12) -> SamplingParams:
@@ -65,8 +82,8 @@ def test_n2_at_the_top_of_the_seed_range_wraps_instead_of_overflowing(llm):
     _idle(llm)
 
 
-@pytest.mark.parametrize("site", ["setup", "sample", "detokenize"])
-def test_planted_failure_fails_that_request_alone(llm, inject, site):
+@pytest.mark.parametrize("site", ["setup", "sample", "detokenize", "step"])
+def test_planted_failure_fails_that_request_alone(llm, site):
     """Greedy and seeded neighbours, before and after the poison in the batch, keep
     their exact tokens; the poison (n=2: both samples) ends with an error."""
     neighbours = [(PROMPTS[0], _greedy()), (PROMPTS[1], _seeded(11)), (PROMPTS[1], _greedy())]
@@ -78,25 +95,70 @@ def test_planted_failure_fails_that_request_alone(llm, inject, site):
     params = [neighbours[0][1], poison, neighbours[1][1], neighbours[2][1]]
     outs = llm.generate(prompts, params, use_tqdm=False)
     bad = outs[1]
-    assert bad.finished and bad.error is not None and "InjectedFault" in bad.error and site in bad.error
+    assert bad.finished and bad.error is not None and "InjectedFault" in bad.error
+    if site != "step":  # a step's failure names the request, not where in the step it was
+        assert site in bad.error
     assert {c.finish_reason for c in bad.outputs} == {"error"}
     assert [outs[i].outputs[0].token_ids for i in (0, 2, 3)] == alone
     assert all(outs[i].error is None for i in (0, 2, 3))
     _idle(llm)
 
 
-def test_step_failure_reaches_the_caller_and_leaves_nothing_running(llm, inject):
-    poison = SamplingParams(max_tokens=4, stop=[faults.marker("step")])
-    with pytest.raises(faults.InjectedFault):
-        llm.generate([PROMPTS[0], PROMPTS[1]], [_greedy(), poison], use_tqdm=False)
+def test_a_failing_step_is_re_run_in_parts_and_only_the_request_at_fault_fails(llm):
+    """Eight requests share the steps with two that make every step they are in raise:
+    the step is re-run in halves down to single requests, the two fail alone (their
+    error names the step), the eight get their exact tokens and nothing leaks."""
+    from pagedserve.cluster.engine import step_containment
+
+    prompts = [[3 + i, 9, 27 + i, 81 % (i + 7)] for i in range(8)]
+    params = [_greedy(10) if i % 2 else _seeded(100 + i, 10) for i in range(8)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    poison = SamplingParams(temperature=0.0, max_tokens=6, stop=[faults.marker("step")])
+    reruns = []
+    real = step_containment.subplan
+
+    def counting(plan, keep, epoch, drop_req_ids=()):
+        reruns.append(len(keep))
+        return real(plan, keep, epoch, drop_req_ids)
+
+    step_containment.subplan = counting
+    try:
+        outs = llm.generate(prompts[:3] + [PROMPTS[0]] + prompts[3:6] + [PROMPTS[1]] + prompts[6:],
+                            params[:3] + [poison] + params[3:6] + [poison] + params[6:], use_tqdm=False)
+    finally:
+        step_containment.subplan = real
+    bad = [outs[3], outs[7]]
+    good = outs[:3] + outs[4:7] + outs[8:]
+    assert all(o.error is not None and "engine step failed" in o.error for o in bad)
+    assert all({c.finish_reason for c in o.outputs} == {"error"} for o in bad)
+    assert [o.outputs[0].token_ids for o in good] == alone
+    assert all(o.error is None for o in good)
+    # Bounded: the first step's 10 requests need one bisection, not 10 single re-runs.
+    assert 0 < len(reruns) <= step_containment.max_reruns(10) and 1 in reruns
     _idle(llm)
-    # The engine itself is fine (offline, the caller decides what a failed step means).
-    out = llm.generate([PROMPTS[0]], _greedy(4), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 4
 
 
-def test_faults_are_inert_without_the_environment_variable(llm, monkeypatch):
-    monkeypatch.delenv(faults.ENV, raising=False)
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                                    stop=[faults.marker("setup")]), use_tqdm=False)[0]
-    assert out.error is None and len(out.outputs[0].token_ids) == 4
+def test_a_broken_worker_is_the_engines_failure_and_leaves_nothing_running(model):
+    from pagedserve.cluster.engine.step_containment import StepFailedError
+
+    broken = _build(model, inject=True)
+    try:
+        poison = SamplingParams(max_tokens=4, stop=[faults.marker("broken")])
+        with pytest.raises(StepFailedError, match="probe"):
+            broken.generate([PROMPTS[0], PROMPTS[1]], [_greedy(), poison], use_tqdm=False)
+        _idle(broken)
+    finally:
+        broken.shutdown()
+
+
+def test_faults_are_inert_when_the_engine_is_built_without_the_variable(model, monkeypatch):
+    clean = _build(model, inject=False)
+    monkeypatch.setenv(faults.ENV, "1")  # too late: nothing was installed
+    try:
+        for site in faults.SITES:
+            out = clean.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                              stop=[faults.marker(site)]), use_tqdm=False)[0]
+            assert out.error is None and len(out.outputs[0].token_ids) == 4
+        assert "_prepare_inputs" not in vars(clean.engine.executor.worker.runner)
+    finally:
+        clean.shutdown()

@@ -1,19 +1,23 @@
-"""Planted per-request failures, for the tests of failure isolation (and nothing else).
+"""Planted failures, for the tests of failure isolation and containment (nothing else).
 
-A real poison request (a seed torch cannot take, a tokenizer that raises on one output)
-is a moving target: each one found gets validated away at the edge. The isolation it
-exposed must hold for the next one too, so the tests plant a failure at each place a
-request can fail inside the step and check that only that request fails.
+A real poison request (a seed torch cannot take, a top_p float32 flushes to 0) is a
+moving target: each one found gets fixed or validated away. The isolation it exposed
+must hold for the next one too, so the tests plant a failure at each place a request can
+fail and check that only that request fails.
 
-Inert unless ``PAGEDSERVE_FAULT_INJECTION=1`` is in the environment of the process that
-runs the site (Serve passes it on to engine replicas; worker actors inherit it). Then a
-request whose ``stop`` strings include ``marker(site)`` raises ``InjectedFault`` there:
+Off the hot path: nothing here runs unless ``PAGEDSERVE_FAULT_INJECTION=1`` is in the
+environment of the process when its engine or worker is built (Serve passes it on to
+engine replicas; worker actors inherit it). Then ``install_engine`` / ``install_runner``
+wrap a few methods of that one object, and a request whose ``stop`` strings include
+``marker(site)`` raises ``InjectedFault`` there:
 
-    site         where                                              attributable
-    setup        worker: its per-request state (generator, ...)     yes: that request fails
-    sample       worker: its row of the sampler                     yes
-    detokenize   engine: turning its new tokens into text           yes
-    step         worker: the step as a whole                        no: the replica fails
+    site         where                                       what the engine does
+    setup        worker: its per-request state (generator)   that request fails (row isolation)
+    sample       worker: its row of the sampler              that request fails (row isolation)
+    detokenize   engine: turning its new tokens into text    that request fails
+    step         worker: the whole step, while it is in it   step re-run in parts: it fails alone
+    broken       worker: every step from then on, and the    no part and no probe succeeds:
+                 probe (a worker that cannot compute)         the engine is dead
 
 The marker never matches generated text in a test: it is refused by no validator, but
 the tiny test models cannot produce "<pagedserve-fault:...>" before the failure fires.
@@ -21,10 +25,8 @@ the tiny test models cannot produce "<pagedserve-fault:...>" before the failure 
 
 from __future__ import annotations
 
-import os
-
-ENV = "PAGEDSERVE_FAULT_INJECTION"
-SITES = ("setup", "sample", "detokenize", "step")
+from pagedserve.worker.config import FAULT_INJECTION_ENV as ENV
+SITES = ("setup", "sample", "detokenize", "step", "broken")
 
 
 class InjectedFault(RuntimeError):
@@ -37,9 +39,57 @@ def marker(site: str) -> str:
     return f"<pagedserve-fault:{site}>"
 
 
-def check(site: str, params) -> None:
-    """Raise at ``site`` if this request planted a fault there. Costs one truth test for
-    requests without stop strings (the per-token hot path)."""
-    stop = params.stop
-    if stop and os.environ.get(ENV) == "1" and marker(site) in stop:
-        raise InjectedFault(f"injected fault at site {site!r} (test hook, {ENV}=1)")
+def _planted(site: str, params) -> bool:
+    return bool(params.stop) and marker(site) in params.stop
+
+
+def _fire(site: str) -> None:
+    raise InjectedFault(f"injected fault at site {site!r} (test hook, {ENV}=1)")
+
+
+def install_engine(engine) -> None:
+    """LLMEngine: the detokenize site."""
+    process = engine._process
+
+    def _process(group, sample, out, now):
+        if _planted("detokenize", sample.params):
+            _fire("detokenize")
+        return process(group, sample, out, now)
+
+    engine._process = _process
+
+
+def install_runner(runner) -> None:
+    """ModelRunner: the setup, sample, step and broken sites."""
+    new_state, sample_rows, prepare, probe = (runner._new_state, runner._sample_rows,
+                                              runner._prepare_inputs, runner.probe)
+    broken = []
+
+    def _new_state(new):
+        if _planted("setup", new.sampling_params):
+            _fire("setup")
+        return new_state(new)
+
+    def _sample_rows(logits, reqs):
+        out = sample_rows(logits, reqs)  # after the draws: the row-by-row retry must not redraw
+        if any(_planted("sample", st.sampling_params) for st in reqs):
+            _fire("sample")
+        return out
+
+    def _prepare_inputs(num_scheduled):
+        params = [runner.requests[r].sampling_params for r in num_scheduled]
+        if any(_planted("broken", p) for p in params):
+            broken.append(True)
+        if broken:
+            _fire("broken")
+        if any(_planted("step", p) for p in params):
+            _fire("step")
+        return prepare(num_scheduled)
+
+    def _probe():
+        if broken:
+            _fire("broken")
+        probe()
+
+    runner._new_state, runner._sample_rows = _new_state, _sample_rows
+    runner._prepare_inputs, runner.probe = _prepare_inputs, _probe

@@ -15,18 +15,26 @@ Batch layout of one step (decode rows first so attention can batch them):
 The step's tensors live in persistent buffers (step_buffers.py). A decode-only step on
 CUDA replays a captured graph of its padded size (cuda_graphs.py); the padded rows are
 never sampled, and the sampled ids cross to the host once per step.
+
+A step is all or nothing for the per-request state: every change a plan makes (requests
+added, dropped, preempted, block tables grown, tokens sampled, generators advanced) is
+journaled, and a step that raises is rolled back before the exception leaves, so the
+engine can re-run the same plan split in parts (cluster/engine/step_containment.py). Plans
+queued behind a failed one (async scheduling) are skipped untouched until the engine's
+plans of a later epoch (``plan.epoch``: the engine's count of failed steps) arrive. K/V rows the failed step wrote are
+rewritten by the re-run (same slots, same tokens).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
 
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker import faults
-from pagedserve.worker.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from pagedserve.worker.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, FAULT_INJECTION_ENV
 from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, capture_sizes, graphs_disabled_reason
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig
@@ -36,6 +44,9 @@ from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 from pagedserve.worker.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+
+_PUT, _TABLE, _GROW, _TOKEN, _GENS = range(5)  # the journal's entry kinds
 
 
 def _describe(e: BaseException) -> str:
@@ -76,36 +87,76 @@ class ModelRunner:
         sizes = capture_sizes(max_num_seqs, max_capture_size or MAX_CAPTURE_SIZE)
         self.graph_runner = CudaGraphRunner(model, self.buffers, sizes, use_graphs=reason is None,
                                             pad_eager=pad_eager)
+        # The epoch of the last plan that raised: plans of that epoch or older are skipped.
+        self._failed_epoch = -1
+        if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the tests
+            from pagedserve.worker import faults
+
+            faults.install_runner(self)
+
+    # ------------------------------------------------------------------ the journal
+    # Entries (kind, ...), undone last first: the state before the failed plan comes back.
+    #   _PUT    req_id, state|None   self.requests[req_id] was state (None: absent)
+    #   _TABLE  state, block_ids, num_computed   (block_ids: the list object it had)
+    #   _GROW   state, num_blocks, num_computed  (its table was extended in place)
+    #   _TOKEN  state                            (a sampled token was appended)
+    #   _GENS   generators, states               (their states before this step's draws)
+    def _rollback(self, journal: list) -> None:
+        for entry in reversed(journal):
+            kind = entry[0]
+            if kind == _PUT:
+                if entry[2] is None:
+                    self.requests.pop(entry[1], None)
+                else:
+                    self.requests[entry[1]] = entry[2]
+            elif kind == _TABLE:
+                entry[1].block_ids, entry[1].num_computed_tokens = entry[2], entry[3]
+            elif kind == _GROW:
+                del entry[1].block_ids[entry[2]:]
+                entry[1].num_computed_tokens = entry[3]
+            elif kind == _TOKEN:
+                entry[1].output_token_ids.pop()
+                entry[1].token_ids.pop()
+            else:
+                for g, state in zip(entry[1], entry[2]):
+                    g.set_state(state)
 
     # ------------------------------------------------------------------ state
-    def _update_states(self, plan: SchedulerOutput, failed: dict[str, str]) -> None:
+    def _update_states(self, plan: SchedulerOutput, failed: dict[str, str], journal: list) -> None:
+        requests = self.requests
         for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in plan.preempted_req_ids:
-            state = self.requests.get(req_id)
+            state = requests.pop(req_id, None)
             if state is not None:
+                journal.append((_PUT, req_id, state))
+        for req_id in plan.preempted_req_ids:
+            state = requests.get(req_id)
+            if state is not None:
+                journal.append((_TABLE, state, state.block_ids, state.num_computed_tokens))
                 state.block_ids = []
                 state.num_computed_tokens = 0
         for new in plan.scheduled_new_reqs:
-            faults.check("step", new.sampling_params)  # planted, on purpose not isolated
             try:
-                self.requests[new.req_id] = self._new_state(new)
+                state = self._new_state(new)
             except Exception as e:  # this request's own setup: it fails, the batch goes on
                 failed[new.req_id] = _describe(e)
+                continue
+            journal.append((_PUT, new.req_id, requests.get(new.req_id)))
+            requests[new.req_id] = state
         cached = plan.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
+            state = requests.get(req_id)
             if state is None:  # its setup failed a step ago (async scheduling planned on)
                 continue
             if cached.resumed_from_preemption[i]:
+                journal.append((_TABLE, state, state.block_ids, state.num_computed_tokens))
                 state.block_ids = list(cached.new_block_ids[i])
             else:
+                journal.append((_GROW, state, len(state.block_ids), state.num_computed_tokens))
                 state.block_ids.extend(cached.new_block_ids[i])
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
     def _new_state(self, new) -> CachedRequestState:
         params = new.sampling_params
-        faults.check("setup", params)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
@@ -158,8 +209,30 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        if plan.epoch <= self._failed_epoch:
+            # Planned before the failure was known: the engine re-sends what still holds.
+            return ModelRunnerOutput(step_id=plan.step_id, skipped=True)
+        journal: list = []
+        try:
+            return self._execute(plan, journal)
+        except BaseException:
+            self._rollback(journal)
+            self._failed_epoch = plan.epoch
+            raise
+
+    @torch.inference_mode()
+    def probe(self) -> None:
+        """One token through the model without the KV cache, and its logits checked:
+        raises if this worker can no longer compute. The engine asks after a failed step
+        that no split of its batch explained (a broken worker, not a bad request)."""
+        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(self.model(ids, torch.zeros_like(ids), None, None))
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("the probe step produced non-finite logits")
+
+    def _execute(self, plan: SchedulerOutput, journal: list) -> ModelRunnerOutput:
         failed: dict[str, str] = {}
-        self._update_states(plan, failed)
+        self._update_states(plan, failed, journal)
         self._bitmask_rows = {}
         if plan.grammar_bitmask is not None and plan.structured_output_req_ids:
             words = np.frombuffer(plan.grammar_bitmask, dtype="<i4").reshape(
@@ -183,7 +256,8 @@ class ModelRunner:
             else:
                 picked = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
             logits = self.model.compute_logits(picked)
-            for st, (tok, lp) in self._sample(logits, sample_reqs, failed):
+            for st, (tok, lp) in self._sample(logits, sample_reqs, failed, journal):
+                journal.append((_TOKEN, st))
                 st.append_output(tok)
                 sampled_by_req[st.req_id] = tok
                 if lp is not None:
@@ -203,19 +277,18 @@ class ModelRunner:
             [st.stop_token_ids for st in reqs], self.vocab_size, self.device,
             [self._bitmask_rows.get(st.req_id) for st in reqs] if self._bitmask_rows else None)
         out = self.sampler(logits, smd)
-        for st in reqs:  # planted after the draws: the retry must not redraw
-            faults.check("sample", st.sampling_params)
         lps = out.logprobs if out.logprobs is not None else [None] * len(reqs)
         return list(zip(out.sampled_token_ids.tolist(), lps))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
-                failed: dict[str, str]) -> list[tuple[CachedRequestState, tuple]]:
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState], failed: dict[str, str],
+                journal: list) -> list[tuple[CachedRequestState, tuple]]:
         """The batch in one go; if that raises, row by row, so the row at fault fails
         alone. Generator states are restored before the retry: a seeded row draws the
         same noise as in a batch without the faulty row (sampling is row-wise), so every
         other row gets exactly the token it would have got."""
         gens = [g for g in [self.sampler.generator, *(st.generator for st in reqs)] if g is not None]
         states = [g.get_state() for g in gens]
+        journal.append((_GENS, gens, states))
         try:
             return list(zip(reqs, self._sample_rows(logits, reqs)))
         except Exception as e:

@@ -11,6 +11,14 @@ Order of operations (vLLM V1 / Hugging Face):
         ├──▶ greedy rows: argmax
         ▼ random rows: / temperature ▶ top-k ▶ top-p ▶ softmax ▶ min-p ▶ inverse CDF
 
+Every filter keeps at least one token for every value it accepts (top-k keeps k >= 1,
+top-p always keeps the most likely token, min-p <= 1 keeps the maximum), and the logits
+it filters are finite or -inf (sampling_metadata.py clamps a temperature or a repetition
+penalty that would divide by zero or infinity in float32). So every row has a token of
+positive probability and its sampled id lies in [0, V); ``Sampler`` checks that once per
+step and raises ``SamplerError`` for a row that breaks it (the model runner then fails
+that request alone), so a bad id never reaches the next step's embedding.
+
 Inverse-CDF sampling draws one uniform number per row: token = the first index whose
 cumulative probability reaches u x total. A seeded row draws its number from its own
 generator, exactly one per step, so its token depends on its logits and (seed, step)
@@ -28,7 +36,11 @@ import torch
 from pagedserve.scheduler.outputs import Logprobs
 from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingMetadata", "make_generator"]
+__all__ = ["Sampler", "SamplerError", "SamplerOutput", "SamplingMetadata", "make_generator"]
+
+
+class SamplerError(RuntimeError):
+    """A row sampled an id outside the vocabulary: a bug in the sampler, caught here."""
 
 
 @dataclass(slots=True)
@@ -76,6 +88,7 @@ class Sampler:
         else:
             sampled = logits.argmax(dim=-1)
             sampled[md.random_rows] = self._sample_random(logits[md.random_rows], md)
+        _check_range(sampled, md.vocab_size)
         if logprobs is not None:
             logprobs = _gather_logprobs(logprobs, sampled, md)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
@@ -97,6 +110,15 @@ class Sampler:
         for j, gen in md.generators.items():
             u[j].uniform_(generator=gen)
         return sample_inverse_cdf(probs, u)
+
+
+def _check_range(sampled: torch.Tensor, vocab_size: int) -> None:
+    """Raises SamplerError if a sampled id is outside [0, vocab_size). One reduction and
+    one host sync per step; the ids cross to the host right after anyway."""
+    if sampled.numel() and not bool(((sampled >= 0) & (sampled < vocab_size)).all()):
+        bad = sorted({t for t in sampled.tolist() if not 0 <= t < vocab_size})
+        raise SamplerError(f"sampled token id {bad[0]} outside the vocabulary [0, {vocab_size}) "
+                           "(a row with no token of positive probability)")
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -197,7 +219,11 @@ def apply_top_p(logits: torch.Tensor, md: SamplingMetadata,
         out = torch.empty_like(vals)
     probs = vals.softmax(dim=-1)
     mass_above = probs.cumsum(dim=-1) - probs
-    vals.masked_fill_(mass_above >= md.top_p.unsqueeze(1), float("-inf"))
+    drop = mass_above >= md.top_p.unsqueeze(1)
+    # The most likely token always stays, whatever p: a p that float32 flushes to 0 (a
+    # denormal such as 1e-309) would otherwise drop every token (mass_above 0 >= 0).
+    drop[:, 0] = False
+    vals.masked_fill_(drop, float("-inf"))
     logits[rows] = out.scatter_(1, idx, vals)
 
 

@@ -27,6 +27,10 @@ import torch
 
 from pagedserve.scheduler.sampling_params import _GREEDY_EPS, SamplingParams
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+# Logits stay finite when divided by this (|logit| + 100 of bias, / 1e-5 of temperature).
+_MIN_REPETITION_PENALTY = 1e-20
+
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The per-request generator of a seeded request. The runner creates it once, when
@@ -168,7 +172,8 @@ def _build_random(md: SamplingMetadata, params: list[SamplingParams], greedy: li
     pay for noise, sorting or softmax."""
     v = md.vocab_size
     rows = [i for i, g in enumerate(greedy) if not g]
-    temps = [params[i].temperature for i in rows]
+    # A temperature past float32's range would be inf there, and -inf / inf is NaN.
+    temps = [min(params[i].temperature, _FLOAT32_MAX) for i in rows]
     ks = [params[i].top_k if 0 < params[i].top_k < v else v for i in rows]
     ps = [params[i].top_p for i in rows]
     mps = [params[i].min_p for i in rows]
@@ -200,7 +205,11 @@ def _build_penalties(md: SamplingMetadata, params: list[SamplingParams], pen_row
         md.penalty_rows = torch.tensor(pen_rows, dtype=torch.int64, device=device)
     md.presence_penalty = torch.tensor([p.presence_penalty for p in ps], device=device).unsqueeze(1)
     md.frequency_penalty = torch.tensor([p.frequency_penalty for p in ps], device=device).unsqueeze(1)
-    md.repetition_penalty = torch.tensor([p.repetition_penalty for p in ps], device=device).unsqueeze(1)
+    # A penalty that float32 flushes to 0 (any value accepted is > 0) would divide a
+    # logit by 0: below _MIN_REPETITION_PENALTY it acts as that (a seen positive logit is
+    # then past every unseen one anyway), so the logits stay finite.
+    md.repetition_penalty = torch.tensor([max(p.repetition_penalty, _MIN_REPETITION_PENALTY)
+                                          for p in ps], device=device).unsqueeze(1)
     md.output_counts = _token_histogram(n, v, [output_token_ids[i] for i in pen_rows], device)
     rep = [j for j, p in enumerate(ps) if p.repetition_penalty != 1.0]
     if rep:

@@ -13,7 +13,7 @@ import torch
 from pagedserve.kernels import AttentionMetadata, kv_cache_torch_dtype
 from pagedserve.kernels.kv_quant import check_fp8_device
 from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
-from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan, SchedulerOutput
 from pagedserve.worker import parallel_state
 from pagedserve.worker.config import EngineConfig
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_this_process
@@ -172,8 +172,12 @@ class Worker:
                         per_block * num_blocks / 2**30)
 
     # ---------------------------------------------------------------- step
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        out = self.runner.execute_model(plan)
+    def execute_model(self, plan: SchedulerOutput | ProbePlan) -> ModelRunnerOutput | None:
+        if isinstance(plan, ProbePlan):
+            self.runner.probe()
+            out = ModelRunnerOutput(step_id=plan.step_id)
+        else:
+            out = self.runner.execute_model(plan)
         return out if self.rank == 0 else None
 
     def shutdown(self) -> None:

@@ -197,7 +197,16 @@ class RayExecutor(Executor):
         if self._dag is None:
             self._compile()
         refs = self._dag.execute(plan)
-        return lambda: ray.get(refs)[0]
+        return lambda: self._cgraph_result(refs)
+
+    def _cgraph_result(self, refs):
+        # Not contained: a compiled graph reports a rank's failure without telling whether
+        # the other ranks rolled the step back too (the ZMQ channel does).
+        try:
+            return ray.get(refs)[0]
+        except Exception as e:
+            self._broken = True
+            raise ExecutorDeadError(f"a worker step failed (compiled graph): {type(e).__name__}") from e
 
     def pop_exec_times(self) -> list[list[float]]:
         """Per-rank in-worker execution times since the last call (benchmark only)."""

@@ -7,29 +7,47 @@
 One pickle per step, the same bytes written to every rank's socket; no Ray on the step
 path at all. PUSH/PULL (not PUB/SUB) so nothing sent before a worker connects is lost.
 Ranks other than 0 send nothing back unless they fail; the all-reduce inside the step
-keeps them in lockstep with rank 0. This is the shape of vLLM's message-queue broadcast,
+keeps them in lockstep with rank 0. Each plan goes out with a sequence number, and a
+failure names the plan it is for: a step that failed on every rank (each rolled it back)
+is a ``StepFailedError`` the engine may contain; a failure on some ranks only, or one that
+does not match the plan waited for, leaves the group out of step: ``ExecutorDeadError``. This is the shape of vLLM's message-queue broadcast,
 with blocking reads instead of spinning (a spinning reader would steal a core from the
 model on a 2-core box).
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import shutil
 import tempfile
+import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
+
+from pagedserve.cluster.engine.executor import ExecutorDeadError
+from pagedserve.cluster.engine.step_containment import StepFailedError
+
+logger = logging.getLogger(__name__)
 
 STOP = b"STOP"
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
+# How long the other ranks have to report the same failure once one rank has (they may
+# still be inside the step; one stuck in a collective with the failed rank never will).
+AGREE_TIMEOUT_S = 10.0
+
+
 @dataclass(slots=True)
 class WorkerFailure:
     rank: int
-    message: str
+    seq: int  # the plan's sequence number
+    error: str  # "TypeName: message", one line
+    traceback: str  # for the log only, never for a client
 
 
 def worker_loop(execute, rank: int, plan_addr: str, result_addr: str) -> int:
@@ -45,10 +63,12 @@ def worker_loop(execute, rank: int, plan_addr: str, result_addr: str) -> int:
             msg = pull.recv(copy=False).buffer
             if msg == STOP:
                 return steps
+            seq, plan = pickle.loads(msg)
             try:
-                out = execute(pickle.loads(msg))
-            except Exception:
-                push.send(pickle.dumps(WorkerFailure(rank, traceback.format_exc()), _PROTOCOL))
+                out = execute(plan)
+            except Exception as e:
+                line = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                push.send(pickle.dumps(WorkerFailure(rank, seq, line, traceback.format_exc()), _PROTOCOL))
                 continue
             steps += 1
             if rank == 0:
@@ -64,6 +84,9 @@ class ZmqBroadcast:
 
     def __init__(self, host: str, world_size: int, local: bool = False) -> None:
         """``local``: every rank runs on this node, so Unix sockets (ipc://) replace TCP."""
+        self.world_size = world_size
+        self._seq = 0
+        self._waiting: deque[int] = deque()  # sequence numbers sent, not yet answered
         self.ctx = zmq.Context()
         self.plan_socks = []
         self.plan_addrs = []
@@ -90,27 +113,56 @@ class ZmqBroadcast:
         the send waits at most ``poll_ms`` at a time, checking ``still_alive()`` between."""
         # A plan that computes tokens runs the model, whose all-reduces need every rank.
         self._all_ranks_read = getattr(plan, "total_num_scheduled_tokens", 0) > 0
-        data = pickle.dumps(plan, _PROTOCOL)
+        self._seq += 1
+        self._waiting.append(self._seq)
+        data = pickle.dumps((self._seq, plan), _PROTOCOL)
         for s in self.plan_socks:
             while not s.poll(poll_ms, zmq.POLLOUT):
                 still_alive()
             s.send(data, copy=False)
 
     def recv(self, still_alive, poll_ms: int = 200):
-        """Rank 0's result. ``still_alive()`` is checked while waiting, so a dead worker
-        raises instead of hanging the scheduler forever."""
-        while not self.result.poll(poll_ms):
-            still_alive()
-        out = pickle.loads(self.result.recv())
+        """Rank 0's result for the oldest plan not yet answered. ``still_alive()`` is
+        checked while waiting, so a dead worker raises instead of hanging the scheduler."""
+        seq = self._waiting.popleft()
+        out = self._next(still_alive, poll_ms)
+        if isinstance(out, WorkerFailure):
+            self._agree(out, seq, still_alive, poll_ms)
         if self._ipc_dir is not None and self._all_ranks_read:
             # Every rank is connected once rank 0 answers a plan that ran the model (the
             # others took part in its all-reduces, so they read it): the socket files can
             # go now, which leaves nothing in /tmp even if this process is killed later.
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
-        if isinstance(out, WorkerFailure):
-            raise RuntimeError(f"worker rank {out.rank} failed:\n{out.message}")
         return out
+
+    def _next(self, still_alive, poll_ms: int, deadline: float | None = None):
+        while not self.result.poll(poll_ms):
+            still_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+        return pickle.loads(self.result.recv())
+
+    def _agree(self, first: WorkerFailure, seq: int, still_alive, poll_ms: int) -> None:
+        """Every rank must report the failure of plan ``seq``; raises StepFailedError if
+        they do, ExecutorDeadError if the ranks are out of step."""
+        logger.error("worker rank %d failed plan %d: %s", first.rank, first.seq, first.traceback)
+        ranks = {first.rank}
+        deadline = time.monotonic() + AGREE_TIMEOUT_S
+        msg = first
+        while True:
+            if not isinstance(msg, WorkerFailure) or msg.seq != seq:
+                raise ExecutorDeadError(
+                    f"tensor-parallel ranks are out of step (rank {first.rank} failed a step the "
+                    f"others did not): {first.error}")
+            ranks.add(msg.rank)
+            if len(ranks) == self.world_size:
+                raise StepFailedError(f"worker step failed on every rank: {first.error}")
+            msg = self._next(still_alive, poll_ms, deadline)
+            if msg is None:
+                raise ExecutorDeadError(
+                    f"rank {first.rank} failed a step and ranks {sorted(set(range(self.world_size)) - ranks)} "
+                    f"did not report it within {AGREE_TIMEOUT_S:g} s: {first.error}")
 
     def stop(self) -> None:
         for s in self.plan_socks:

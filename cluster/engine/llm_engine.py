@@ -19,18 +19,18 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.cluster.engine.executor import Executor, default_executor_class
+from pagedserve.cluster.engine.executor import Executor, ExecutorDeadError, default_executor_class
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
 from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.cluster.engine.step_containment import StepFailedError, contain, subplan
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
 from pagedserve.cluster.engine.request_options import (num_samples, sample_params, select_best,
                                                        truncate_prompt)
 from pagedserve.scheduler import Request, RequestStatus, Scheduler
-from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput
+from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, ProbePlan
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
-from pagedserve.worker import faults
-from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.config import FAULT_INJECTION_ENV, EngineConfig
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_source import resolve_model
 
@@ -119,6 +119,11 @@ class LLMEngine:
         self.last_plan = None
         # async_scheduling: (plan, wait for its result) of the step running now
         self._inflight: tuple | None = None
+        self._epoch = 0  # failed steps seen (step_containment.py): stamped on every plan
+        if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the isolation tests
+            from pagedserve.worker import faults
+
+            faults.install_engine(self)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -277,17 +282,49 @@ class LLMEngine:
         pipelined = self.config.async_scheduling and not self.structured.matchers
         if inflight is not None and not pipelined:
             self._inflight = None
-            return self._finish_step(inflight[0], inflight[1]())
+            return self._finish_step(inflight[0], self._wait(*inflight))
         plan = self.scheduler.schedule()
+        plan.epoch = self._epoch
         self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
         if self.structured.matchers:
             self.structured.fill_bitmask(plan, self.scheduler.get_request)
         has_work = plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids
         if not pipelined:
-            result = self.executor.execute_model(plan) if has_work else ModelRunnerOutput(step_id=plan.step_id)
-            return self._finish_step(plan, result)
+            if not has_work:
+                return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
+            return self._finish_step(plan, self._wait(plan, lambda: self.executor.execute_model(plan)))
         self._inflight = (plan, self.executor.submit(plan)) if has_work else None
-        return self._finish_step(inflight[0], inflight[1]()) if inflight is not None else []
+        return self._finish_step(inflight[0], self._wait(*inflight)) if inflight is not None else []
+
+    def _wait(self, plan, result) -> ModelRunnerOutput:
+        """``result()`` (the step's result), or, if the step raised in the workers, the
+        result of re-running it in parts with the requests at fault failed alone
+        (step_containment.py). A plan already queued behind it is skipped by the workers:
+        it is sent again, without the failed requests."""
+        try:
+            return result()
+        except (ExecutorDeadError, StepFailedError):
+            raise
+        except Exception as e:
+            error = e
+        queued, self._inflight = self._inflight, None
+        if queued is not None and not queued[1]().skipped:
+            raise ExecutorDeadError("a plan queued behind a failed step ran on its rolled-back state")
+        out = contain(plan, error, self.executor.execute_model, self._probe, self._next_epoch,
+                      lambda e: isinstance(e, (ExecutorDeadError, StepFailedError)))
+        if queued is not None:
+            failed = list(out.failed or ())
+            keep = set(queued[0].num_scheduled_tokens).difference(failed)
+            again = subplan(queued[0], keep, self._epoch, drop_req_ids=failed)
+            self._inflight = (again, self.executor.submit(again))
+        return out
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def _probe(self) -> None:
+        self.executor.execute_model(ProbePlan(step_id=self.scheduler.step_id, epoch=self._epoch))
 
     def _finish_step(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -333,7 +370,6 @@ class LLMEngine:
         return outputs
 
     def _process(self, group: _Group, sample: _Sample, out: EngineCoreOutput, now: float):
-        faults.check("detokenize", sample.params)
         new_ids = out.new_token_ids
         if new_ids:
             if group.metrics.first_token_time is None:

@@ -233,7 +233,23 @@ def _error_type(status: int) -> str:
         return "APIError"
 
 
+# An absolute path of two or more parts (not the "//" of a URL): a server-side detail.
+_PATH = re.compile(r"(?<![\w:/.])/(?:[\w.\-]+/)+[\w.\-]*")
+_INTERNAL = "internal error; see the server log"
+
+
+def public_message(message: str) -> str:
+    """What a 5xx may tell a client of the server's own failure: the first line, no
+    traceback, no source path (the log has the whole story, with the request id)."""
+    lines = message.strip().splitlines()
+    if not lines or lines[0].startswith("Traceback"):
+        return _INTERNAL
+    return _PATH.sub("<path>", lines[0])[:300]
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    if status >= 500:
+        message = public_message(message)
     info = ErrorInfo(message=message, type=_error_type(status), param=param, code=status)
     return ErrorResponse(error=info).model_dump()
 
