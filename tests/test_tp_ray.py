@@ -166,3 +166,34 @@ def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_
         assert [b.get("CPU") for _, b in sorted(groups[0]["bundles"].items())] == [0.5, 1.0, 1.0]
     finally:
         serve.delete("tp2-serve")
+
+
+def test_tp2_contains_a_failing_step_and_a_rank_out_of_step_ends_the_engine(tmp_path_factory, monkeypatch):
+    """Both ranks raise on the poisoned step and roll it back: the step is re-run in parts
+    on both, the poison fails alone and the others keep TP=2's own tokens. A failure on
+    rank 1 only (rank 0 then waits in the all-reduce) is the group out of step: dead."""
+    from pagedserve.cluster.control import zmq_dispatch
+    from pagedserve.cluster.engine.executor import ExecutorDeadError
+    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.worker import faults
+
+    path = make_test_model(SHAPES[0], tmp_path_factory.getbasetemp() / "tp-fault-models")
+    prompts = _prompts(512)[:4]
+    monkeypatch.setenv(faults.ENV, "1")  # passed on to the worker actors
+    monkeypatch.setattr(zmq_dispatch, "AGREE_TIMEOUT_S", 3.0)
+    llm = LLM(model=path, tensor_parallel_size=2, dtype="float32", max_model_len=256,
+              num_gpu_blocks_override=128, max_num_seqs=8, async_scheduling=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        poison = SamplingParams(temperature=0.0, max_tokens=4, stop=[faults.marker("step")])
+        outs = llm.generate(prompts[:2] + [[5, 6, 7]] + prompts[2:], [params, params, poison, params, params],
+                            use_tqdm=False)
+        assert outs[2].error is not None and "engine step failed" in outs[2].error
+        assert [o.outputs[0].token_ids for o in outs[:2] + outs[3:]] == ref
+        assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
+        split = SamplingParams(temperature=0.0, max_tokens=4, stop=[faults.marker("one_rank")])
+        with pytest.raises(ExecutorDeadError, match="out of step|did not report"):
+            llm.generate([prompts[0], [5, 6, 7]], [params, split], use_tqdm=False)
+    finally:
+        llm.shutdown()

@@ -18,6 +18,8 @@ wrap a few methods of that one object, and a request whose ``stop`` strings incl
     step         worker: the whole step, while it is in it   step re-run in parts: it fails alone
     broken       worker: every step from then on, and the    no part and no probe succeeds:
                  probe (a worker that cannot compute)         the engine is dead
+    one_rank     worker: the step, on TP ranks > 0 only      ranks out of step: the engine
+                 (rank 0 waits in a collective)               is dead
 
 The marker never matches generated text in a test: it is refused by no validator, but
 the tiny test models cannot produce "<pagedserve-fault:...>" before the failure fires.
@@ -26,7 +28,7 @@ the tiny test models cannot produce "<pagedserve-fault:...>" before the failure 
 from __future__ import annotations
 
 from pagedserve.worker.config import FAULT_INJECTION_ENV as ENV
-SITES = ("setup", "sample", "detokenize", "step", "broken")
+SITES = ("setup", "sample", "detokenize", "step", "broken", "one_rank")
 
 
 class InjectedFault(RuntimeError):
@@ -84,6 +86,11 @@ def install_runner(runner) -> None:
             _fire("broken")
         if any(_planted("step", p) for p in params):
             _fire("step")
+        if any(_planted("one_rank", p) for p in params):
+            from pagedserve.worker.parallel_state import get_tp_rank
+
+            if get_tp_rank() > 0:
+                _fire("one_rank")
         return prepare(num_scheduled)
 
     def _probe():

@@ -36,7 +36,7 @@ from ray.dag import InputNode, MultiOutputNode
 from pagedserve.cluster.engine.executor import Executor, ExecutorDeadError
 from pagedserve.cluster.control.ray_utils import get_open_port, in_bundle, init_ray, node_ip, worker_placement
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.config import EngineConfig
+from pagedserve.worker.config import FAULT_INJECTION_ENV, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +122,14 @@ class RayExecutor(Executor):
             # max_concurrency 2: the ZMQ loop holds one thread, control calls use the other.
             opts = dict(num_cpus=1, num_gpus=1 if use_gpu else 0, max_concurrency=2,
                         scheduling_strategy=in_bundle(self.placement_group, bundle))
+            env = {}
             if not use_gpu and os.environ.get("PAGEDSERVE_WORKER_THP", "1") != "0":
                 mine = os.environ.get("GLIBC_TUNABLES")
-                opts["runtime_env"] = {"env_vars": {"GLIBC_TUNABLES": f"{mine}:{WORKER_GLIBC_TUNABLES}"
-                                                    if mine else WORKER_GLIBC_TUNABLES}}
+                env["GLIBC_TUNABLES"] = f"{mine}:{WORKER_GLIBC_TUNABLES}" if mine else WORKER_GLIBC_TUNABLES
+            if os.environ.get(FAULT_INJECTION_ENV) == "1":  # a driver's test hooks reach its workers
+                env[FAULT_INJECTION_ENV] = "1"
+            if env:
+                opts["runtime_env"] = {"env_vars": env}
             self.workers.append(actor_cls.options(**opts).remote(
                 engine_config, rank, tp, init_method))
         # All ranks must enter the rendezvous together: submit to all, then wait.
@@ -193,11 +197,18 @@ class RayExecutor(Executor):
                 self._start_zmq()
             # Both directions watch the loops: a send to a dead rank would block forever.
             self._bcast.send(plan, self._check_loops)
-            return lambda: self._bcast.recv(self._check_loops)
+            return self._zmq_result
         if self._dag is None:
             self._compile()
         refs = self._dag.execute(plan)
         return lambda: self._cgraph_result(refs)
+
+    def _zmq_result(self):
+        try:
+            return self._bcast.recv(self._check_loops)
+        except ExecutorDeadError:  # ranks out of step: one may sit in a collective for good
+            self._broken = True
+            raise
 
     def _cgraph_result(self, refs):
         # Not contained: a compiled graph reports a rank's failure without telling whether
@@ -217,6 +228,8 @@ class RayExecutor(Executor):
         # a dead peer, and a PUSH to a dead rank blocks. Killing the actors frees all.
         for w in self.workers:
             ray.kill(w)
+        if self._bcast is not None:  # or its context blocks the process's exit on open sockets
+            self._bcast.close()
         self.workers, self._bcast, self._loops = [], None, []
         if self._owns_pg:
             ray.util.remove_placement_group(self.placement_group)

@@ -9,7 +9,7 @@ path at all. PUSH/PULL (not PUB/SUB) so nothing sent before a worker connects is
 Ranks other than 0 send nothing back unless they fail; the all-reduce inside the step
 keeps them in lockstep with rank 0. Each plan goes out with a sequence number, and a
 failure names the plan it is for: a step that failed on every rank (each rolled it back)
-is a ``StepFailedError`` the engine may contain; a failure on some ranks only, or one that
+is a ``WorkerStepError`` the engine may contain; a failure on some ranks only, or one that
 does not match the plan waited for, leaves the group out of step: ``ExecutorDeadError``. This is the shape of vLLM's message-queue broadcast,
 with blocking reads instead of spinning (a spinning reader would steal a core from the
 model on a 2-core box).
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import zmq
 
 from pagedserve.cluster.engine.executor import ExecutorDeadError
-from pagedserve.cluster.engine.step_containment import StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +39,10 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 # How long the other ranks have to report the same failure once one rank has (they may
 # still be inside the step; one stuck in a collective with the failed rank never will).
 AGREE_TIMEOUT_S = 10.0
+
+
+class WorkerStepError(RuntimeError):
+    """A step raised on every rank, and each rolled it back (worker/model_runner.py)."""
 
 
 @dataclass(slots=True)
@@ -72,7 +75,7 @@ def worker_loop(execute, rank: int, plan_addr: str, result_addr: str) -> int:
                 continue
             steps += 1
             if rank == 0:
-                push.send(pickle.dumps(out, _PROTOCOL))
+                push.send(pickle.dumps((seq, out), _PROTOCOL))
     finally:
         pull.close(linger=0)
         push.close(linger=0)
@@ -87,6 +90,7 @@ class ZmqBroadcast:
         self.world_size = world_size
         self._seq = 0
         self._waiting: deque[int] = deque()  # sequence numbers sent, not yet answered
+        self._inbox: list = []  # messages read for a later plan than the one waited for
         self.ctx = zmq.Context()
         self.plan_socks = []
         self.plan_addrs = []
@@ -123,11 +127,39 @@ class ZmqBroadcast:
 
     def recv(self, still_alive, poll_ms: int = 200):
         """Rank 0's result for the oldest plan not yet answered. ``still_alive()`` is
-        checked while waiting, so a dead worker raises instead of hanging the scheduler."""
+        checked while waiting, so a dead worker raises instead of hanging the scheduler.
+        If a rank failed the plan: WorkerStepError when every rank did (each rolled it
+        back: the engine may re-run its parts), ExecutorDeadError when the ranks are out
+        of step."""
         seq = self._waiting.popleft()
-        out = self._next(still_alive, poll_ms)
-        if isinstance(out, WorkerFailure):
-            self._agree(out, seq, still_alive, poll_ms)
+        failures: dict[int, WorkerFailure] = {}
+        deadline = None
+        while True:
+            msg = self._take(seq) or self._next(still_alive, poll_ms, deadline)
+            if msg is None:
+                first = next(iter(failures.values()))
+                missing = sorted(set(range(self.world_size)) - set(failures))
+                raise ExecutorDeadError(f"rank {first.rank} failed a step and ranks {missing} did not "
+                                        f"report it within {AGREE_TIMEOUT_S:g} s: {first.error}")
+            msg_seq = msg.seq if isinstance(msg, WorkerFailure) else msg[0]
+            if msg_seq > seq:  # another rank is ahead (rank 0 skipping the next plan)
+                self._inbox.append(msg)
+                continue
+            if msg_seq < seq:
+                raise ExecutorDeadError(f"tensor-parallel ranks are out of step: a rank failed plan "
+                                        f"{msg_seq} after rank 0 had answered it: {msg.error}")
+            if not isinstance(msg, WorkerFailure):
+                if failures:
+                    raise ExecutorDeadError(
+                        "tensor-parallel ranks are out of step: rank 0 ran a step that ranks "
+                        f"{sorted(failures)} failed: {next(iter(failures.values())).error}")
+                break
+            logger.error("worker rank %d failed plan %d: %s", msg.rank, seq, msg.traceback)
+            failures[msg.rank] = msg
+            if len(failures) == self.world_size:
+                raise WorkerStepError(f"worker step failed on every rank: {msg.error}")
+            deadline = deadline or time.monotonic() + AGREE_TIMEOUT_S
+        out = msg[1]
         if self._ipc_dir is not None and self._all_ranks_read:
             # Every rank is connected once rank 0 answers a plan that ran the model (the
             # others took part in its all-reduces, so they read it): the socket files can
@@ -136,33 +168,19 @@ class ZmqBroadcast:
             self._ipc_dir = None
         return out
 
+    def _take(self, seq: int):
+        for i, msg in enumerate(self._inbox):
+            if (msg.seq if isinstance(msg, WorkerFailure) else msg[0]) <= seq:
+                del self._inbox[i]
+                return msg
+        return None
+
     def _next(self, still_alive, poll_ms: int, deadline: float | None = None):
         while not self.result.poll(poll_ms):
             still_alive()
             if deadline is not None and time.monotonic() > deadline:
                 return None
         return pickle.loads(self.result.recv())
-
-    def _agree(self, first: WorkerFailure, seq: int, still_alive, poll_ms: int) -> None:
-        """Every rank must report the failure of plan ``seq``; raises StepFailedError if
-        they do, ExecutorDeadError if the ranks are out of step."""
-        logger.error("worker rank %d failed plan %d: %s", first.rank, first.seq, first.traceback)
-        ranks = {first.rank}
-        deadline = time.monotonic() + AGREE_TIMEOUT_S
-        msg = first
-        while True:
-            if not isinstance(msg, WorkerFailure) or msg.seq != seq:
-                raise ExecutorDeadError(
-                    f"tensor-parallel ranks are out of step (rank {first.rank} failed a step the "
-                    f"others did not): {first.error}")
-            ranks.add(msg.rank)
-            if len(ranks) == self.world_size:
-                raise StepFailedError(f"worker step failed on every rank: {first.error}")
-            msg = self._next(still_alive, poll_ms, deadline)
-            if msg is None:
-                raise ExecutorDeadError(
-                    f"rank {first.rank} failed a step and ranks {sorted(set(range(self.world_size)) - ranks)} "
-                    f"did not report it within {AGREE_TIMEOUT_S:g} s: {first.error}")
 
     def stop(self) -> None:
         for s in self.plan_socks:
