@@ -5,9 +5,11 @@ failure hook on (PAGEDSERVE_FAULT_INJECTION=1, worker/faults.py). The story:
 
 - the outside tester's seed poisons (2**64; 2**64 - 1 with n=2) get a 400 while another
   request streams, and the stream completes with exactly its tokens;
-- a planted failure in the sampler or the detokenizer of one request is an error for
-  that request alone (500 / in-band SSE error); max_num_seqs + 1 of them in a row leave
-  the server serving, with nothing running and no KV block held;
+- a planted failure in the sampler, the detokenizer or the step itself (re-run in parts
+  until the request at fault stands alone) is an error for that request alone (a 500 /
+  in-band SSE error that names it and carries no traceback or path); max_num_seqs + 1 of
+  them in a row leave the same replica serving, /health 200, nothing running and no KV
+  block held;
 - prompts too long to tokenize are a 4xx within 1 s, while small requests keep their TTFT;
 - 30 client time-outs later, the running gauge of the idle server is back at 0.
 """
@@ -114,9 +116,20 @@ def test_seed_poisons_are_400_while_another_request_streams(base, client, model)
     _assert_idle(base)
 
 
-@pytest.mark.parametrize("site", ["sample", "detokenize"])
+def _replica(base: str) -> str:
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+    return r.headers["x-pagedserve-replica"]
+
+
+def assert_no_internals(text: str) -> None:
+    """A body a client sees: no traceback, no source path of the server."""
+    assert "Traceback" not in text and ".py" not in text and "/work/" not in text, text[:500]
+
+
+@pytest.mark.parametrize("site", ["sample", "detokenize", "step"])
 def test_planted_failures_fail_alone_and_leave_the_server_serving(base, client, model, site):
     ref = _reference(client, model)
+    replica = _replica(base)
     body = dict(model=model, prompt="poison", max_tokens=8, temperature=0, stop=[faults.marker(site)])
 
     def plain():
@@ -132,10 +145,15 @@ def test_planted_failures_fail_alone_and_leave_the_server_serving(base, client, 
     assert text == ref
     for r in results[:-1]:
         assert isinstance(r, openai.InternalServerError), r
+        assert "request cmpl-" in r.message, r.message  # it names the request
+        assert_no_internals(r.response.text)
     sse = [e for e in results[-1] if e]
     assert '"error"' in sse[-2] and sse[-1] == "data: [DONE]", sse
+    assert_no_internals(sse[-2])
     _assert_idle(base)
     assert _reference(client, model, 8) == ref[: len(_reference(client, model, 8))]
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    assert _replica(base) == replica  # contained: the replica was never replaced
 
 
 def _ttft(base: str) -> float:
