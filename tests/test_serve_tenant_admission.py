@@ -33,7 +33,7 @@ def url(serve_url, serve_model):
 
 
 def test_a_flooding_tenant_is_refused_and_another_is_served(url):
-    body = {"model": MODEL, "prompt": "flood " * 20, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+    body = {"model": MODEL, "prompt": "flood " * 20, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
 
     async def one(http, tenant, payload):
