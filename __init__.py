@@ -28,14 +28,14 @@ import os
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 from pagedserve.scheduler.sampling_params import SamplingParams  # noqa: E402
-from pagedserve.worker.config import EngineConfig  # noqa: E402
+from pagedserve.config import EngineConfig  # noqa: E402
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
     if name == "LLM":
-        from pagedserve.cluster.engine.llm import LLM
+        from pagedserve.cluster.llm import LLM
 
         return LLM
     if name == "LLMEngine":
@@ -43,7 +43,7 @@ def __getattr__(name: str):
 
         return LLMEngine
     if name in ("RequestOutput", "CompletionOutput"):
-        from pagedserve.cluster.engine import outputs
+        from pagedserve.cluster.wire import outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

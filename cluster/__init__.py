@@ -1,15 +1,24 @@
-"""cluster/: everything that wires scheduler/, worker/ and kernels/ into a running server.
+"""cluster/: everything that wires scheduler/, worker/ and kernels/ into a running server,
+one sub-package per process or layer, in the order a request walks them
+(docs/request-walk.md follows one through)::
 
-A request's path, outside in::
+    cli/        the ``pagedserve`` command: flags -> EngineConfig, serve / generate / kv-size
+    front/      the HTTP front (Ray Serve ingress): routes, schemas, OpenAI formatting,
+                tool parsing, the door (shedding, live requests), /metrics
+    replica/    the engine replica (the scheduler actor): step loop thread, admission,
+                tokenizer pool, health, live view
+    engine/     the engine loop itself (LLMEngine, step containment, detokenizer), ray-free
+    executors/  how the loop reaches its workers: in-process, or a TP group of Ray worker
+                actors with the ZMQ plan broadcast
+    wire/       every type that crosses a process boundary (outputs, stream items, the
+                output channel, stats, failures): what the others share instead of
+                importing each other
 
-    cli/      the ``pagedserve`` command: flags -> EngineConfig, then serve / generate / kv-size
-    serve/    Ray Serve + FastAPI: the OpenAI routes, validation, SSE, metrics, and the
-              per-replica engine actor that runs the step loop on its own thread
-    engine/   the step loop itself (LLMEngine, the offline LLM, detokenizer, outputs) and
-              the in-process executor. Ray-free: it runs inside a Serve replica or alone
-    control/  the Ray control plane: TP worker actors in a placement group, the per-step
-              plan broadcast (ZMQ or a compiled graph), ray.init on loopback
+    app.py        the Serve application: the front's and the replica's deployments
+    llm.py        the offline ``LLM`` API (the engine loop with an executor)
+    ray_utils.py  Ray on loopback, placement groups, Serve's quirks
 
-Imports point inward: cli -> serve -> {engine, control}, control -> engine. Only control/ and serve/ import ray
-(engine/ loads control/ lazily, for TP > 1).
+Only front/, replica/, executors/, app.py and ray_utils.py import ray. The front and the
+replica meet only through wire/; the engine loop and the executors never import each
+other.
 """

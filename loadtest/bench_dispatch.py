@@ -66,8 +66,8 @@ def run(executor, args, warmup: int = 10) -> tuple[list[float], list[int]]:
 
 
 def bench_ray(tp: int, model: str, args, dispatch: str) -> dict:
-    from pagedserve.cluster.control.ray_executor import RayExecutor
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.executors.ray_executor import RayExecutor
+    from pagedserve.config import EngineConfig
 
     RayExecutor.dispatch = dispatch
 
@@ -90,8 +90,8 @@ def bench_ray(tp: int, model: str, args, dispatch: str) -> dict:
 
 
 def bench_uniproc(model: str, args) -> dict:
-    from pagedserve.cluster.engine.executor import UniProcExecutor
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.executors.uniproc import UniProcExecutor
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=model, block_size=args.block_size, num_gpu_blocks_override=args.num_blocks,
                        dtype="float32", device=args.device, num_threads=1)
@@ -118,7 +118,7 @@ def main() -> None:
 
         model = make_test_model("llama-gqa2-hd64", os.path.join(tempfile.gettempdir(), "pagedserve-test-models"))
 
-    from pagedserve.cluster.control.ray_utils import init_ray, shutdown_ray
+    from pagedserve.cluster.ray_utils import init_ray, shutdown_ray
 
     init_ray()
     try:

@@ -29,7 +29,7 @@ import time
 import torch
 
 from pagedserve.kernels import AttentionMetadata, write_kv_cache
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.model_source import resolve_model
 from pagedserve.worker.worker import Worker
 

@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 # A long constrained output: its string must run 60-80 characters.

@@ -8,7 +8,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_session():
-    from pagedserve.cluster.control.ray_utils import init_ray
+    from pagedserve.cluster.ray_utils import init_ray
     import ray
 
     init_ray()
@@ -28,7 +28,7 @@ def serve_url(ray_session):
     test module deploys its own application under its own route prefix."""
     from ray import serve
 
-    from pagedserve.cluster.control.ray_utils import get_open_port
+    from pagedserve.cluster.ray_utils import get_open_port
 
     port = get_open_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -53,8 +53,8 @@ def openai_app(serve_url, serve_model):
     """The OpenAI app deployed once at route prefix "/" (shared by the API and cancel tests)."""
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, **SERVE_ENGINE)
     serve.run(build_app(cfg), name="openai-test", route_prefix="/")

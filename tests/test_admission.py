@@ -1,11 +1,11 @@
-"""Admission control in numbers (cluster/serve/admission.py): the measured drain rate,
+"""Admission control in numbers (cluster/replica/admission.py): the measured drain rate,
 the queueing-delay bound, the projected KV bound, and Retry-After derived from the rate."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedserve.cluster.serve.admission import DrainMeter, admit, retry_after
+from pagedserve.cluster.replica.admission import DrainMeter, admit, retry_after
 from pagedserve.scheduler.stats import SchedulerStats
 
 
@@ -97,7 +97,7 @@ def test_refusals_tell_the_ingress_gate_how_long_to_shed():
 
 
 def test_shed_gate_refuses_only_while_every_live_replica_sheds():
-    from pagedserve.cluster.serve.shed_gate import LIVE_TTL_S, MAX_CLOSED_S, MIN_REFUSALS, ShedGate
+    from pagedserve.cluster.front.door import LIVE_TTL_S, MAX_CLOSED_S, MIN_REFUSALS, ShedGate
 
     g = ShedGate(enabled=True)
     assert g.refuse(0.0) is None  # no replica heard from: ask them
@@ -177,7 +177,7 @@ def test_a_tenant_within_its_share_waits_at_its_share_of_the_rate():
 
 
 def test_shed_gate_closes_per_tenant_when_the_replica_refused_a_tenants_share():
-    from pagedserve.cluster.serve.shed_gate import MIN_REFUSALS, ShedGate
+    from pagedserve.cluster.front.door import MIN_REFUSALS, ShedGate
 
     g = ShedGate(enabled=True)
     for k in range(MIN_REFUSALS):

@@ -2,7 +2,7 @@
 is on the short list of fields accepted and ignored (protocol.ACCEPTED_AND_IGNORED, the
 same list in deploy/README.md), and anything else is refused naming the field.
 
-Adding a field to protocol.py means registering it below as implemented (or, if ignoring
+Adding a field to cluster/front/schemas.py means registering it below as implemented (or, if ignoring
 it cannot change what a client gets back, adding it to both ignored lists). The walk
 covers the nested models too (messages, content parts, stream_options), and the check
 is shown to fail on a planted field.
@@ -18,8 +18,8 @@ import pydantic
 import pytest
 from pydantic import BaseModel
 
-from pagedserve.cluster.serve import protocol
-from pagedserve.cluster.serve.protocol import (ACCEPTED_AND_IGNORED, ChatCompletionRequest,
+from pagedserve.cluster.front import schemas as protocol
+from pagedserve.cluster.front.schemas import (ACCEPTED_AND_IGNORED, ChatCompletionRequest,
                                                CompletionRequest)
 
 README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"

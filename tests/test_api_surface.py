@@ -168,7 +168,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_400(openai_app, client, model
 
 
 def test_offline_llm_checks_stop_token_ids_and_resolves_logprobs_minus_one(serve_model):
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     llm = LLM(model=serve_model, max_model_len=256, num_gpu_blocks_override=16, dtype="float32",

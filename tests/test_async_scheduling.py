@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from _sched_helpers import add, make_scheduler
-from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler import ModelRunnerOutput, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker import faults
@@ -202,8 +202,8 @@ def test_the_serving_engine_streams_the_same_tokens(case):
     six concurrent streams get exactly the synchronous engine's tokens, one delta a step."""
     import asyncio
 
-    from pagedserve.cluster.serve.engine_actor import AsyncEngine
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.replica.engine_replica import AsyncEngine
+    from pagedserve.config import EngineConfig
 
     path, prompts, _ = case
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

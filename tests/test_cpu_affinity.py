@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from pagedserve.cluster.serve.serve_app import bound_worker_config, cpu_threads, resolve_cpu_bind
-from pagedserve.worker.config import EngineConfig
+from pagedserve.cluster.app import bound_worker_config, cpu_threads, resolve_cpu_bind
+from pagedserve.config import EngineConfig
 from pagedserve.worker.cpu_affinity import parse_bind, parse_core_list, plan_auto
 
 
@@ -77,7 +77,7 @@ def test_a_worker_pins_every_thread_of_its_process_and_takes_a_thread_per_core(t
     core = max(os.sched_getaffinity(0))
     script = f"""
 import os, threading, time, torch
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.worker import Worker
 early = threading.Thread(target=time.sleep, args=(5,), daemon=True)
 early.start()

@@ -28,7 +28,7 @@ def test_serve_config_parses_with_ray_schema():
     assert deploy.http_options.port == 8000
     [app] = deploy.applications
     assert isinstance(app, ServeApplicationSchema)
-    assert app.import_path == "pagedserve.cluster.serve.serve_app:app_builder"
+    assert app.import_path == "pagedserve.cluster.app:app_builder"
     assert app.route_prefix == "/"
     assert app.args["model"] is None  # the demo model
 
@@ -36,8 +36,8 @@ def test_serve_config_parses_with_ray_schema():
 def test_serve_config_args_build_the_app():
     from ray.serve._private.utils import import_attr
 
-    from pagedserve.cluster.serve.serve_app import engine_deployment_options, split_args
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import engine_deployment_options, split_args
+    from pagedserve.config import EngineConfig
 
     raw = yaml.safe_load(SERVE_CONFIG.read_text())
     [app] = raw["applications"]
@@ -58,8 +58,8 @@ def test_serve_config_args_build_the_app():
 
 
 def test_tp_deployment_gets_one_bundle_per_rank():
-    from pagedserve.cluster.serve.serve_app import engine_deployment_options
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import engine_deployment_options
+    from pagedserve.config import EngineConfig
 
     dep = engine_deployment_options(EngineConfig(tensor_parallel_size=4, device="cuda"))
     bundles = dep["placement_group_bundles"]
@@ -72,8 +72,8 @@ def test_tp_deployment_gets_one_bundle_per_rank():
 def test_engine_knobs_reach_the_replica_through_its_runtime_env(monkeypatch):
     """PAGEDSERVE_CPU_LINEAR & co. set where the app is built reach the engine replica even on a
     Ray cluster started earlier (its workers have the raylet's environment, not the caller's)."""
-    from pagedserve.cluster.serve.serve_app import engine_deployment_options
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import engine_deployment_options
+    from pagedserve.config import EngineConfig
 
     monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", "onednn")
     monkeypatch.setenv("PAGEDSERVE_KV_THP", "0")

@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from pagedserve.cluster.serve.engine_actor import Admission, AsyncEngine
+from pagedserve.cluster.replica.engine_replica import Admission, AsyncEngine
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.testing import make_test_model
 
 

@@ -16,10 +16,11 @@ import time
 
 import pytest
 
-from pagedserve.cluster.serve.engine_actor import AsyncEngine, EngineDeadError, RequestFailed
+from pagedserve.cluster.replica.engine_replica import AsyncEngine
+from pagedserve.cluster.wire.failures import EngineDeadError, RequestFailed
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker import faults
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.testing import make_test_model
 
 MAX_NUM_SEQS = 2

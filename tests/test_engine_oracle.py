@@ -19,10 +19,11 @@ import random
 import pytest
 import torch
 
-from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.llm import LLM
 from pagedserve.cluster.engine.llm_engine import LLMEngine
+from pagedserve.cluster.executors.uniproc import UniProcExecutor
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.testing import make_test_model
 
 SHAPES = ["qwen2-tied", "llama-gqa4-hd128", "llama-mha"]
@@ -74,7 +75,7 @@ def _engine(path, **overrides) -> LLMEngine:
     cfg = dict(model=path, max_model_len=512, num_gpu_blocks_override=512, max_num_seqs=16,
                max_num_batched_tokens=512)
     cfg.update(overrides)
-    return LLMEngine(EngineConfig(**cfg))
+    return LLMEngine(EngineConfig(**cfg), UniProcExecutor)
 
 
 def _run(engine: LLMEngine, prompts, params, per_step: int | None = None) -> list[list[int]]:

@@ -59,7 +59,7 @@ def _hf_greedy(hf, prompts) -> list[list[int]]:
 
 
 def _greedy(model: str, tp: int = 1) -> list[list[int]]:
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
 
     llm = LLM(model=model, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
               num_gpu_blocks_override=64, max_num_seqs=8)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.model_source import DEFAULT_MODEL_NAME, default_model_file, resolve_model
 
@@ -114,7 +114,7 @@ def test_greedy_equals_transformers_under_preemption(oracle):
 def test_serve_cli_answers_paris_streamed_or_not(tmp_path):
     import openai
 
-    from pagedserve.cluster.control.ray_utils import get_open_port
+    from pagedserve.cluster.ray_utils import get_open_port
 
     port = get_open_port()
     log = tmp_path / "serve.log"

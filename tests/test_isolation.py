@@ -31,7 +31,7 @@ def model(tmp_path_factory):
 
 def _build(model, inject: bool, **kw):
     """The hooks are installed when the engine is built, or never (off the hot path)."""
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
 
     saved = os.environ.pop(faults.ENV, None)
     if inject:

@@ -172,7 +172,7 @@ def test_names_and_bytes_per_token():
 
 
 def _worker(tmp_path, shape: dict, dtype: str, kv_cache_dtype: str, budget: int):
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.config import EngineConfig
     from pagedserve.worker.model_config import ModelConfig
     from pagedserve.worker.worker import Worker
 

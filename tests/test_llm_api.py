@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.testing import make_test_model
 

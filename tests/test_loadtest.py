@@ -126,7 +126,7 @@ def test_metrics_have_vllm_names_and_exact_values():
 
 
 def test_scraper_reads_pagedserve_exposition_and_vllm_names():
-    from pagedserve.cluster.serve.metrics import ServeMetrics, StatsAggregator
+    from pagedserve.cluster.front.metrics import ServeMetrics, StatsAggregator
 
     def snap(running, waiting, free, queries, hits, preempt):
         return {"running": running, "waiting": waiting, "num_free_blocks": free, "num_blocks": 100,

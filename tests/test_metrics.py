@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.cluster.serve.metrics import ServeMetrics, StatsAggregator, stats_snapshot
-from pagedserve.cluster.engine.outputs import RequestMetrics
+from pagedserve.cluster.front.metrics import ServeMetrics, StatsAggregator
+from pagedserve.cluster.wire.stats import stats_snapshot
+from pagedserve.cluster.wire.outputs import RequestMetrics
 from pagedserve.scheduler.stats import SchedulerStats
 
 
@@ -60,7 +61,7 @@ def test_render_uses_vllm_names_with_prefix():
 
 
 def test_vllm_names_types_and_buckets_and_one_prefix_for_the_loadtest_scraper():
-    from pagedserve.cluster.serve.metrics import VLLM_ITL_BUCKETS
+    from pagedserve.cluster.front.metrics import VLLM_ITL_BUCKETS
     from pagedserve.loadtest.metrics import parse_prometheus
 
     agg = StatsAggregator()

@@ -32,7 +32,7 @@ def test_public_api_imports_from_outside_the_checkout(tmp_path):
         print(LLM.__module__, SamplingParams.__module__, pagedserve.__version__)
     """, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split()[:2] == ["pagedserve.cluster.engine.llm", "pagedserve.scheduler.sampling_params"]
+    assert proc.stdout.split()[:2] == ["pagedserve.cluster.llm", "pagedserve.scheduler.sampling_params"]
 
 
 def test_distribution_exposes_no_other_top_level_name(tmp_path):

@@ -1,4 +1,4 @@
-"""The engine -> ingress output channel (cluster/serve/output_channel.py) on real ZeroMQ
+"""The engine -> ingress output channel (cluster/wire/output_channel.py) on real ZeroMQ
 sockets on 127.0.0.1, without Ray: the channel alone, then AsyncEngine sending to it.
 
 The engine's Ray stream is stood in for by ``_Lifeline``: the generator AsyncEngine.generate
@@ -13,13 +13,14 @@ import pickle
 import pytest
 import zmq
 
-from pagedserve.cluster.serve import output_channel
-from pagedserve.cluster.serve.engine_actor import AsyncEngine, RequestFailed
-from pagedserve.cluster.serve.output_channel import ChannelSender, OutputChannel
-from pagedserve.cluster.serve.stream_wire import Accumulated, slim
-from pagedserve.cluster.engine.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.wire import output_channel
+from pagedserve.cluster.replica.engine_replica import AsyncEngine
+from pagedserve.cluster.wire.failures import RequestFailed
+from pagedserve.cluster.wire.output_channel import ChannelSender, OutputChannel
+from pagedserve.cluster.wire.stream import Accumulated, slim
+from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.testing import make_test_model
 
 

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from pagedserve.cluster.engine.llm import LLM
+from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.testing import make_test_model
 

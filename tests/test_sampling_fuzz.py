@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pagedserve.cluster.serve.protocol import CompletionRequest
+from pagedserve.cluster.front.schemas import CompletionRequest
 from pagedserve.worker.testing import make_test_model
 
 FUZZ_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "120"))
@@ -85,7 +85,7 @@ body = st.one_of(st.fixed_dictionaries({}, optional=FIELDS),
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
 
     path = make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "fuzz-models")
     engine = LLM(model=path, dtype="float32", max_model_len=64, num_gpu_blocks_override=64,

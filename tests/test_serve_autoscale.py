@@ -32,8 +32,8 @@ def _running_replicas(app: str, deployment: str) -> int:
 def test_engine_scales_from_one_to_two_replicas_and_both_serve(serve_url, serve_model):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     # Shedding off: this test overloads one replica on purpose, so that Serve adds one.
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None,

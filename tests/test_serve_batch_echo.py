@@ -119,7 +119,7 @@ def test_echo_text_and_logprobs(openai_app, client, singles, serve_model):
         assert "".join(lp.tokens[:num_prompt]).endswith(p)
         assert len(lp.tokens) == num_prompt + 6
     # The echoed prompt logprobs equal the offline engine's (HF-checked) numbers.
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     llm = LLM(model=serve_model, max_model_len=256, num_gpu_blocks_override=32, dtype="float32")
@@ -184,7 +184,7 @@ def test_truncate_prompt_tokens(openai_app):
 def test_chat_echo_continue_final_message_and_prompt_logprobs(openai_app, client, serve_model):
     from transformers import AutoTokenizer
 
-    from pagedserve.cluster.serve.tokenizer_pool import render_chat
+    from pagedserve.cluster.replica.tokenizer_pool import render_chat
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
     body = {"messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True,

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_serve_cli_starts_answers_and_leaves_nothing_behind(serve_model, tmp_path):
-    from pagedserve.cluster.control.ray_utils import get_open_port
+    from pagedserve.cluster.ray_utils import get_open_port
 
     port = get_open_port()
     log = tmp_path / "serve.log"

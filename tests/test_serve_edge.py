@@ -144,7 +144,7 @@ def test_int64_seeds_and_existing_forms_still_work(url):
 def test_oversized_body_is_413_before_it_is_read(url):
     """The default limit for max_model_len=1024 is 4 MiB + 32 B x 1024. Content-Length
     over it is refused from the header; a chunked body, once that many bytes arrived."""
-    from pagedserve.cluster.serve.edge import default_max_request_body_bytes
+    from pagedserve.cluster.front.edge import default_max_request_body_bytes
 
     limit = default_max_request_body_bytes(SERVE_ENGINE["max_model_len"])
     big = json.dumps({"prompt": "a" * (limit + 10)}).encode()

@@ -39,8 +39,8 @@ MAX_NUM_SEQS = SERVE_ENGINE["max_num_seqs"]
 def base(serve_url, serve_model):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     # No shedding: 30 requests onto 4 slots must queue (the time-out test needs waiters).
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None,

@@ -1,4 +1,4 @@
-"""Flow control on the engine -> ingress stream (cluster/control/ray_utils.py
+"""Flow control on the engine -> ingress stream (cluster/ray_utils.py
 stream_with_backpressure): a reader that falls behind gets the steps it missed merged into
 few items, with every token in order, instead of one queued Ray object per token."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedserve.cluster.control.ray_utils import _BackpressuredMethod
+from pagedserve.cluster.ray_utils import _BackpressuredMethod
 
 
 class _Method:
@@ -36,7 +36,7 @@ def test_a_slow_reader_gets_merged_items_with_every_token(openai_app):
         """Reads an engine stream from inside a Serve replica, as the ingress does."""
 
         def __init__(self):
-            from pagedserve.cluster.control.ray_utils import stream_with_backpressure
+            from pagedserve.cluster.ray_utils import stream_with_backpressure
 
             stream_with_backpressure()
             self.engine = serve.get_deployment_handle("EngineDeployment", "openai-test").options(stream=True)

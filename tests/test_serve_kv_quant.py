@@ -35,8 +35,8 @@ def one_gemm():
 def url(serve_url, serve_model, one_gemm):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, served_model_name=MODEL, **ENGINE)
     serve.run(build_app(cfg, name_prefix="kvq-"), name="kv-quant", route_prefix="/kvq")
@@ -47,7 +47,7 @@ def url(serve_url, serve_model, one_gemm):
 @pytest.fixture(scope="module")
 def offline(serve_model, one_gemm):
     """Greedy token ids of PROMPTS from the offline engine on an int8 cache (no Ray, no HTTP)."""
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     llm = LLM(model=serve_model, max_model_len=1024, num_gpu_blocks_override=64, dtype="float32",

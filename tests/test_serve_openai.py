@@ -34,7 +34,7 @@ def model_name(client):
 @pytest.fixture(scope="module")
 def offline_greedy(serve_model):
     """Greedy token ids of PROMPT from the offline engine (no Ray, no HTTP)."""
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     llm = LLM(model=serve_model, max_model_len=1024, num_gpu_blocks_override=64, dtype="float32")

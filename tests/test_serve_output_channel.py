@@ -1,5 +1,5 @@
 """The two ways outputs come back from the engine replica, over real HTTP with the openai
-client: the default output channel (one ZMQ message per step, cluster/serve/output_channel.py)
+client: the default output channel (one ZMQ message per step, cluster/wire/output_channel.py)
 and ``PAGEDSERVE_OUTPUT_CHANNEL=ray`` (one Ray stream item per request per step). Greedy,
 on the same model: the same tokens, streamed or not, with n=2 and logprobs, from concurrent
 clients."""
@@ -20,8 +20,8 @@ PROMPTS = ["the quick brown fox", "one two three four five", "a b c", "hello"]
 def ray_url(serve_url, serve_model):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, **SERVE_ENGINE)
     with pytest.MonkeyPatch.context() as mp:
@@ -66,7 +66,7 @@ def test_the_output_channel_and_the_ray_stream_give_the_same_answers(openai_app,
 
 
 def test_an_unknown_output_channel_is_refused_where_the_app_is_built(monkeypatch):
-    from pagedserve.cluster.serve.edge import IngressConfig
+    from pagedserve.cluster.front.edge import IngressConfig
 
     monkeypatch.setenv("PAGEDSERVE_OUTPUT_CHANNEL", "pigeon")
     with pytest.raises(ValueError, match="PAGEDSERVE_OUTPUT_CHANNEL must be zmq or ray"):

@@ -29,8 +29,8 @@ PREFIX = "/secure"
 def secure_app(serve_url, serve_model):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "tensor_parallel_size": 2})
     serve.run(build_app(cfg, name_prefix="secure-", api_key=KEY), name="secure-test",
@@ -77,7 +77,7 @@ def test_api_key_401_without_it_200_with_it(secure_app):
 
 
 def test_api_key_from_environment(monkeypatch):
-    from pagedserve.cluster.serve.edge import API_KEY_ENV, EdgeGuard, IngressConfig
+    from pagedserve.cluster.front.edge import API_KEY_ENV, EdgeGuard, IngressConfig
 
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert IngressConfig.from_options().api_key == "from-env"
@@ -92,8 +92,8 @@ def test_api_key_from_environment(monkeypatch):
 def test_serve_config_args_carry_the_http_options():
     """``api_key`` / ``max_request_body_bytes`` are Serve-config args next to the engine
     fields (deploy/serve_config.yaml), and reach the ingress, not the engine."""
-    from pagedserve.cluster.serve.edge import IngressConfig
-    from pagedserve.cluster.serve.serve_app import build_app, split_args
+    from pagedserve.cluster.front.edge import IngressConfig
+    from pagedserve.cluster.app import build_app, split_args
 
     cfg, opts = split_args({"max-num-seqs": 4, "api_key": "k", "max_request_body_bytes": 1 << 20})
     assert opts == {"api_key": "k", "max_request_body_bytes": 1 << 20}

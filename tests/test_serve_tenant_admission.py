@@ -1,4 +1,4 @@
-"""Admission control per tenant over HTTP (cluster/serve/admission.py, shed_gate.py): on a
+"""Admission control per tenant over HTTP (cluster/replica/admission.py, cluster/front/door.py): on a
 real Serve app with the default queue-delay bound, a tenant flooding the replica gets 429s
 with Retry-After, and another tenant's request is admitted and answered meanwhile: the
 flood's 429s (the replica's, and the ingress gate's) are its own."""
@@ -22,8 +22,8 @@ ENGINE = dict(SERVE_ENGINE, max_waiting_requests=None, max_queue_delay_s=1.0)
 def url(serve_url, serve_model):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, served_model_name=MODEL, **ENGINE)
     serve.run(build_app(cfg, name_prefix="tadm-", allow_tenant_header=True), name="tenant-admission",

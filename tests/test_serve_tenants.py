@@ -30,8 +30,8 @@ LONG_PROMPT = "tenant isolation check " * 12  # > 3 full blocks of 16 tokens
 def url(serve_url, serve_model, tmp_path_factory):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     keys = tmp_path_factory.mktemp("tenants") / "keys.yaml"
     keys.write_text(KEYS_YAML)
@@ -250,8 +250,8 @@ def test_dashboard_in_headless_chromium(url, tmp_path):
 
 def test_guard_and_keys_file_units(tmp_path):
     """No Serve: the x-tenant rule without --allow-tenant-header, and the keys file's checks."""
-    from pagedserve.cluster.serve.edge import EdgeGuard, IngressConfig
-    from pagedserve.cluster.serve.tenants import (key_weights, load_api_keys, parse_reservation,
+    from pagedserve.cluster.front.edge import EdgeGuard, IngressConfig
+    from pagedserve.cluster.front.tenants import (key_weights, load_api_keys, parse_reservation,
                                                   parse_tenant_weight)
 
     closed = EdgeGuard(IngressConfig(api_keys={"k1": "gold"}), None)

@@ -1,12 +1,12 @@
-"""The engine replica's CPU threads (serve_app.cpu_threads): Ray gives a 1-CPU actor
+"""The engine replica's CPU threads (cluster/app.py cpu_threads): Ray gives a 1-CPU actor
 OMP_NUM_THREADS=1; a deployment's only engine replica takes the cores it sees instead,
 split among its tensor-parallel ranks, unless --num-threads chose."""
 
 import dataclasses
 import os
 
-from pagedserve.cluster.serve.serve_app import cpu_threads
-from pagedserve.worker.config import EngineConfig
+from pagedserve.cluster.app import cpu_threads
+from pagedserve.config import EngineConfig
 
 
 def test_only_replica_takes_the_cores_split_among_ranks():

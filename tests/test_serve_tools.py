@@ -19,10 +19,11 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.cluster.serve.protocol import ChatCompletionRequest
-from pagedserve.cluster.serve.tool_choice import renders_tools, tool_plan
-from pagedserve.cluster.serve.tool_parsers import parse
-from pagedserve.cluster.serve.tokenizer_pool import render_chat
+from pagedserve.cluster.front.schemas import ChatCompletionRequest
+from pagedserve.cluster.replica.chat_template import renders_tools
+from pagedserve.cluster.front.tool_choice import tool_plan
+from pagedserve.cluster.front.tool_parsers import parse
+from pagedserve.cluster.replica.tokenizer_pool import render_chat
 
 # Bounded schemas (enums, booleans): a random model under the grammar ends them quickly.
 from _tools_data import ALARM, ASK, NAMED, SCHEMAS, TOOLS, WEATHER  # noqa: F401  (shared with test_tool_parsers)
@@ -181,8 +182,8 @@ def hermes_url(serve_url, serve_model, tmp_path_factory):
     from ray import serve
 
     from conftest import SERVE_ENGINE
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     model = tmp_path_factory.mktemp("hermes") / "hermes-test"
     shutil.copytree(serve_model, model)
@@ -222,7 +223,7 @@ def test_real_model_named_tool_call():
     through ``pagedserve.LLM``, planned and parsed by the same code as the server: the
     arguments validate, and greedy decoding fills in the city the question names."""
     from pagedserve import LLM
-    from pagedserve.cluster.serve.tool_choice import constrain_to_schema
+    from pagedserve.cluster.front.tool_choice import constrain_to_schema
     from pagedserve.worker.model_source import default_model_file
 
     try:

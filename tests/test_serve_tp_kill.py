@@ -50,8 +50,8 @@ def alive(pid: int) -> bool:
 def base(serve_url, serve_model):
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     before = worker_pids()
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "tensor_parallel_size": 2,

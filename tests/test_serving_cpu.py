@@ -1,4 +1,4 @@
-"""cluster/control/serving_cpu.py: which processes the serving path's placement moves, and
+"""cluster/cli/serving_cpu.py: which processes the serving path's placement moves, and
 that it moves every thread of one (its cores, its nice) and leaves the rest alone. The whole
 server is checked in test_serve_cli.py (the model worker at nice 0 on its cores, the Serve
 processes on every core at nice 19)."""
@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from pagedserve.cluster.control.serving_cpu import ServingCPU, descendants, is_serving, serving_pids
+from pagedserve.cluster.cli.serving_cpu import ServingCPU, descendants, is_serving, serving_pids
 from pagedserve.worker.cpu_affinity import yield_process
 
 

@@ -1,4 +1,4 @@
-"""The stream between the engine replica and the ingress (cluster/serve/stream_wire.py):
+"""The stream between the engine replica and the ingress (cluster/wire/stream.py):
 items carry deltas only, the final one whole, and the ingress rebuilds every item's
 cumulative fields exactly; items that waited together merge into one that loses nothing.
 Driven by a real engine (a tiny random Llama) with n=2, logprobs, prompt logprobs and a
@@ -12,9 +12,10 @@ import pickle
 import pytest
 
 from pagedserve.cluster.engine.llm_engine import LLMEngine
-from pagedserve.cluster.serve.stream_wire import Accumulated, merge, merge_texts, slim
+from pagedserve.cluster.executors.uniproc import UniProcExecutor
+from pagedserve.cluster.wire.stream import Accumulated, merge, merge_texts, slim
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.testing import make_test_model
 
 
@@ -22,7 +23,7 @@ from pagedserve.worker.testing import make_test_model
 def streams(tmp_path_factory):
     path = make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "wire-models")
     engine = LLMEngine(EngineConfig(model=path, max_model_len=256, num_gpu_blocks_override=128,
-                                    max_num_seqs=8, dtype="float32", seed=0))
+                                    max_num_seqs=8, dtype="float32", seed=0), UniProcExecutor)
     cases = {
         "greedy": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
         "n2": SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=3, logprobs=2, ignore_eos=True),

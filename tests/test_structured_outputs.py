@@ -102,7 +102,7 @@ def test_engine_n_samples_preemption_and_freeing(serve_model):
     sample matches the regex and equals its twin of a run without preemption (seeded), so
     the recompute kept each matcher's state and fed it no token twice; no matcher
     outlives its request; bad specs and ids are refused before anything is queued."""
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
 
     so = StructuredOutputsParams(regex=r"([a-z]{2,3} ){4,6}[a-z]{2,3}\.")
     params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=40, structured_outputs=so)
@@ -268,8 +268,8 @@ def real_app(serve_url):
     """The default model behind Serve at /real (20 concurrent sequences: one n=20 request)."""
     from ray import serve
 
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
                        max_num_seqs=20, seed=0)

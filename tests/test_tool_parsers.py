@@ -11,10 +11,11 @@ import random
 import jsonschema
 import pytest
 from _tools_data import ASK, NAMED, SCHEMAS, TOOLS
-from pagedserve.cluster.serve.protocol import ChatCompletionRequest
-from pagedserve.cluster.serve.tokenizer_pool import render_chat
-from pagedserve.cluster.serve.tool_choice import ToolPlan, adapt_messages, renders_tools, tool_plan
-from pagedserve.cluster.serve.tool_parsers import ToolStream, parse, parse_hermes
+from pagedserve.cluster.front.schemas import ChatCompletionRequest
+from pagedserve.cluster.replica.tokenizer_pool import render_chat
+from pagedserve.cluster.front.tool_choice import ToolPlan, tool_plan
+from pagedserve.cluster.replica.chat_template import adapt_messages, renders_tools
+from pagedserve.cluster.front.tool_parsers import ToolStream, parse, parse_hermes
 
 
 def _plan(**body):
@@ -130,8 +131,8 @@ def test_auto_sse_chunks_and_whole_response():
     """openai_format with an "auto" plan, as the ingress drives it for a template that
     renders tools (no served test model has one): the SSE chunks carry content, then
     the call; the whole response has both; finish_reason becomes "tool_calls"."""
-    from pagedserve.cluster.engine.outputs import CompletionOutput, RequestOutput
-    from pagedserve.cluster.serve import openai_format as fmt
+    from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
+    from pagedserve.cluster.front import openai_format as fmt
 
     pieces = ["Checking", ". <tool", '_call>{"name": "set_alarm", ', '"arguments": {"on": true}}',
               "</tool_call>"]

@@ -43,7 +43,7 @@ def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False):
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
 
     llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
               num_gpu_blocks_override=128, max_num_seqs=8, async_scheduling=async_scheduling)
@@ -61,7 +61,7 @@ def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False):
                                                              (SHAPES[0], "cgraph", True)])
 def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduling, ray_session,
                                                  tmp_path_factory, monkeypatch):
-    from pagedserve.cluster.control.ray_executor import RayExecutor
+    from pagedserve.cluster.executors.ray_executor import RayExecutor
 
     monkeypatch.setattr(RayExecutor, "dispatch", dispatch)  # both plan channels
 
@@ -85,9 +85,9 @@ def test_one_worker_actor_at_tp1_matches_the_in_process_engine(ray_session, tmp_
 
     import ray
 
-    from pagedserve.cluster.control.ray_executor import RayExecutor
-    from pagedserve.cluster.engine.llm import LLM
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.executors.ray_executor import RayExecutor
+    from pagedserve.cluster.llm import LLM
+    from pagedserve.config import EngineConfig
 
     path = make_test_model(SHAPES[0], tmp_path_factory.getbasetemp() / "tp-models")
     prompts = _prompts(512)
@@ -112,8 +112,8 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
     import ray
     from ray.util.placement_group import placement_group_table
 
-    from pagedserve.cluster.control.ray_executor import RayExecutor
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.executors.ray_executor import RayExecutor
+    from pagedserve.config import EngineConfig
 
     path = make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "tp-models")
     ex = RayExecutor(EngineConfig(model=path, tensor_parallel_size=2, dtype="float32",
@@ -141,9 +141,9 @@ def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_
     from ray import serve
     from ray.util.placement_group import placement_group_table
 
-    from pagedserve.cluster.engine.llm import LLM
-    from pagedserve.cluster.serve.serve_app import build_app
-    from pagedserve.worker.config import EngineConfig
+    from pagedserve.cluster.llm import LLM
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
 
     prompt = [5, 17, 99, 3, 250, 41, 8]
     llm = LLM(model=serve_model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
@@ -172,9 +172,9 @@ def test_tp2_contains_a_failing_step_and_a_rank_out_of_step_ends_the_engine(tmp_
     """Both ranks raise on the poisoned step and roll it back: the step is re-run in parts
     on both, the poison fails alone and the others keep TP=2's own tokens. A failure on
     rank 1 only (rank 0 then waits in the all-reduce) is the group out of step: dead."""
-    from pagedserve.cluster.control import zmq_dispatch
-    from pagedserve.cluster.engine.executor import ExecutorDeadError
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.executors import zmq_dispatch
+    from pagedserve.cluster.wire.failures import ExecutorDeadError
+    from pagedserve.cluster.llm import LLM
     from pagedserve.worker import faults
 
     path = make_test_model(SHAPES[0], tmp_path_factory.getbasetemp() / "tp-fault-models")

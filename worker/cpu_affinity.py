@@ -20,7 +20,7 @@ numbers in BENCHMARKS.md; Intel Xeon 2 cores, 153.6 / 160.8 vs 131.0 / 129.1 tok
 interleaved). Two OpenMP threads across both cores with the serving path on one of them
 measured below the split (160.2 vs 177.9): a static OpenMP split waits for its preempted half.
 
-The split is not a wall the other way: once Serve runs, cluster/control/serving_cpu.py lets
+The split is not a wall the other way: once Serve runs, cluster/cli/serving_cpu.py lets
 the serving processes onto the model's cores too, at nice 19 (``yield_process`` below), so
 they use what the model leaves idle without preempting it.
 

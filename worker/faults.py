@@ -27,7 +27,7 @@ the tiny test models cannot produce "<pagedserve-fault:...>" before the failure 
 
 from __future__ import annotations
 
-from pagedserve.worker.config import FAULT_INJECTION_ENV as ENV
+from pagedserve.config import FAULT_INJECTION_ENV as ENV
 SITES = ("setup", "sample", "detokenize", "step", "broken", "one_rank")
 
 

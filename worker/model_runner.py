@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from pagedserve.worker.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, FAULT_INJECTION_ENV
+from pagedserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, FAULT_INJECTION_ENV
 from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, capture_sizes, graphs_disabled_reason
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig

@@ -15,7 +15,7 @@ from pagedserve.kernels.kv_quant import check_fp8_device
 from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan, SchedulerOutput
 from pagedserve.worker import parallel_state
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_this_process
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.model_config import ModelConfig

@@ -2,5 +2,6 @@
 (offline completion) and ``kv-size`` (KV-cache sizing for a model and GPU).
 
 Owns: argv -> EngineConfig (flags named as in ``vllm serve``), process lifetime and
-signals. May import every other part of cluster/; nothing imports it.
+signals, where the serving processes run (serving_cpu.py). Imports: every other part
+of cluster/; nothing imports it.
 """

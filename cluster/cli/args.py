@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.scheduler.kv_cache_dtype import KV_CACHE_DTYPES
-from pagedserve.worker.config import EngineConfig
+from pagedserve.config import EngineConfig
 
 
 def _memory(text: str) -> int:
@@ -84,7 +84,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _tenant_weight(text: str):
-    from pagedserve.cluster.serve.tenants import parse_tenant_weight
+    from pagedserve.cluster.front.tenants import parse_tenant_weight
 
     try:
         return parse_tenant_weight(text)
@@ -93,7 +93,7 @@ def _tenant_weight(text: str):
 
 
 def _reservation(text: str):
-    from pagedserve.cluster.serve.tenants import parse_reservation
+    from pagedserve.cluster.front.tenants import parse_reservation
 
     try:
         return parse_reservation(text)

@@ -25,7 +25,7 @@ def _add_generate_parser(subparsers) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagedserve.cluster.engine.llm import LLM
+    from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     cfg = resolve_model_or_exit(engine_config_from_args(args))

@@ -75,9 +75,9 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from pagedserve.cluster.control.ray_utils import init_ray
-    from pagedserve.cluster.control.serving_cpu import ServingCPU
-    from pagedserve.cluster.serve.serve_app import build_app, resolve_cpu_bind
+    from pagedserve.cluster.ray_utils import init_ray
+    from pagedserve.cluster.cli.serving_cpu import ServingCPU
+    from pagedserve.cluster.app import build_app, resolve_cpu_bind
     from pagedserve.worker.cpu_affinity import pin_this_process
 
     t0 = time.monotonic()

@@ -1,8 +1,8 @@
-"""The engine loop: LLMEngine (scheduler step -> executor -> detokenize -> outputs), the
-offline ``LLM`` API, and the in-process executor.
+"""The engine loop, ray-free: LLMEngine (scheduler step -> executor -> detokenize ->
+outputs), step containment, structured outputs, request options.
 
 Owns: request lifecycle from add_request to RequestOutput, incremental detokenization,
-stop strings. May import scheduler/, worker/ (config, model config, the in-process Worker)
-and the standard library; never ray at import time. ``default_executor_class`` reaches
-``cluster.control`` lazily, only when tensor_parallel_size > 1.
+stop strings, the re-run of a failed step in parts. Imports scheduler/, worker/ (model
+config, model source), cluster.wire and pagedserve.config; never ray, never the
+executors (it is handed an executor class), the replica, the front or the CLI.
 """

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.cluster.engine.executor import Executor, ExecutorDeadError, default_executor_class
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
-from pagedserve.cluster.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.cluster.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.cluster.wire.failures import ExecutorDeadError
 from pagedserve.cluster.engine.step_containment import StepFailedError, contain, subplan
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
 from pagedserve.cluster.engine.request_options import (num_samples, sample_params, select_best,
@@ -30,7 +30,7 @@ from pagedserve.scheduler import Request, RequestStatus, Scheduler
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, ProbePlan
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
-from pagedserve.worker.config import FAULT_INJECTION_ENV, EngineConfig
+from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_source import resolve_model
 
@@ -85,7 +85,9 @@ def load_tokenizer(path: str):
 
 class LLMEngine:
     def __init__(self, engine_config: EngineConfig,
-                 executor_class: type[Executor] | None = None) -> None:
+                 executor_class: type) -> None:
+        """``executor_class``: how to reach the workers (cluster/executors: the caller
+        picks it with ``executor_class_for``; this loop never imports an executor)."""
         resolved = resolve_model(engine_config.model)
         path = resolved.path
         self.config = dataclasses.replace(engine_config, model=path)
@@ -104,7 +106,6 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   self.eos_token_ids)
 
-        executor_class = executor_class or default_executor_class(self.config)
         self.executor = executor_class(self.config)
         self.num_gpu_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_cache(self.num_gpu_blocks)

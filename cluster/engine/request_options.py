@@ -3,7 +3,7 @@ prompt truncation (``truncate_prompt_tokens``) and ``best_of`` selection."""
 
 from __future__ import annotations
 
-from pagedserve.cluster.engine.outputs import CompletionOutput
+from pagedserve.cluster.wire.outputs import CompletionOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 

@@ -1,0 +1,294 @@
+"""The Ray Serve application: OpenAI ingress -> engine replicas (autoscaled) + stats.
+
+    HTTP ─▶ OpenAIIngress (FastAPI, 1 replica) ──handle──▶ EngineDeployment × N replicas
+                 │ /metrics                                 (scheduler actor + TP workers,
+                 └──────────▶ StatsAggregator (1 replica) ◀── stats pushes)
+
+``build_app(engine_config, ...)`` returns the bound application; ``app_builder(args)`` is
+the import path for ``serve run`` / ``serve deploy`` config files (deploy/serve_config.yaml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from ray import serve
+
+from pagedserve.cluster.replica.engine_replica import AsyncEngine
+from pagedserve.cluster.front.metrics import StatsAggregator
+from pagedserve.cluster.wire.stream import slim
+from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip, tp_bundles
+from pagedserve.config import EngineConfig
+from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, plan_auto
+
+logger = logging.getLogger("pagedserve")
+
+# Serve-side options a config file or the CLI may set next to the engine fields.
+SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
+    min_replicas=1, max_replicas=1, target_ongoing_requests=16.0,
+    upscale_delay_s=30.0, downscale_delay_s=600.0, look_back_period_s=30.0,
+    metrics_interval_s=10.0, max_ongoing_requests=1024, engine_num_cpus=1.0,
+    # The HTTP front's (cluster/front/edge.py IngressConfig); api_key falls back to
+    # $PAGEDSERVE_API_KEY, max_request_body_bytes to a bound derived from max_model_len.
+    api_key=None, max_request_body_bytes=None,
+    # Tenants (cluster/front/tenants.py): a YAML/JSON file of API key -> tenant (+ weight),
+    # and whether an x-tenant header may name the tenant of a request.
+    api_keys_file=None, allow_tenant_header=False)
+
+
+def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
+                     cores: list[int] | None = None) -> tuple[EngineConfig, list[int] | None]:
+    """``pagedserve serve`` on a node of its own (a private Ray): resolve
+    ``cpu_omp_threads_bind`` to explicit cores per rank and return the cores the serving
+    path keeps (None: no split). The caller pins itself to those before Ray starts, so
+    Ray's processes (proxy, controller, replicas) inherit them; each worker pins itself to
+    its own (worker/cpu_affinity.py says why and what it measured)."""
+    bind = engine_config.cpu_omp_threads_bind
+    cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    if bind == "nobind" or engine_config.resolve_device() != "cpu":
+        return engine_config, None
+    if bind == "auto":
+        plan = plan_auto(cores, engine_config.tensor_parallel_size) if single_replica else None
+        if plan is None:
+            return engine_config, None
+        serving, bind = plan
+    else:
+        used = {c for r in parse_bind(bind, engine_config.tensor_parallel_size) for c in r}
+        serving = [c for c in cores if c not in used] or None
+    logger.info("CPU cores: serving path %s, model ranks %s (--cpu-omp-threads-bind to choose)",
+                format_core_list(serving) if serving else "unpinned", bind)
+    return dataclasses.replace(engine_config, cpu_omp_threads_bind=bind), serving
+
+
+def bound_worker_config(engine_config: EngineConfig) -> EngineConfig:
+    """A worker bound to cores must run in a process of its own (the "ray" backend): pinned
+    inside the serving replica it would pin the replica's event loop too, and the step then
+    waits for the GIL behind it (measured: 96 vs 178 tok/s at 8 streams). Async scheduling
+    is on unless the config says otherwise (its overlap is what a separate process buys:
+    178 vs 160 tok/s at 8 streams, Intel Xeon, 2 cores)."""
+    if parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size) is None:
+        return engine_config
+    if engine_config.distributed_executor_backend == "uni":
+        raise ValueError("cpu_omp_threads_bind pins a worker process to cores; with "
+                         "distributed_executor_backend 'uni' that process is the serving replica. "
+                         "Use 'ray' (the default with a bind) or cpu_omp_threads_bind 'nobind'.")
+    return dataclasses.replace(
+        engine_config, distributed_executor_backend="ray",
+        async_scheduling=True if engine_config.async_scheduling is None else engine_config.async_scheduling)
+
+
+def cpu_threads(engine_config: EngineConfig) -> EngineConfig:
+    """On CPU, the ranks of a deployment's only engine replica share the cores it sees,
+    unless --num-threads says otherwise (with several replicas, each keeps the threads of
+    its Ray CPU reservation). Ray sets OMP_NUM_THREADS=1 in a 1-CPU actor, which left the
+    model on one core while the serving path used only part of the other: measured (AMD
+    EPYC, 2 cores, HTTP, 64 requests of 200 in / 128 out, against the previous commit) +4%
+    output tok/s and -32% TTFT at c=8, +18% and -25% at c=32."""
+    if (engine_config.num_threads is not None or engine_config.resolve_device() != "cpu"
+            or parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size)):
+        return engine_config  # a bound worker takes one thread per core of its own
+    cores = len(os.sched_getaffinity(0))
+    n = max(1, cores // engine_config.tensor_parallel_size)
+    logger.info("CPU threads per rank: %d (%d cores, tensor_parallel_size %d; --num-threads to choose)",
+                n, cores, engine_config.tensor_parallel_size)
+    return dataclasses.replace(engine_config, num_threads=n)
+
+
+@serve.deployment(name="StatsAggregator", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class StatsAggregatorDeployment:
+    def __init__(self) -> None:
+        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
+        self.agg = StatsAggregator()
+
+    def report(self, replica_id: str, snapshot: dict) -> None:
+        self.agg.report(replica_id, snapshot)
+
+    def remove(self, replica_id: str) -> None:
+        self.agg.remove(replica_id)
+
+    def merged(self) -> dict:
+        return self.agg.merged()
+
+    def views(self) -> dict:
+        return self.agg.views()
+
+
+@serve.deployment(name="EngineDeployment")
+class EngineDeployment:
+    """One engine replica. This Serve replica actor IS the scheduler actor."""
+
+    def __init__(self, engine_config: EngineConfig, stats=None, all_cores: bool = False) -> None:
+        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
+        try:
+            replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:
+            replica_id = None
+        self._stats = stats
+        sink = None if stats is None else (lambda rid, snap: stats.report.remote(rid, snap))
+        if all_cores:  # the only engine replica: its ranks may use the node's cores
+            engine_config = cpu_threads(engine_config)
+        self.core = AsyncEngine(engine_config, stats_sink=sink, replica_id=replica_id)
+        info = self.core.info()
+        logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
+
+    async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
+                       messages=None, add_generation_prompt=True, tenant=None, tools=None,
+                       output_route=None):
+        first = True  # deltas only on the wire; the ingress rebuilds the rest (cluster/wire/stream.py)
+        async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
+                                             messages, add_generation_prompt, tenant, tools,
+                                             output_route):
+            if isinstance(item, tuple):
+                item, first = (slim(item[0], first), item[1]), False
+            yield item
+
+    async def request_info(self, request_id: str) -> dict | None:
+        return await self.core.request_info(request_id)
+
+    def info(self) -> dict:
+        return self.core.info()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
+                       add_generation_prompt=True, tools=None) -> list[int]:
+        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,
+                                        tools)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        return await self.core.detokenize(tokens)
+
+    async def check_health(self) -> None:
+        """Serve's health check: the loop is alive and every TP worker answers. Raising
+        here a few times in a row makes Serve replace the replica (fresh placement group)."""
+        await self.core.check_health()
+
+    async def health(self) -> None:
+        """The same check, for the ingress's GET /health."""
+        await self.core.check_health()
+
+    async def __del__(self) -> None:
+        # Serve calls this on graceful replica shutdown (downscaling, serve.shutdown).
+        if self._stats is not None:
+            # Bounded: when the whole app is deleted the aggregator may be gone already, and
+            # a handle call then waits for a replica forever; Serve force-killed this one
+            # after its grace period (20 s), before the engine shut its workers down.
+            async def remove() -> None:
+                await self._stats.remove.remote(self.core.replica_id)
+
+            try:
+                await asyncio.wait_for(remove(), timeout=0.5)
+            except Exception:  # gone, or timed out: the aggregator drops stale replicas itself
+                pass
+        self.core.shutdown()
+
+
+def _use_gpu(engine_config: EngineConfig) -> bool:
+    if engine_config.device != "auto":
+        return engine_config.device == "cuda"
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def serve_options(serve_opts: dict[str, Any]) -> dict[str, Any]:
+    """The given serve options over SERVE_OPTION_DEFAULTS (None: the default)."""
+    return {**SERVE_OPTION_DEFAULTS, **{k: v for k, v in serve_opts.items() if v is not None}}
+
+
+def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) -> dict:
+    o = serve_options(serve_opts)
+    tp = engine_config.tensor_parallel_size
+    use_gpu = _use_gpu(engine_config)
+    opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
+                                graceful_shutdown_timeout_s=20,
+                                # Serve replaces a replica after 3 failed checks in a row: a
+                                # dead worker costs ~3 periods before the new replica starts.
+                                health_check_period_s=2, health_check_timeout_s=15)
+    if o["min_replicas"] == o["max_replicas"]:
+        opts["num_replicas"] = int(o["min_replicas"])
+    else:
+        opts["autoscaling_config"] = dict(
+            min_replicas=int(o["min_replicas"]), max_replicas=int(o["max_replicas"]),
+            initial_replicas=int(o["min_replicas"]),
+            target_ongoing_requests=float(o["target_ongoing_requests"]),
+            upscale_delay_s=float(o["upscale_delay_s"]), downscale_delay_s=float(o["downscale_delay_s"]),
+            look_back_period_s=float(o["look_back_period_s"]),
+            metrics_interval_s=float(o["metrics_interval_s"]))
+    if engine_config.executor_backend() == "ray":
+        # Bundle 0 is this replica (the scheduler actor); 1..tp the worker actors, which
+        # RayExecutor places into the replica's own group (cluster/ray_utils.py).
+        opts["placement_group_bundles"] = tp_bundles(tp, use_gpu, driver_cpus=float(o["engine_num_cpus"]))
+        opts["placement_group_strategy"] = "PACK"
+        opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"])}
+    else:
+        # tp=1: the worker runs inside the scheduler actor (no dispatch hop at all; see
+        # loadtest/bench_dispatch.py for what a worker actor would add).
+        opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"]),
+                                     "num_gpus": 1 if use_gpu else 0}
+    # The engine's knobs set where the app is built reach the replica even on a Ray cluster that
+    # was started before (whose workers have the raylet's environment, not this process's).
+    env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE",
+                                      "PAGEDSERVE_FAULT_INJECTION", "GOMP_SPINCOUNT", "PAGEDSERVE_CPU_LINEAR",
+                                      "PAGEDSERVE_CPU_EXT", "PAGEDSERVE_KV_THP") if k in os.environ}
+    # The replica runs AsyncEngine.generate on Serve's own loop, which then pulls each
+    # stream only as its caller reads (flow control: ray_utils.stream_with_backpressure).
+    # In Serve's default separate thread, a task drains the generator into a queue at once,
+    # and the engine never sees a slow reader. The engine's own work is off the loop anyway
+    # (one step thread, the tokenizer pool).
+    env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = os.environ.get(
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
+    opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+    return opts
+
+
+def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: Any):
+    """The bound Serve application for ``serve.run``. ``serve_opts``: keys of
+    SERVE_OPTION_DEFAULTS (min/max replicas, target ongoing requests, delays...)."""
+    from pagedserve.cluster.front.edge import IngressConfig
+    from pagedserve.cluster.front.ingress import OpenAIIngress
+
+    import dataclasses
+
+    from pagedserve.cluster.front.tenants import key_weights, load_api_keys
+
+    engine_config = bound_worker_config(engine_config)
+    keys_file = serve_opts.pop("api_keys_file", None)
+    keys = load_api_keys(keys_file) if keys_file else {}
+    if keys:  # the file's weights join the engine's; a flag names a weight the file does not
+        weights = {**key_weights(keys), **(engine_config.tenant_weights or {})}
+        engine_config = dataclasses.replace(engine_config, tenant_weights=weights or None)
+    ingress_config = IngressConfig.from_options(
+        serve_opts.pop("api_key", None), serve_opts.pop("max_request_body_bytes", None),
+        api_keys={k: v.tenant for k, v in keys.items()},
+        allow_tenant_header=serve_opts.pop("allow_tenant_header", False))
+    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator").bind()
+    engine = EngineDeployment.options(
+        name=name_prefix + "EngineDeployment",
+        **engine_deployment_options(engine_config, **serve_opts)).bind(
+            engine_config, stats, all_cores=int(serve_options(serve_opts)["max_replicas"]) == 1)
+    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress").bind(engine, stats, ingress_config)
+
+
+def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
+    """Config-file ``args`` (vLLM field names, '-' or '_') -> (EngineConfig, serve options)."""
+    args = {k.replace("-", "_"): v for k, v in (args or {}).items()}
+    engine_fields = EngineConfig.field_names()
+    unknown = set(args) - engine_fields - set(SERVE_OPTION_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown args {sorted(unknown)}; engine fields: {sorted(engine_fields)}, "
+                         f"serve options: {sorted(SERVE_OPTION_DEFAULTS)}.")
+    cfg = EngineConfig(**{k: v for k, v in args.items() if k in engine_fields})
+    return cfg, {k: v for k, v in args.items() if k in SERVE_OPTION_DEFAULTS}
+
+
+def app_builder(args: dict[str, Any]):
+    """``import_path: pagedserve.cluster.app:app_builder`` in a Serve config file."""
+    cfg, opts = split_args(args)
+    return build_app(cfg, **opts)
+

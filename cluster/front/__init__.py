@@ -1,0 +1,17 @@
+"""The HTTP front: the Ray Serve ingress deployment and what it owns.
+
+    ingress.py        the FastAPI routes of the OpenAI API (chat, completions, models,
+                      tokenize, health, metrics, request status); /v1/completions' batches
+    schemas.py        request bodies (validated here) and response shapes
+    openai_format.py  RequestOutput -> OpenAI responses and SSE chunks
+    tool_choice.py    what ``tools`` / ``tool_choice`` ask of the engine
+    tool_parsers.py   tool calls out of the model's text
+    door.py           the shed gate (429 at the door) and the live-request list
+    edge.py           body size, auth, OpenAI's error JSON for every error
+    tenants.py        API keys -> tenants
+    metrics.py        /metrics (vLLM's names), the stats aggregator
+
+Imports: ray.serve, fastapi, pydantic, cluster.wire (the types it shares with the
+replica), cluster.ray_utils, scheduler/ (sampling params); never the replica, the engine
+loop, the executors or the CLI.
+"""

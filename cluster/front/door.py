@@ -1,0 +1,148 @@
+"""The door of the HTTP front: who may come in now, and who is inside.
+
+The shed gate: the ingress's memory of its replicas' recent 429s: refuse at the door while all shed.
+
+Under a 10x overload most requests are refused, and each refusal used to cost a full trip
+through the replica (a Ray call, tokenization, a turn on the engine thread) before its
+429 came back. On a box whose cores the engine needs, that work slowed the steps of the
+admitted requests: their TTFT grew with the refused traffic. A replica's 429 says how
+long its measured drain rate needs to clear the excess (``Admission.shed_s``); for that
+long, as long as every replica this ingress has heard from recently is shedding, the
+ingress answers the 429 itself:
+
+    replica 429 (shed_s=0.3), the MIN_REFUSALS-th within MAX_CLOSED_S
+                       ──▶ closed_until[r] = now + min(shed_s, MAX_CLOSED_S)
+    request ──▶ every live replica closed?  yes ─▶ 429, Retry-After ceil(remaining) >= 1
+                                             no ─▶ the replica decides, as before
+
+The replica's own bound still decides every request that reaches it; the gate only skips
+trips whose answer is already known. A 429 from a tenant's own share (admission.py, several
+tenants active) closes the door to that tenant only; the others still reach the replica. Only sustained refusals close it: a lone 429 (one
+burst that filled the queue, then left: aborts drain a queue faster than the measured
+rate says) must not turn away the next client. It never refuses longer than
+MAX_CLOSED_S after the last replica 429, so a replica that has drained is asked again
+within that. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off (to measure without it).
+
+The live requests: why-waiting as the HTTP front shows it, and the live view page.
+
+    x-pagedserve-queue: reason=no_blocks; position=3; est-start-s=0.42
+        on a response whose request was still waiting after its first engine step (the
+        engine replica sends that status with its admission; cluster/replica/engine_replica.py); absent
+        when it started at once.
+    GET /v1/requests/{id}  (the `id` of the response the client gets)
+        {"id", "object": "request", "status": "admitting"|"waiting"|"running", "tenant",
+         "reason", "position", "est_start_steps", "est_start_s", "num_preemptions", ...}
+
+Reasons are the scheduler's (scheduler/tenancy.py WHY_REASONS).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict, deque
+from importlib import resources
+
+
+MAX_CLOSED_S = 1.0
+MIN_REFUSALS = 4  # replica 429s within MAX_CLOSED_S before the ingress sheds by itself
+LIVE_TTL_S = 10.0  # a replica not heard from for this long no longer counts
+ENV = "PAGEDSERVE_INGRESS_SHED"
+
+
+class ShedGate:
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = os.environ.get(ENV, "1") != "0" if enabled is None else enabled
+        # keyed by (replica, tenant): tenant None when the replica refuses everyone
+        self._closed_until: dict[tuple[str, str | None], float] = {}
+        self._heard: dict[str, float] = {}
+        self._refusals: dict[tuple[str, str | None], deque[float]] = {}  # the last MIN_REFUSALS 429 times
+        self.num_refused = 0  # 429s answered here, without a replica trip
+
+    def refused(self, replica_id: str, shed_s: float | None, now: float, tenant: str | None = None) -> None:
+        """A replica's 429; ``tenant``: it refused that tenant's share only (None: everyone)."""
+        self._heard[replica_id] = now
+        if shed_s is None or shed_s <= 0:
+            return
+        key = (replica_id, tenant)
+        times = self._refusals.setdefault(key, deque(maxlen=MIN_REFUSALS))
+        times.append(now)
+        if len(times) == MIN_REFUSALS and now - times[0] <= MAX_CLOSED_S:
+            self._closed_until[key] = now + min(shed_s, MAX_CLOSED_S)
+
+    def accepted(self, replica_id: str, now: float, tenant: str | None = None) -> None:
+        self._heard[replica_id] = now
+        self._closed_until.pop((replica_id, None), None)
+        self._closed_until.pop((replica_id, tenant), None)
+
+    def closed_for(self, now: float, tenant: str | None = None) -> float | None:
+        """Seconds until some live replica may admit ``tenant`` again; None: ask the replicas."""
+        live = [r for r, t in self._heard.items() if now - t < LIVE_TTL_S]
+        if not live:
+            return None
+        closed = self._closed_until
+        remaining = min(max(closed.get((r, None), 0.0), closed.get((r, tenant), 0.0)) - now for r in live)
+        return remaining if remaining > 0 else None
+
+    def refuse(self, now: float, tenant: str | None = None) -> tuple[str, int] | None:
+        """(message, Retry-After) while every live replica sheds ``tenant``, else None."""
+        wait = self.closed_for(now, tenant) if self.enabled else None
+        if wait is None:
+            return None
+        self.num_refused += 1
+        return (f"The server is overloaded: every replica refused requests within the last "
+                f"{MAX_CLOSED_S:g} s and needs about {wait:.2f} s more to drain its queue. "
+                f"Retry later."), max(1, math.ceil(wait))
+
+
+DASHBOARD_HTML = resources.files("pagedserve.cluster.front").joinpath("dashboard.html").read_text("utf-8")
+# Ids remembered at most (a request whose stream body was never iterated is never
+# released; the oldest go first, so a leak cannot grow without bound).
+MAX_LIVE = 100_000
+
+
+def queue_header(status: dict | None) -> str | None:
+    if not status or status.get("status") != "waiting":
+        return None
+    parts = [f"reason={status.get('reason')}", f"position={status.get('position')}"]
+    if status.get("est_start_s") is not None:
+        parts.append(f"est-start-s={status['est_start_s']}")
+    else:
+        parts.append(f"est-start-steps={status.get('est_start_steps')}")
+    return "; ".join(parts)
+
+
+def request_object(request_id: str, status: dict) -> dict:
+    return {"id": request_id, "object": "request", **status}
+
+
+class LiveRequests:
+    """The ingress's requests in flight: id -> [tenant, replica id, holders]. A request is
+    held by its handler and, when streaming, by its SSE body too."""
+
+    def __init__(self) -> None:
+        self._live: OrderedDict[str, list] = OrderedDict()
+
+    def add(self, rid: str, tenant: str | None) -> None:
+        self._live[rid] = [tenant, None, 1]
+        while len(self._live) > MAX_LIVE:
+            self._live.popitem(last=False)
+
+    def placed(self, rid: str, replica_id: str) -> None:
+        if rid in self._live:
+            self._live[rid][1] = replica_id
+
+    def hold(self, rid: str) -> None:
+        if rid in self._live:
+            self._live[rid][2] += 1
+
+    def release(self, rid: str) -> None:
+        entry = self._live.get(rid)
+        if entry is not None:
+            entry[2] -= 1
+            if entry[2] <= 0:
+                del self._live[rid]
+
+    def get(self, rid: str) -> tuple[str | None, str | None] | None:
+        entry = self._live.get(rid)
+        return None if entry is None else (entry[0], entry[1])

@@ -1,0 +1,507 @@
+"""OpenAI-compatible HTTP ingress (FastAPI under ``serve.ingress``).
+
+It validates (pydantic -> 400), checks the model name (404), forwards the request to an
+engine replica through a streaming Serve handle, and turns the outputs into a JSON body
+or SSE. The outputs come on this replica's output channel (cluster/wire/output_channel.py; one message
+per engine step), or on the handle call itself with PAGEDSERVE_OUTPUT_CHANNEL=ray. The
+call's first item is the engine's admission decision, so a 400/429 is known before any
+200 header is sent. Leaving early (client disconnect -> Serve cancels this handler,
+or the SSE generator is closed) cancels the engine call, which aborts the request there.
+
+/v1/completions: one engine request per prompt of a batch, answered as one response.
+
+    prompt: [p0, p1, p2] ──▶ engine.generate(rid-0, p0) ─┐  each admitted on its own;
+                        ──▶ engine.generate(rid-1, p1) ─┼─ one refused (400/429): the
+                        ──▶ engine.generate(rid-2, p2) ─┘  others are cancelled, that answer
+                                        │ merged as they come: (prompt index, output)
+                                        ▼
+                        choices i * n + j (openai_format.py); one JSON body, or SSE
+                        with one [DONE] and, with include_usage, usage summed over prompts
+
+A single prompt keeps the request id as its engine id. Every way out (client gone,
+the SSE generator closed, a failure) cancels the engine streams that have not
+finished, so no prompt of a batch keeps its blocks.
+"""
+
+# No ``from __future__ import annotations``: FastAPI must see real classes on the
+# methods that serve.ingress rewrites, or bodies turn into query parameters.
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from pagedserve import __version__
+from pagedserve.cluster.front import openai_format as fmt
+from pagedserve.cluster.front.door import DASHBOARD_HTML, LiveRequests, ShedGate, queue_header, request_object
+from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
+                                           install_error_handlers)
+from pagedserve.cluster.front.metrics import ServeMetrics
+from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response, combined, prompt_logprobs_json
+from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                               TokenizeResponse, random_id)
+from pagedserve.cluster.front.tenants import DEFAULT_TENANT
+from pagedserve.cluster.front.tool_choice import constrain_to_schema, tool_plan
+from pagedserve.cluster.ray_utils import node_ip, serve_grpc_on_node_ip, stream_with_backpressure
+from pagedserve.cluster.wire.output_channel import OutputChannel
+from pagedserve.cluster.wire.stream import Accumulated
+from pagedserve.scheduler.vocab_limits import check_vocab_limits
+
+
+logger = logging.getLogger("pagedserve")
+REPLICA_HEADER = "x-pagedserve-replica"
+REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
+QUEUE_HEADER = "x-pagedserve-queue"  # why-waiting at admission (door.py)
+HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
+
+app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
+install_error_handlers(app)
+app.add_middleware(EdgeMiddleware)
+
+
+def _remote_error(e: Exception) -> JSONResponse:
+    """An exception raised by a replica method: a ValueError is the user's (400);
+    anything else is the system's: logged, 500."""
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, ValueError):
+        return error(400, str(cause).splitlines()[-1] if str(cause) else type(cause).__name__)
+    logger.error("replica call failed", exc_info=e)
+    return error(500, "internal error; see the server log")
+
+
+# ---- /v1/completions: one engine request per prompt of a batch (the route is below)
+async def _start_all(ingress, rid: str, prompts: list, params, body, tenant):
+    """Admit every prompt (concurrently); (streams, admissions) or (None, error response)."""
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    tasks = [asyncio.ensure_future(ingress._start(sub, p, params, body, None, tenant))
+             for sub, p in zip(ids, prompts)]
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:  # the client left while we were admitting
+        _drop(tasks)
+        raise
+    results = [t.result() if not t.exception() else (None, t.exception()) for t in tasks]
+    refused = [r for s, r in results if s is None]
+    if not refused:
+        return [s for s, _ in results], [a for _, a in results]
+    for s, _ in results:
+        if s is not None:
+            s.cancel()
+    if isinstance(refused[0], BaseException):
+        raise refused[0]
+    return None, refused[0]
+
+
+def _drop(tasks) -> None:
+    for t in tasks:
+        if not t.done():
+            t.cancel()  # _start cancels its own stream
+        elif not t.cancelled() and t.exception() is None and t.result()[0] is not None:
+            t.result()[0].cancel()
+
+
+async def _merged(streams, finished: list[bool]):
+    """(prompt index, (RequestOutput, token_text)) from every stream, as they come."""
+    if len(streams) == 1:
+        # One prompt: read it as the caller reads, with no pump in between, so the engine
+        # sees this reader's pace (flow control: ray_utils.stream_with_backpressure).
+        try:
+            async for item in streams[0]:
+                finished[0] = item[0].finished
+                yield 0, item
+        finally:
+            if not finished[0]:
+                streams[0].cancel()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, _END))
+        except BaseException as e:  # re-raised by the consumer, which would wait forever else
+            queue.put_nowait((i, e))
+            if isinstance(e, asyncio.CancelledError):
+                raise
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is _END:
+                left -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            finished[i] = item[0].finished
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s, done in zip(streams, finished):
+            if not done:
+                s.cancel()  # the engine aborts that prompt's request
+
+
+async def create_completion(ingress, body, rid: str, tenant):
+    """The /v1/completions handler body (OpenAIIngress._generate_as for non-chat)."""
+    bad = await ingress._check_model(body.model)
+    if bad is not None:
+        return bad
+    info = await ingress.info()
+    try:
+        # Checked here too (the engine checks again) to name the field as it was sent.
+        params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"], info["max_logprobs"],
+                                    "logprobs")
+        prompts = body.prompts()
+    except ValueError as e:
+        return error(400, str(e))
+    model = info["served_model_name"]
+    created = int(time.time())
+    streams, adms = await _start_all(ingress, rid, prompts, params, body, tenant)
+    if streams is None:
+        return adms
+    ingress._live.placed(rid, adms[0].replica_id)
+    headers = {"x-pagedserve-replica": adms[0].replica_id, "x-pagedserve-request-id": rid}
+    queued = queue_header(adms[0].queue)
+    if queued is not None:
+        headers["x-pagedserve-queue"] = queued
+    shapers = []
+    for i, (p, adm) in enumerate(zip(prompts, adms)):
+        echo = None
+        if body.echo:
+            truncated = params.truncate_prompt_tokens is not None and isinstance(p, str)
+            echo = p if isinstance(p, str) and not truncated else \
+                await ingress.engine.detokenize.remote(adm.prompt_token_ids)
+        shapers.append(ChoiceShaper(i, params.n, echo, body.logprobs, body.prompt_only))
+    finished = [False] * len(streams)
+    if body.stream:
+        state = fmt.StreamState(rid, created, model, False, body.return_token_ids,
+                                body.return_tokens_as_token_ids, body.continuous_usage)
+        ingress._live.hold(rid)
+        return StreamingResponse(_sse(ingress, streams, finished, shapers, state, body.include_usage),
+                                 media_type="text/event-stream", headers=headers)
+    finals: list = [None] * len(streams)
+    token_text: dict[int, str] = {}
+    try:
+        async with aclosing(_merged(streams, finished)) as merged:
+            async for i, (out, tt) in merged:
+                finals[i] = shapers[i].shape(out)
+                token_text.update(tt or {})
+    except asyncio.CancelledError:  # client went away: _merged cancelled the streams
+        raise
+    except Exception:  # a system error: logged with the request id, this request only
+        logger.exception("request %s failed", rid)
+        return error(500, f"internal error while generating request {rid}; see the server log")
+    for out in finals:
+        ingress._observe(out)
+    resp = batch_response(rid, created, model, finals, shapers, token_text, body.return_token_ids,
+                          params.prompt_logprobs, body.return_tokens_as_token_ids)
+    return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+
+async def _sse(ingress, streams, finished, shapers, state: fmt.StreamState, include_usage: bool):
+    finals: list = [None] * len(streams)
+    try:
+        try:
+            # aclosing: a client that leaves closes this generator at a yield; the merge
+            # must then cancel the unfinished streams now, not when it is collected.
+            async with aclosing(_merged(streams, finished)) as merged:
+                async for i, (out, tt) in merged:
+                    finals[i] = shaped = shapers[i].shape(out)
+                    for line in state.chunks(shaped, tt or {}):
+                        yield line
+        except Exception:  # headers are gone: report in-band, as vLLM does
+            logger.exception("request %s failed mid-stream", state.rid)
+            for line in fmt.sse_failure(state.rid):
+                yield line
+            return
+        if include_usage:
+            yield state.usage_chunk(combined(state.rid, finals))
+        yield fmt.SSE_DONE
+        for out in finals:
+            ingress._observe(out)
+    finally:
+        ingress._live.release(state.rid)
+
+
+@serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0})
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine, stats, config: IngressConfig | None = None) -> None:
+        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
+        stream_with_backpressure()  # before this replica's first handle call
+        self.engine = engine
+        self.stats = stats
+        self.config = config or IngressConfig()
+        self._info: dict | None = None
+        self._metrics: ServeMetrics | None = None
+        self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
+        self._gate = ShedGate()  # replicas' recent 429s: refuse at the door while all shed
+        self._channel: OutputChannel | None = None  # made on the loop that reads it
+        activate(EdgeGuard(self.config, self._max_model_len))
+
+    async def _max_model_len(self) -> int:
+        return (await self.info())["max_model_len"]
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.engine.info.remote()
+            self._metrics = ServeMetrics(self._info["served_model_name"], self._info.get("kv_sizing"))
+        return self._info
+
+    async def _check_model(self, model: str | None) -> JSONResponse | None:
+        info = await self.info()
+        if model is not None and model != info["served_model_name"]:
+            return error(404, f"The model `{model}` does not exist. "
+                              f"Available: `{info['served_model_name']}`.")
+        return None
+
+    # ------------------------------------------------------------ generation
+    async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None,
+                     template: bool | str = True, tools=None):
+        """Open the engine stream; return (stream, admission) or (None, error response).
+        ``template``: what the chat template appends (ChatCompletionRequest.template_mode)."""
+        who = tenant or DEFAULT_TENANT
+        shed = self._gate.refuse(time.monotonic(), who)
+        if shed is not None:  # every replica is shedding (this tenant): no trip (door.py)
+            if self._metrics is not None:
+                self._metrics.shed_at_ingress.inc()
+            return None, error(429, shed[0], shed[1])
+        route, sub = {}, None  # the outputs' way back: cluster/wire/output_channel.py
+        if self.config.output_channel == "zmq":
+            if self._channel is None:
+                self._channel = OutputChannel(node_ip())
+            sub = self._channel.open(rid)
+            route = {"output_route": self._channel.route}
+        stream = self.engine.options(stream=True).generate.remote(
+            rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
+            **route)
+        try:
+            adm = await stream.__anext__()
+        except BaseException as e:
+            if sub is not None:
+                sub.close()
+            if isinstance(e, asyncio.CancelledError):
+                stream.cancel()
+            raise
+        if not adm.accepted:
+            if sub is not None:
+                sub.close()
+            if adm.status == 429:
+                self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic(), adm.shed_tenant)
+            return None, error(adm.status, adm.message, adm.retry_after_s)
+        self._gate.accepted(adm.replica_id, time.monotonic(), who)
+        return Accumulated(stream if sub is None else sub.attach(stream)), adm
+
+    async def _generate(self, body, chat: bool, request: Request):
+        tenant = getattr(request.state, "tenant", None)
+        rid = random_id("chatcmpl" if chat else "cmpl")
+        self._live.add(rid, tenant)
+        try:
+            return await self._generate_as(body, chat, rid, tenant)
+        finally:
+            self._live.release(rid)  # a stream keeps it until its body generator ends
+
+    async def _generate_as(self, body, chat: bool, rid: str, tenant):
+        if not chat:  # batches of prompts, echo: cluster/front/ingress.py
+            return await create_completion(self, body, rid, tenant)
+        bad = await self._check_model(body.model)
+        if bad is not None:
+            return bad
+        info = await self.info()
+        plan = None  # tool_choice.py: how tools are used, if at all
+        try:
+            # Checked here too (the engine checks again) to name the field as it was sent.
+            params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"],
+                                        info["max_logprobs"], "top_logprobs")
+            prompt, messages = None, [m.template_dict() for m in body.messages]
+            template, echo = body.template_mode(), body.echo_text()
+            plan = tool_plan(body, info.get("chat_template_tools", False))
+            if plan is not None and plan.schema is not None:
+                constrain_to_schema(params, plan.schema)
+        except ValueError as e:
+            return error(400, str(e))
+        model = info["served_model_name"]
+        created = int(time.time())
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template,
+                                        plan.tools if plan is not None else None)
+        if stream is None:
+            return adm
+        self._live.placed(rid, adm.replica_id)
+        # The id as GET /v1/requests/{id} takes it, before a streamed body names it.
+        headers = {REPLICA_HEADER: adm.replica_id, REQUEST_ID_HEADER: rid}
+        queued = queue_header(adm.queue)
+        if queued is not None:
+            headers[QUEUE_HEADER] = queued
+        if body.stream:
+            state = fmt.StreamState(rid, created, model, True, body.return_token_ids,
+                                    body.return_tokens_as_token_ids, body.continuous_usage, plan, echo)
+            self._live.hold(rid)
+            return StreamingResponse(self._sse(stream, state, body.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        final, token_text, plp = None, {}, None
+        try:
+            async for out, tt in stream:
+                final = out
+                plp = plp or out.prompt_logprobs
+                token_text.update(tt or {})
+        except asyncio.CancelledError:  # client went away: the engine aborts the request
+            stream.cancel()
+            self._observe_abort()
+            raise
+        except Exception:  # a system error: logged with the request id, this request only
+            logger.exception("request %s failed", rid)
+            return error(500, f"internal error while generating request {rid}; see the server log")
+        self._observe(final)
+        resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
+                                 body.return_tokens_as_token_ids, plan, echo)
+        resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
+        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+
+    async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):
+        final = None
+        try:
+            try:
+                async for out, tt in stream:
+                    final = out
+                    for line in state.chunks(out, tt or {}):
+                        yield line
+            except Exception:  # headers are gone: report in-band, as vLLM does
+                logger.exception("request %s failed mid-stream", state.rid)
+                for line in fmt.sse_failure(state.rid):
+                    yield line
+                return
+            if include_usage and final is not None:
+                yield state.usage_chunk(final)
+            yield fmt.SSE_DONE
+            self._observe(final)
+        finally:
+            self._live.release(state.rid)
+            if final is None or not final.finished:
+                stream.cancel()  # disconnect mid-stream: abort in the engine
+                self._observe_abort()
+
+    def _observe(self, final) -> None:
+        if final is not None and final.metrics is not None and self._metrics is not None:
+            self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs),
+                                           [c.finish_reason for c in final.outputs])
+
+    def _observe_abort(self) -> None:
+        if self._metrics is not None:
+            self._metrics.count_finished(["abort"])
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._generate(body, chat=False, request=request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        return await self._generate(body, chat=True, request=request)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_status(self, request_id: str, request: Request):
+        """Where a live request stands. Only its own tenant sees it (404 for anyone else,
+        the same answer as for an id that never was, so ids of others cannot be probed)."""
+        live = self._live.get(request_id)
+        if live is None or live[0] != getattr(request.state, "tenant", None):
+            return error(404, f"no live request {request_id!r} (finished, or never was)",
+                         param="request_id")
+        # A Serve handle cannot pick the replica: ask until the one holding it answers
+        # (one replica by default; with k, each try hits it with chance ~1/k).
+        if live[1] is None:  # accepted by the ingress, not yet by a replica (tokenizing)
+            return JSONResponse(request_object(request_id, {"status": "admitting", "tenant": live[0]}))
+        merged = await self.stats.merged.remote()
+        for _ in range(4 * max(1, merged.get("num_replicas", 1))):
+            # A batch's prompts are engine requests {id}-0, {id}-1, ...: the first speaks for it.
+            st = (await self.engine.request_info.remote(request_id)
+                  or await self.engine.request_info.remote(f"{request_id}-0"))
+            if st is not None:
+                return JSONResponse(request_object(request_id, st))
+            if self._live.get(request_id) is None:
+                break  # it just finished
+        return error(404, f"request {request_id!r} is not in any replica's queue or batch now",
+                     param="request_id")
+
+    @app.get("/dashboard")
+    async def dashboard(self):
+        return HTMLResponse(DASHBOARD_HTML)
+
+    @app.get("/dashboard/state")
+    async def dashboard_state(self):
+        return JSONResponse({"replicas": await self.stats.views.remote()})
+
+    # ------------------------------------------------------------ the rest
+    @app.get("/v1/models")
+    async def models(self):
+        info = await self.info()
+        # As vLLM: root is --model as the user gave it, never the directory it resolved to
+        # (the default model's prepared cache entry is nobody's business).
+        card = ModelCard(id=info["served_model_name"], root=info["model_root"],
+                         max_model_len=info["max_model_len"])
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.get("/version")
+    async def version(self):
+        return JSONResponse({"version": __version__})  # vLLM's shape
+
+    @app.get("/health")
+    async def health(self):
+        # Asks the engine replica (loop alive, every TP worker answers), never cached
+        # info: 503 as vLLM answers when its engine is dead, until Serve has replaced it.
+        try:
+            await asyncio.wait_for(self.engine.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as e:
+            cause = getattr(e, "cause", None) or e
+            return error(503, f"The engine is unhealthy: {type(cause).__name__}: {cause}"[:500])
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self):
+        await self.info()
+        merged = await self.stats.merged.remote()
+        return Response(self._metrics.render(merged),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        bad = await self._check_model(body.model)
+        if bad is not None:
+            return bad
+        if (body.prompt is None) == (body.messages is None):
+            return error(400, "give exactly one of `prompt` or `messages`.")
+        try:
+            messages = None if body.messages is None else [m.template_dict() for m in body.messages]
+        except ValueError as e:
+            return error(400, str(e))
+        try:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
+                                                    body.add_generation_prompt, tools)
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            return _remote_error(e)
+        info = await self.info()
+        return TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids)
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        bad = await self._check_model(body.model)
+        if bad is not None:
+            return bad
+        try:
+            text = await self.engine.detokenize.remote(body.tokens)
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            return _remote_error(e)
+        return DetokenizeResponse(prompt=text)
+
+
+logger = logging.getLogger("pagedserve")
+_END = object()

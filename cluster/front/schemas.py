@@ -1,0 +1,667 @@
+"""The OpenAI-compatible schemas (pydantic v2), with vLLM's extensions: what users
+send (request bodies, validated here) and what the server answers (response and error
+shapes, with ``stop_reason``, ``token_ids``, ``prompt_token_ids``).
+
+Field names and defaults follow the OpenAI API; the vLLM-style extensions (``top_k``,
+``min_p``, ``min_tokens``, ``ignore_eos``, ``priority``, ``repetition_penalty``,
+``return_token_ids``) ride in the same body. Range checks live in one place,
+``SamplingParams._verify``; a schema only converts, so every user mistake yields the
+same message whether it came over HTTP or through the offline ``LLM``.
+
+Converting is strict, because whatever slips past the edge fails later, inside a step
+or a response encoder, where it costs more than one request:
+- an integer is a JSON integer (not ``"5"``, ``5.0`` or ``true``), bounded to int64 as
+  in OpenAI's API and vLLM (it ends up in torch tensors and generators);
+- a boolean is a JSON boolean (not ``"yes"`` or ``1``);
+- a float is a finite number (Python's json accepts ``Infinity`` and ``NaN``);
+- a string encodes as UTF-8: JSON may carry a lone surrogate (``"\ud800"``), which the
+  tokenizer cannot encode and no UTF-8 response can echo.
+
+In order: the response shapes, the building blocks of the request schemas (strict scalar
+types, the base model that refuses unknown fields, the fields accepted and ignored, the
+nested objects of structured outputs and tools), then the request bodies.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
+
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
+
+from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBase(BaseModel):
+    # Unknown fields are ignored (clients send e.g. ``user``), as the OpenAI server does.
+    model_config = ConfigDict(extra="ignore")
+
+
+class PromptTokensDetails(OpenAIBase):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache (this tenant's own)
+
+
+class UsageInfo(OpenAIBase):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(OpenAIBase):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(OpenAIBase):
+    """vLLM's Logprob, as its ``prompt_logprobs`` serialize it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token (None for the first): token id (as a JSON key) -> logprob.
+PromptLogprobsList = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionChoice(OpenAIBase):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobsList | None = None
+
+
+class CompletionResponse(OpenAIBase):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogprobTop(OpenAIBase):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatLogprobTop):
+    top_logprobs: list[ChatLogprobTop] = Field(default_factory=list)
+
+
+class ChatLogprobs(OpenAIBase):
+    content: list[ChatLogprobToken] | None = None
+
+
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it (the client parses it)
+
+
+class ToolCall(OpenAIBase):
+    id: str = Field(default_factory=lambda: tool_call_id())
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def tool_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's shape: call_ + 24 characters
+
+
+class ChatResponseMessage(OpenAIBase):
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _keep_null_content(self, handler):
+        # OpenAI sends ``"content": null`` beside tool_calls; exclude_none would drop it.
+        data = handler(self)
+        data.setdefault("content", None)
+        return data
+
+
+class ChatCompletionChoice(OpenAIBase):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(OpenAIBase):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsList | None = None  # vLLM: per response, not per choice
+
+
+class DeltaFunctionCall(OpenAIBase):
+    name: str | None = None
+    arguments: str | None = None  # a fragment: a call's fragments concatenate to its JSON
+
+
+class DeltaToolCall(OpenAIBase):
+    index: int  # which call of this choice; id/type/name come in its first delta only
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(OpenAIBase):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatStreamChoice(OpenAIBase):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBase):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(OpenAIBase):
+    """OpenAI streams completions with the same object name as the final response."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIBase):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBase):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(OpenAIBase):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBase):
+    prompt: str
+
+
+class ErrorInfo(OpenAIBase):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(OpenAIBase):
+    error: ErrorInfo
+
+
+# HTTP status -> OpenAI error ``type`` (the openai SDK's exception class names); other
+# statuses get the HTTP phrase, e.g. 413 -> "RequestEntityTooLargeError".
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                422: "UnprocessableEntityError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def _error_type(status: int) -> str:
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        return re.sub(r"[^A-Za-z]", "", HTTPStatus(status).phrase.title()) + "Error"
+    except ValueError:
+        return "APIError"
+
+
+# An absolute path of two or more parts (not the "//" of a URL): a server-side detail.
+_PATH = re.compile(r"(?<![\w:/.])/(?:[\w.\-]+/)+[\w.\-]*")
+_INTERNAL = "internal error; see the server log"
+
+
+def public_message(message: str) -> str:
+    """What a 5xx may tell a client of the server's own failure: the first line, no
+    traceback, no source path (the log has the whole story, with the request id)."""
+    lines = message.strip().splitlines()
+    if not lines or lines[0].startswith("Traceback"):
+        return _INTERNAL
+    return _PATH.sub("<path>", lines[0])[:300]
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    if status >= 500:
+        message = public_message(message)
+    info = ErrorInfo(message=message, type=_error_type(status), param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _utf8(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"invalid text: a lone surrogate at position {e.start} "
+                         "(strings must be valid Unicode)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+# Fields accepted and ignored: OpenAI's, whose ignoring cannot change what a client gets
+# back (bookkeeping for OpenAI's own services). Listed in deploy/README.md; every other
+# field is implemented, and an unknown one is a 400 that names it: silently dropping a
+# field a client relies on (say ``logit_bias``) gives it a different answer with no hint.
+# tests/test_api_field_coverage.py holds code, this list and the README to that.
+ACCEPTED_AND_IGNORED = frozenset({"user", "safety_identifier", "metadata", "store",
+                                  "prompt_cache_key"})
+
+
+class RequestBase(OpenAIBase):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _IgnoredFields(RequestBase):
+    """ACCEPTED_AND_IGNORED, typed as OpenAI types them (a wrong type is still a 400)."""
+
+    user: Text | None = None
+    safety_identifier: Text | None = None
+    metadata: dict[Text, Text] | None = None
+    store: bool | None = None
+    prompt_cache_key: Text | None = None
+
+
+class StreamOptions(RequestBase):
+    include_usage: bool = False
+    # vLLM's: usage on every chunk too (only with include_usage, as vLLM).
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(RequestBase):
+    name: Text | None = None
+    description: Text | None = None
+    # ``schema`` would shadow BaseModel.schema: stored as json_schema, sent as "schema".
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(RequestBase):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(RequestBase):
+    """vLLM's ``structured_outputs`` body field (vLLM >= 0.10); exactly one is set."""
+
+    # ``json`` would shadow BaseModel.json: stored as json_, sent as "json".
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+class FunctionCallIn(RequestBase):
+    name: Text
+    arguments: Text  # JSON text, as the server sent it
+
+
+class ToolCallIn(RequestBase):
+    """A call in an assistant message that the client sends back (the conversation so far)."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDefinition(RequestBase):
+    name: Text
+    description: Text | None = None
+    # A JSON Schema object; whether it compiles is checked where it is used (tool_choice.py).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestBase):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class _SamplingFields(_IgnoredFields):
+    """Fields shared by completions and chat completions."""
+
+    model: Text | None = None
+    n: Int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM extensions.
+    top_k: Int | None = None
+    min_p: float | None = None
+    min_tokens: Int = 0
+    ignore_eos: bool = False
+    priority: Int = 0
+    repetition_penalty: float | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}"
+    cache_salt: Text | None = None
+    # OpenAI: {"token id": bias in [-100, 100]}.
+    logit_bias: dict[Text, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM < 0.10's names for the same, still sent by many clients.
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    # Accepted only when they change nothing (never silently ignored).
+    guided_decoding_backend: Text | None = None
+    guided_whitespace_pattern: Text | None = None
+    prompt_logprobs: Int | None = None
+    truncate_prompt_tokens: Int | None = None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
+            out[token] = bias
+        return out
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one constraint of this body, from whichever field carries it."""
+        if self.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern is not supported (JSON output is compact).")
+        if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
+            raise ValueError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not "
+                             "supported; this server uses xgrammar.")
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema.")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(("structured_outputs", StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=so.json_object)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", StructuredOutputsParams(**{name: value})))
+        if len(found) > 1:
+            raise ValueError("give one output constraint, got "
+                             + ", ".join(name for name, _ in found) + ".")
+        return found[0][1] if found else None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):  # declared before: validated first
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return v
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (-> HTTP 400) for out-of-range values."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=[] if self.stop is None else self.stop,
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+            structured_outputs=self._structured_outputs(),
+            prompt_logprobs=self._prompt_logprobs(logprobs),
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        # vLLM refuses prompt logprobs on a stream (they would all come in the first chunk).
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return self.prompt_logprobs
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, a list of token ids, or a batch: a list of strings or of token-id lists
+    # (one engine request per prompt; cluster/front/ingress.py).
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: bool = False
+    best_of: Int | None = None
+    suffix: Text | None = None
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo (vLLM): the prompt back, with its logprobs, nothing new."""
+        return self.max_tokens == 0 and self.echo
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix is not None:  # fill-in-the-middle needs a model trained for it
+            raise ValueError("suffix is not supported by this model.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 is allowed only with echo).")
+        if self.stream and self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n when stream=True (the best samples are "
+                             "known only at the end).")
+        # One step computes the prompt's logits; its sampled token is dropped afterwards.
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        params = self._sampling_params(max_tokens, self.logprobs)
+        return params if self.best_of is None else params.clone(best_of=self.best_of)
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        # echo with logprobs shows the prompt's tokens with theirs (vLLM, OpenAI).
+        asked = super()._prompt_logprobs(logprobs)
+        if self.echo and logprobs is not None:
+            return max(asked or 0, logprobs)
+        return asked
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one or a batch; ValueError for an empty one."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if len(p) == 0:
+            raise ValueError("prompt must not be empty.")
+        if all(isinstance(t, int) for t in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if any(len(q) == 0 for q in p):
+            raise ValueError("prompt must not contain an empty prompt.")
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(RequestBase):
+    """One part of OpenAI's content-part list. ``type`` is required, as in OpenAI's API;
+    only text parts are understood, other types are refused by ``ChatMessage.text``."""
+
+    # Other part types (image_url, input_audio, ...) bring their own payload fields: those
+    # are allowed through, for ChatMessage.text to refuse the part by its type (a clearer
+    # 400 than "unknown field image_url"); a text part's unknown fields are refused here.
+    model_config = ConfigDict(extra="allow")
+
+    type: Text
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_part_fields(self):
+        if self.type == "text" and self.model_extra:
+            raise ValueError(f"unknown field(s) {sorted(self.model_extra)} in a text content part")
+        return self
+
+
+class ChatMessage(RequestBase):
+    role: Text
+    # A string, or the OpenAI content-part list.
+    content: Text | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # role "assistant"
+    tool_call_id: Text | None = None  # role "tool": the call this message answers
+    name: Text | None = None
+
+    def template_dict(self) -> dict:
+        """What the chat template sees (tool_choice.adapt_messages fits it to the template)."""
+        msg: dict[str, Any] = dict(role=self.role, content=self.text())
+        if self.tool_calls:
+            msg["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        elif self.role == "tool":
+            raise ValueError("a message with role 'tool' needs tool_call_id (the id of the call it answers).")
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+    def text(self) -> str:
+        """Raises ValueError (-> HTTP 400) for a non-text part."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"unsupported content part type {part.type!r}; only 'text'.")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: Int | None = None
+    add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}};
+    # checked in tool_choice.tool_plan, which names what is wrong.
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v, info: ValidationInfo):
+        # As vLLM: -1 is the whole vocabulary; 0 without logprobs asks for nothing.
+        if v is not None and v < -1:
+            raise ValueError("`top_logprobs` must be a positive value or -1.")
+        if v is not None and v != 0 and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return v
+    # vLLM: continue the last (assistant) message instead of starting a new turn; echo
+    # returns that message's content ahead of the generated text.
+    continue_final_message: bool = False
+    echo: bool = False
+
+    def template_mode(self) -> bool | str:
+        """What render_chat appends: True (the generation prompt), False (nothing), or
+        "continue" (the last message left open)."""
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("Cannot set both `continue_final_message` and "
+                                 "`add_generation_prompt` to True.")
+            return "continue"
+        return self.add_generation_prompt
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's content when its role is the one that
+        answers, "assistant" after a generation prompt, else the last message's own (the
+        one continued), so a continued message comes back whole."""
+        last = self.messages[-1]
+        new_turn = self.add_generation_prompt and not self.continue_final_message
+        if not self.echo or (new_turn and last.role != "assistant"):
+            return ""
+        return last.text()
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(RequestBase):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ChatTool] | None = None  # rendered as a chat request's would be (if the template does)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(RequestBase):
+    model: Text | None = None
+    tokens: list[TokenId]

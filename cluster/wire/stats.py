@@ -1,0 +1,29 @@
+"""The stats snapshot an engine replica pushes to the /metrics aggregator (after steps,
+at least once a second when idle): a plain dict from the scheduler's SchedulerStats,
+cheap to send between actors."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+GAUGE_KEYS = ("running", "waiting", "num_free_blocks", "num_blocks", "num_used_blocks")
+TENANT_KEYS = ("running", "waiting", "tokens")  # tokens: cumulative scheduled (a counter)
+COUNTER_KEYS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                "num_prompt_tokens", "num_generation_tokens")
+
+
+def stats_snapshot(stats: Any) -> dict[str, Any]:
+    """A plain dict from the engine's SchedulerStats (a dataclass or any object with the
+    contract's attribute names); cheap to send between actors."""
+    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    snap = {k: raw.get(k, 0) or 0 for k in GAUGE_KEYS + COUNTER_KEYS if k != "num_used_blocks"}
+    snap["kv_cache_usage"] = float(raw.get("kv_cache_usage", 0.0) or 0.0)
+    # Blocks held by requests (cached-but-free prefix blocks are not "used").
+    snap["num_used_blocks"] = round(snap["kv_cache_usage"] * int(snap["num_blocks"]))
+    snap["waiting_by_reason"] = dict(raw.get("waiting_by_reason") or {})
+    snap["queue_kv_demand_blocks"] = int(raw.get("queue_kv_demand_blocks", 0) or 0)
+    # {tenant: {"running", "waiting", "tokens"}}; the VTC counter stays inside the scheduler.
+    snap["tenants"] = {t: {k: v.get(k, 0) for k in TENANT_KEYS}
+                       for t, v in (raw.get("tenants") or {}).items()}
+    return snap

@@ -1,0 +1,139 @@
+"""EngineConfig: the one typed object every entry point (LLM, CLI, Serve) builds.
+
+Field names are vLLM's, so ``LLM(model=..., max_num_seqs=...)`` and
+``pagedserve serve --max-num-seqs`` mean what a vLLM user expects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfig
+from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# "1" when an engine or worker is built: install the planted failures of worker/faults.py.
+FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir, .gguf, or a built-in name; None: SmolLM2-135M-Instruct (model_source.py)
+    tokenizer: str | None = None  # defaults to ``model``
+    served_model_name: str | None = None  # the id /v1/models lists; None: ``model`` as given
+    # What /v1/models shows as ``root``: ``model`` as the user gave it. The CLI resolves
+    # ``model`` to a directory before the engine starts, and keeps the given one here.
+    model_root: str | None = None
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights + activations + KV
+    kv_cache_memory_bytes: int | None = None  # CPU: bytes of KV cache (default 2 GiB, capped by RAM)
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2", "int8": 1-byte values with one
+    # 1-byte scale (a UE5M3 absmax code) per (token, KV head), counted in the budget
+    # (scheduler/kv_cache_dtype.py)
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    # The most logprobs a request may ask for per token (vLLM's --max-logprobs); -1: the
+    # whole vocabulary. A request's -1 means the whole vocabulary too.
+    max_logprobs: int = 20
+    scheduling_policy: str = "fcfs"
+    kv_allocation: str = "paged"
+    device: str = "auto"  # "auto": cuda if available, else cpu
+    attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
+    # vLLM's name: no CUDA graphs, every decode step launched eagerly (worker/cuda_graphs.py).
+    # Graphs are captured only on CUDA with the triton backend; this turns them off there.
+    enforce_eager: bool = False
+    max_waiting_requests: int | None = None
+    # Serving: refuse (429) a request that would wait longer than this to start, at the
+    # replica's measured drain rate (cluster/replica/admission.py). None or <= 0: off.
+    max_queue_delay_s: float | None = 1.0
+    num_threads: int | None = None  # CPU intra-op threads per worker (None: torch's default)
+    watermark: float = 0.01
+    # Tenants (scheduler/fair_queue.py, tenancy.py): fair-share weight per tenant (default
+    # 1), {"tenant" or "priority:N": {"blocks": n, "seqs": m}} held back for that class, a
+    # prefix cache of its own per tenant, and hysteresis for resumed requests (in steps).
+    tenant_weights: dict[str, float] | None = None
+    reservations: dict[str, dict[str, int]] | None = None
+    isolate_tenant_prefix_cache: bool = True
+    preemption_protect_steps: int = 32
+    # Plan step N+1 while step N runs (vLLM's --async-scheduling); outputs then come one
+    # step later. Off: every step is planned after the previous one's result. None: off,
+    # except for a worker bound to cores of its own (cpu_omp_threads_bind), where it is on.
+    async_scheduling: bool | None = None
+    # Where the workers run (vLLM's --distributed-executor-backend): "uni", in this process
+    # (tensor_parallel_size 1 only); "ray", worker actors, one per rank (a TP=1 worker in an
+    # actor of its own steps outside the serving process's GIL). None: "uni" at TP=1, else "ray".
+    distributed_executor_backend: str | None = None
+    # CPU: the cores each rank computes on (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto",
+    # "nobind" or one core list per rank, e.g. "1-3|4-7" (worker/cpu_affinity.py).
+    cpu_omp_threads_bind: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # ValueError naming the choices
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or >= 0, got {self.max_logprobs}.")
+        if self.distributed_executor_backend not in (None, "uni", "ray"):
+            raise ValueError("distributed_executor_backend must be 'uni' or 'ray', got "
+                             f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs tensor_parallel_size 1 only; use 'ray'.")
+        from pagedserve.worker.cpu_affinity import parse_bind
+
+        parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+
+    def executor_backend(self) -> str:
+        return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
+
+    def resolve_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                budget = max(budget, max_model_len)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            scheduling_policy=self.scheduling_policy,
+            max_waiting_requests=self.max_waiting_requests,
+            tenant_weights=dict(self.tenant_weights or {}),
+            reservations={k: Reservation(**v) for k, v in (self.reservations or {}).items()},
+            isolate_tenant_prefix_cache=self.isolate_tenant_prefix_cache,
+            preemption_protect_steps=self.preemption_protect_steps,
+        )
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching and self.kv_allocation == "paged",
+            kv_allocation=self.kv_allocation,
+            watermark=self.watermark,
+        )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
