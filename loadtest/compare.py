@@ -25,7 +25,7 @@ from pathlib import Path
 from pagedserve.loadtest import robustness, tenants_scenario
 from pagedserve.loadtest import scenarios as S
 from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_server
-from pagedserve.loadtest.report import format_table, latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
+from pagedserve.loadtest.report import latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
 from pagedserve.loadtest.runner import run_benchmark
 from pagedserve.loadtest.servers import pagedserve_server
 from pagedserve.loadtest.vs_vllm import vs_vllm

@@ -11,7 +11,6 @@ import json
 import math
 from pathlib import Path
 
-from pagedserve.loadtest.metrics import percentile
 
 
 def format_table(label: str, m: dict, server: dict | None = None) -> str:
@@ -145,7 +144,3 @@ def find_knee(points: list[tuple[float, dict]], tolerance: float = 0.8,
         else:
             break
     return knee
-
-
-def p99_of(values: list[float]) -> float:
-    return percentile(values, 99)

@@ -47,10 +47,6 @@ class RequestSpec:
     cache_salt: str | None = None  # isolates this request's prefix-cache lookups (vLLM's field)
     tenant: str | None = None  # sent as x-tenant (the server needs --allow-tenant-header)
 
-    @property
-    def expected_output_len(self) -> int:
-        return min(x for x in (self.max_tokens, self.cancel_after, self.stop_after) if x is not None)
-
 
 class _Gen:
     def __init__(self, max_model_len: int, vocab_size: int, seed: int, text: bool) -> None:

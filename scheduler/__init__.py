@@ -9,7 +9,7 @@ from pagedserve.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KV
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
-                               NewRequestData, SchedulerOutput, StepPlan, StepResult)
+                               NewRequestData, SchedulerOutput)
 from pagedserve.scheduler.request import FinishReason, Request, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import QueueFullError, Scheduler
@@ -19,5 +19,5 @@ __all__ = [
     "BlockPool", "CacheConfig", "CachedRequestData", "EngineCoreOutput", "FinishReason",
     "FreeKVCacheBlockQueue", "KVCacheBlock", "KVCacheManager", "Logprobs", "ModelRunnerOutput",
     "NewRequestData", "QueueFullError", "Request", "RequestStatus", "SamplingParams", "Scheduler",
-    "SchedulerConfig", "SchedulerOutput", "SchedulerStats", "StepPlan", "StepResult",
+    "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
 ]

@@ -50,9 +50,6 @@ class KVCacheManager:
     def get_block_ids(self, req_id: str) -> list[int]:
         return list(self.req_to_block_ids.get(req_id, ()))
 
-    def get_blocks(self, req_id: str) -> list[KVCacheBlock]:
-        return list(self.req_to_blocks.get(req_id, ()))
-
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of ``request``'s tokens, as blocks and a token count.
 
@@ -156,9 +153,6 @@ class KVCacheManager:
             extra = request_salt(request) if i == 0 else None
             parent = pool.cache_block(blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]), extra), hashes[i])
             node_ids.append(parent)
-
-    def num_cached_blocks(self, req_id: str) -> int:
-        return len(self.req_to_node_ids.get(req_id, ()))
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first (see block_pool)."""

@@ -5,8 +5,8 @@ no live objects. The plan carries a request in full the first time it is schedul
 (``NewRequestData``) and only diffs afterwards (``CachedRequestData``); the worker keeps
 per-request state (token ids, block table) and updates it from those diffs.
 
-    step k     scheduler ──StepPlan──▶ workers (all ranks)
-               scheduler ◀─StepResult── rank 0 only
+    step k     scheduler ──SchedulerOutput──▶ workers (all ranks)
+               scheduler ◀─ModelRunnerOutput── rank 0 only
 
 Token accounting for one request in one step (``num_computed_tokens`` = c, scheduled = s):
 
@@ -155,8 +155,3 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-# Short aliases with the names the design card uses.
-StepPlan = SchedulerOutput
-StepResult = ModelRunnerOutput

@@ -41,12 +41,3 @@ class SchedulerStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    # vLLM's metric names.
-    @property
-    def num_running_reqs(self) -> int:
-        return self.running
-
-    @property
-    def num_waiting_reqs(self) -> int:
-        return self.waiting

@@ -72,11 +72,6 @@ class _Group:
         return self.num_finished == len(self.samples)
 
 
-def resolve_model_path(model: str | None) -> str:
-    """The directory to load for ``model`` (None: the default model; see worker/model_source.py)."""
-    return resolve_model(model).path
-
-
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
