@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 
-
 def format_table(label: str, m: dict, server: dict | None = None) -> str:
     w = 50
     title = f" {label} " if label else " Serving Benchmark Result "
