@@ -46,7 +46,7 @@ def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
     ``cpu_omp_threads_bind`` to explicit cores per rank and return the cores the serving
     path keeps (None: no split). The caller pins itself to those before Ray starts, so
     Ray's processes (proxy, controller, replicas) inherit them; each worker pins itself to
-    its own (worker/cpu_affinity.py says why and what it measured)."""
+    its own (worker/cpu_affinity.py says why)."""
     bind = engine_config.cpu_omp_threads_bind
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
     if bind == "nobind" or engine_config.resolve_device() != "cpu":
@@ -67,9 +67,9 @@ def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
 def bound_worker_config(engine_config: EngineConfig) -> EngineConfig:
     """A worker bound to cores must run in a process of its own (the "ray" backend): pinned
     inside the serving replica it would pin the replica's event loop too, and the step then
-    waits for the GIL behind it (measured: 96 vs 178 tok/s at 8 streams). Async scheduling
+    waits for the GIL behind it (far less throughput at 8 streams). Async scheduling
     is on unless the config says otherwise (its overlap is what a separate process buys:
-    178 vs 160 tok/s at 8 streams, Intel Xeon, 2 cores)."""
+    more throughput at 8 streams than without it)."""
     if parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size) is None:
         return engine_config
     if engine_config.distributed_executor_backend == "uni":
@@ -81,13 +81,20 @@ def bound_worker_config(engine_config: EngineConfig) -> EngineConfig:
         async_scheduling=True if engine_config.async_scheduling is None else engine_config.async_scheduling)
 
 
+# The environment an engine replica (and so its worker actors) gets from the process that
+# builds the app: every engine-side switch of deploy/README.md's table, and a few of torch's.
+ENGINE_ENV = ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "GOMP_SPINCOUNT", "PAGEDSERVE_CACHE",
+              "PAGEDSERVE_GGUF_WEIGHT_CACHE", "PAGEDSERVE_CPU_LINEAR", "PAGEDSERVE_CPU_EXT",
+              "PAGEDSERVE_KV_THP", "PAGEDSERVE_WORKER_THP", "PAGEDSERVE_CPU_MALLOPT",
+              "PAGEDSERVE_DISPATCH", "PAGEDSERVE_FAULT_INJECTION")
+
+
 def cpu_threads(engine_config: EngineConfig) -> EngineConfig:
     """On CPU, the ranks of a deployment's only engine replica share the cores it sees,
     unless --num-threads says otherwise (with several replicas, each keeps the threads of
     its Ray CPU reservation). Ray sets OMP_NUM_THREADS=1 in a 1-CPU actor, which left the
-    model on one core while the serving path used only part of the other: measured (AMD
-    EPYC, 2 cores, HTTP, 64 requests of 200 in / 128 out, against the previous commit) +4%
-    output tok/s and -32% TTFT at c=8, +18% and -25% at c=32."""
+    model on one core while the serving path used only part of the other: sharing the
+    cores raised HTTP output throughput and cut TTFT at both low and high concurrency."""
     if (engine_config.num_threads is not None or engine_config.resolve_device() != "cpu"
             or parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size)):
         return engine_config  # a bound worker takes one thread per core of its own
@@ -233,9 +240,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
                                      "num_gpus": 1 if use_gpu else 0}
     # The engine's knobs set where the app is built reach the replica even on a Ray cluster that
     # was started before (whose workers have the raylet's environment, not this process's).
-    env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "PAGEDSERVE_CACHE",
-                                      "PAGEDSERVE_FAULT_INJECTION", "GOMP_SPINCOUNT", "PAGEDSERVE_CPU_LINEAR",
-                                      "PAGEDSERVE_CPU_EXT", "PAGEDSERVE_KV_THP") if k in os.environ}
+    env = {k: os.environ[k] for k in ENGINE_ENV if k in os.environ}
     # The replica runs AsyncEngine.generate on Serve's own loop, which then pulls each
     # stream only as its caller reads (flow control: ray_utils.stream_with_backpressure).
     # In Serve's default separate thread, a task drains the generator into a queue at once,

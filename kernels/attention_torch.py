@@ -8,12 +8,12 @@ built for a 2-core CPU where memory traffic, not flops, sets the time:
   (and V) is one ``index_select`` of [head_dim] rows from the cache viewed as
   [-1, head_dim], landing directly in ``[B, num_kv_heads, L, head_dim]``, so both
   matmuls are plain batched GEMMs (indexing a non-leading dim of a permuted cache view
-  measured ~10x slower; a slot gather plus a permute copy ~2x). GQA is a reshape of q
+  is far slower, and a slot gather plus a permute copy is slower too). GQA is a reshape of q
   to ``[B, num_kv_heads, group, head_dim]``: K/V are never repeated.
 * The index tensors (which cache rows each group reads) depend only on the step's
   metadata: the first layer builds them (``_plan``) and the other layers reuse them.
 * Gather buffers are reused across calls (``_workspace``): a fresh 100 MB
-  tensor per layer costs more in page faults than the copy itself (measured 5-8x).
+  tensor per layer costs more in page faults than the copy itself (several times more).
   Groups are split into chunks of at most ``_CHUNK_TOKENS`` tokens so the buffers stay
   small and the gathered K/V are still in cache when the matmul reads them.
 * Prefill/chunk rows go one sequence at a time through ``F.scaled_dot_product_attention``
@@ -46,7 +46,7 @@ from pagedserve.kernels.metadata import AttentionMetadata
 # while its length is at least this fraction of the group's padded length.
 _GROUP_FILL = 0.75
 # Upper bound on tokens gathered per decode chunk (per K or V buffer).
-_CHUNK_TOKENS = 8192  # 4k-8k measured ~10% faster than 16k-64k at batch 256 (cache reuse)
+_CHUNK_TOKENS = 8192  # 4k-8k beat 16k-64k at batch 256 (cache reuse)
 
 _WORKSPACE: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -110,7 +110,7 @@ class _StepPlan:
 
 
 # One plan per step, built by the first layer and reused by the others (the index
-# tensors cost ~1/3 of a decode call at batch 256 when rebuilt per layer).
+# tensors are a large share of a decode call at big batches when rebuilt per layer).
 _PLAN: _StepPlan | None = None
 
 
@@ -131,7 +131,7 @@ def _build_decode_group(block_table: torch.Tensor, ids: list[int], rows: list[in
     slots = blocks.gather(1, pos // block_size) * block_size + pos % block_size  # [b, padded]
     # Rows of the cache viewed as [num_slots * num_kv_heads, head_dim], ordered so one
     # index_select lands in [b, num_kv_heads, padded, head_dim] (a slot gather followed
-    # by a permute copy measured ~2x slower).
+    # by a permute copy is slower: an extra pass over the gathered K/V).
     kv_rows = (slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads, device=dev)[None, :, None]).view(-1)
     return _DecodeGroup(torch.tensor(rows, device=dev), kv_rows, is_pad if lens[-1] < padded else None, padded)
 
@@ -232,7 +232,7 @@ def _prefill_seq(
         k = dequantize_rows(k, k_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len], dtype)
         v = dequantize_rows(v, v_scale.index_select(0, blocks).view(-1, num_kv_heads)[:seq_len], dtype)
     # 4-D [1, heads, len, head_dim]: CPU SDPA takes its flash kernel only for 4-D inputs;
-    # 3-D ones fall back to the math path, 2.5-3x slower at 200-512 tokens (measured).
+    # 3-D ones fall back to the math path, which is slower at prompt lengths.
     qi = q.transpose(0, 1).to(dtype)[None]  # [1, num_heads, q_len, head_dim]
     ki = k.transpose(0, 1).to(dtype)[None]  # [1, num_kv_heads, seq_len, head_dim]
     vi = v.transpose(0, 1).to(dtype)[None]

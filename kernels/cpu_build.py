@@ -113,8 +113,8 @@ class LazyExtension:
                     return None
                 try:
                     # -fopenmp: at::parallel_for is inline OpenMP in torch's headers; built
-                    # without it the loop ran on one thread (measured: 1 and 2 threads took
-                    # the same time). The module links libgomp.so.1, the soname torch's own
+                    # without it the loop runs on one thread whatever torch's thread count.
+                    # The module links libgomp.so.1, the soname torch's own
                     # copy has, so the loader reuses the runtime torch loaded. Each source has
                     # its own PYBIND11_MODULE, whose calls release the GIL.
                     self._module = load_cpu_extension(self.name, self.source, self.cflags + ["-fopenmp"],

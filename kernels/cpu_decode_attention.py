@@ -137,8 +137,7 @@ static inline __m512 reduce16(const __m512* a) {
 
 // block_avx512 for D = 16 C with each query head's q and accumulator in registers: per head,
 // 16 scores from one reduce16, then P.V over the block's V rows (in L1 after the first head).
-// Intel Xeon, D 64, G 3: 17.6 -> 33.5 GB/s of K/V hot in L2 (1 thread), 1.13-1.35x from
-// memory (2 threads); block_avx512 above was compute bound (cold: 1/(1/17.6 + 1/18) GB/s).
+// block_avx512 above is compute bound where this one is not (kernels/bench_cpu_attention.py).
 template <int C>
 static inline void block_avx512_regs(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
                                      int64_t G, float* acc, float* m, float* l) {
@@ -182,8 +181,7 @@ static inline void block_avx512_regs(const float* qs, const float* kb, const flo
 #endif
 
 // The portable block (any D, G, BS): the same online softmax, one K row per (head, token)
-// and a scalar exp per score (the AVX-512 block was 1.3-1.4x faster at 1 thread: 8.2 -> 11.0
-// GB/s of K/V at 8 x 400 tokens, 1 thread, Intel Xeon; the read bound there is 11.6).
+// and a scalar exp per score (slower than the AVX-512 blocks; kernels/bench_cpu_attention.py).
 static inline void block_scalar(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
                                 int64_t G, int64_t D, int64_t BS, float* acc, float* m, float* l, float* s) {
   for (int64_t g = 0; g < G; ++g) {

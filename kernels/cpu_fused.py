@@ -6,9 +6,9 @@ built on first use like cpu_decode_attention.py):
     silu_and_mul(x)                       silu(x[:, :d]) * x[:, d:]          x [n, 2d] -> [n, d]
     rotary(x, cos, sin)                   x*cos + rotate_half(x)*sin         x [n, heads, D], any strides
 
-In torch each of these is 4-8 ops, each a dispatch (5-10 us in Python) and a pass over
-memory; at decode batch sizes the dispatches are most of the cost (RMSNorm alone: ~100 us a
-call, 17 calls a step on the 63M bench model, 1.7 ms of a 37 ms 1-thread step). fp32 only
+In torch each of these is 4-8 ops, each a dispatch (a fixed Python-side cost) and a pass
+over memory; at decode batch sizes the dispatches are most of the cost (RMSNorm alone runs
+17 times a step on the bench model; BENCHMARKS.md has the timings). fp32 only
 (the CPU engine's dtype for exactness against transformers): the same formulas in the same
 order as transformers' (HF's rsqrt as 1/sqrt, rotary's two products then the sum, built
 with -ffp-contract=off so no product is fused into an add); only the sum of squares runs

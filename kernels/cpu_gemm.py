@@ -12,16 +12,11 @@ its own part of W and x stays in cache. The caller allocates the panels (pass ``
 transparent huge pages (worker/cpu_memory.py), which a stream of weights wants as much as
 the KV pool does.
 
-Measured on a 2-core Xeon (AVX-512; the 63M bench model's 32 weights, streamed from memory,
-fastest of 5 passes, against oneDNN's pre-packed weights of kernels/cpu_linear.py):
-
-    M           1      8      16     32     64     128    512    2048
-    2 threads   1.29x  1.37x  1.24x  1.22x  1.06x  1.03x  1.06x  0.99x
-    1 thread    1.30x  1.48x  1.26x  1.21x  1.10x  1.02x  0.97x  1.03x
-
-At large M both are bound by the FMA units (~300 GFLOP/s on 2 cores) and run within a few
-percent of each other. (An M-blocked loop order, x's rows kept in
-L2 across panel groups, measured slower: more parallel regions, less work in each.)
+Against oneDNN's pre-packed weights (kernels/cpu_linear.py), with the bench model's weights
+streamed from memory on an AVX-512 Xeon, the panel GEMM is faster at decode batch sizes
+(M up to 32) and about even beyond: at large M both are bound by the FMA units. (An
+M-blocked loop order, x's rows kept in L2 across panel groups, was slower: more parallel
+regions, less work in each.)
 Summation over k is in order, one FMA per k, as in a plain dot product: fp32 results differ
 from F.linear's in rounding only (~1e-6 relative).
 Without AVX-512 the module builds but reports ``supported() == False``, and the load-time

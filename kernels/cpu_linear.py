@@ -1,9 +1,9 @@
 """Linear layers on CPU: whichever GEMM is fastest on the CPU at hand, measured at load.
 
 The same fp32 ``F.linear`` runs at very different speeds across x86 CPUs: it goes through
-MKL's sgemm, which is fast on some vendors' parts and slow on others (measured on a 2-core
-AMD EPYC: ~200 GFLOP/s at M >= 128 and 20-45 at M = 1, where oneDNN with a pre-packed
-weight reaches 380-515 and 80). The CPU also changes between runs of this project, so the
+MKL's sgemm, which is fast on some vendors' parts and slow on others (on some parts oneDNN
+with a pre-packed weight is several times faster at every batch size; BENCHMARKS.md has the
+figures). The CPU also changes between runs of this project, so the
 choice is made by a probe at load time, not hard-coded:
 
     "aten"    F.linear(x, W, b)                     plain [out, in] weight
@@ -103,14 +103,14 @@ def probe_linear_backends(weights: list[torch.Tensor], batch_sizes: tuple[int, .
     ``reps``; the backends' passes alternate, so a load change on the machine hits all alike;
     oneDNN and the panel GEMM only where they run here, the panels in ``alloc``'s memory). The
     fastest, not the median: noise only slows a pass, and on a shared 2-core guest a median
-    of 3 took two slow passes (oneDNN at M = 128: 77 ms against 51-55 in other starts) and
-    flipped the choice to aten in 1 start of 3, whose decode steps are 1.3x slower at M = 8.
+    of 3 could take two slow passes and flip the choice to aten in some starts, whose decode
+    steps are then slower.
 
     Pass the model's weights in the order a step reads them, enough of them that they do
     not stay in cache from one pass to the next (cpu_backend.py takes up to 256 MB): a step
     streams its weights from memory, and so must the probe. Three hot weights in a loop
-    measured MKL at M = 8 within 1.2-1.4x of oneDNN on a Xeon whose decode steps it made
-    2x slower; a pass over the whole 63M model measured 1.7x (42 vs 25 ms, 1 thread)."""
+    make MKL look much closer to oneDNN than it is in a real decode step; a pass over the
+    whole model shows the gap the steps see."""
     with torch.inference_mode():
         layouts: dict[str, list] = {"aten": weights}
         if onednn_available():
@@ -137,8 +137,8 @@ def probe_linear_backends(weights: list[torch.Tensor], batch_sizes: tuple[int, .
 def relative_time(timings: dict[str, dict[int, float]], backend: str, baseline: str = "aten") -> float:
     """The geometric mean over batch sizes of ``backend``'s time / ``baseline``'s: each
     batch size is one regime (decode at 1, 8 and 32, prefill at 128) and counts alike. A sum
-    of seconds would let the largest batch, ~20x the decode terms, decide alone, and a
-    near-tie there flipped the choice on noise (a 2.1 GHz Xeon: oneDNN 2x faster at
-    M = 8, 10% slower at M = 1, equal at 128; the summed probe picked aten in some starts)."""
+    of seconds would let the largest batch, many times the decode terms, decide alone, and a
+    near-tie there flipped the choice on noise (on a Xeon where oneDNN won clearly at M = 8,
+    lost slightly at M = 1 and tied at 128, the summed probe picked aten in some starts)."""
     ratios = [timings[backend][m] / timings[baseline][m] for m in timings[baseline]]
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios))

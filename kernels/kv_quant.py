@@ -16,10 +16,11 @@ is clipped), and values ``x / scale`` round to nearest even on the format's grid
 * It is one byte, not two: 1.5% more blocks than a bf16 scale at head_dim 64 (1.97x bf16's
   blocks instead of 1.94x), for every format.
 * Four significant bits, not a power of two (OCP's E8M0): int8's error is absolute, half a
-  step of scale, and the step grows by at most 9/8 here (~5% more RMS error on Gaussian rows
-  than with a bf16 scale) where a power of two makes it up to 2x (+47%). For fp8 either byte
-  costs about the same (+4% / +5.5% RMS): the row's absmax no longer lands exactly on QMAX, so
-  the largest value rounds too (measured on SmolLM2: e4m3's mean |dlogprob| 0.032 -> 0.035).
+  step of scale, and the step grows by at most 9/8 here (a little more RMS error on Gaussian
+  rows than with a bf16 scale) where a power of two makes it up to 2x (much more). For fp8
+  either byte costs about the same small RMS increase: the row's absmax no longer lands
+  exactly on QMAX, so the largest value rounds too (a small rise in mean |dlogprob| on a real
+  model).
 * Encoding is integer arithmetic on fp32 bits (carry into the top 3 mantissa bits, truncate,
   rebias), decoding is placing the byte's bits in fp32's exponent and mantissa fields: the
   same bytes from torch, the Triton write and the C++ loop, and no table.

@@ -13,11 +13,11 @@ The last line is one JSON object.
         [--workload chat|long] [--seed 0 | --seeds 0-4]
 
 ``--seeds`` runs one workload per seed and prints, per format, the peak ratio to bf16 for each
-seed with its minimum and mean (the peak is one draw of a random process: a seed moves it a few
-percent either way).
+seed with its minimum and mean (the peak is one draw of a random process: a seed moves it
+either way).
 
-``--workload long`` is the case the article behind issue 14 measures ("14 sequences of 8K
-in FP16, 26 in Q8_0"): every request a long context (a 1,500-2,500-token prompt, 256 new
+``--workload long`` is the case the article behind issue 14 measures (how many 8K-token
+sequences fit in FP16 and in Q8_0): every request a long context (a 1,500-2,500-token prompt, 256 new
 tokens), all arriving at once, so the pool holds few, long sequences.
 
 The default shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64), the default model.

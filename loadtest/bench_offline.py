@@ -8,8 +8,8 @@
 plus pagedserve's batch-1 decode speed against this machine's memory-bandwidth bound
 (weight bytes read per step / measured copy bandwidth). Last line: one JSON object.
 
-    python -m pagedserve.loadtest.bench_offline            # 128 requests, ~10-15 min on 2 cores (HF dominates)
-    python -m pagedserve.loadtest.bench_offline --quick    # a small version, < 1 min
+    python -m pagedserve.loadtest.bench_offline            # 128 requests, long on 2 cores (HF dominates)
+    python -m pagedserve.loadtest.bench_offline --quick    # a small version, quick
 """
 
 from __future__ import annotations
@@ -155,8 +155,7 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
 def read_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
     """Bytes read per second: a sum over a 1 GiB tensor (best of 5), torch's threads. A
     decode step reads its weights and writes almost nothing, so this, not a copy (which
-    moves every byte twice), is what a step could reach at best (2-core Xeon: copy 12.8 GB/s
-    of bytes copied, sum 25.7 GB/s of bytes read)."""
+    moves every byte twice), is what a step could reach at best."""
     x = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     best = float("inf")
     for _ in range(5):

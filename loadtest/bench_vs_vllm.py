@@ -11,7 +11,7 @@
                 tester: 128 requests of 200 random tokens in, 128 out, ignore_eos, at
                 concurrency 8 and 32
 
-    python -m pagedserve.loadtest.bench_vs_vllm            # ~15-20 min on 2 cores
+    python -m pagedserve.loadtest.bench_vs_vllm            # the full run: long on 2 cores
     python -m pagedserve.loadtest.bench_vs_vllm --quick    # a small version, no HTTP
 
 Engines run one after the other, never at once. The last line is one JSON object

@@ -6,7 +6,7 @@
 
 Only one server is up at a time and peers run one after the other (two cores). A goal
 missed is a result, not an error: the exit status is non-zero only when a run failed.
-``--quick`` shrinks every workload (smoke test, < 5 min); the full run is < 40 min.
+``--quick`` shrinks every workload (a smoke test); BENCHMARKS.md says how long each run takes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SERVER_ORDER = ("default", "tenants", "static", "no-chunk", "no-prefix", "paged-
 KV_CACHE_GIB = 1  # CPU KV cache of every server, pagedserve and vLLM alike
 MODEL_CACHE = Path(os.environ.get("LOADTEST_MODEL_CACHE", "/tmp/loadtest-models"))
 # Serving model: small enough for quick runs on 2 cores, big enough that a long prompt's
-# prefill (~0.1-0.2 s) clearly outweighs a decode step's fixed overhead (~20 ms), which is
+# prefill clearly outweighs a decode step's fixed overhead, which is
 # what chunked prefill and prefix caching act on. Offline model (vs vLLM): big enough that
 # the forward pass dominates a step on this CPU.
 SERVE_SHAPE = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
@@ -70,7 +70,7 @@ class Ctx:
         self.max_num_seqs = 16
         # vLLM's CPU worker pins itself to one core and leaves the other to its scheduler and
         # API server; pagedserve gets the same split. With 2 intra-op threads on 2 busy cores
-        # torch's GEMMs wait on each other: measured 20-74 tok/s offline vs 540 with 1 thread.
+        # torch's GEMMs wait on each other: offline throughput fell far below 1 thread's.
         self.num_threads = args.num_threads
         self.chunk_budget = args.max_num_batched_tokens or 128
         # KV budget of the paged-kv scenario: two full-length sequences, plus the 1% of

@@ -60,7 +60,7 @@ def vllm_server(model: str, *, served_model_name: str | None = None, max_model_l
     cmd = [str(PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", served_model_name or Path(model).name, "--host", "127.0.0.1",
            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0"]
-    if enforce_eager:  # 22 s start-up instead of 75 s (torch.compile), see PEERS.md
+    if enforce_eager:  # a much shorter start-up than with torch.compile, see PEERS.md
         cmd.append("--enforce-eager")
     cmd += extra_args or []
     return ServerProcess("vllm", cmd, port, env=vllm_env(kv_cache_gib), log_dir=log_dir)

@@ -69,7 +69,7 @@ def tenants(ctx) -> Scenario:
 
     def run(server):
         # Warm-up first: a cold server's first requests (kernel builds, allocator growth)
-        # measured a third of the real capacity, and a burst sized on that never queued.
+        # measured far below the real capacity, and a burst sized on that never queued.
         ctx.bench(server, _specs(ctx, ctx.max_num_seqs, ctx.seed + 39, "warm"), label="tenants-warmup")
         cap_specs = _specs(ctx, ctx.n(48, 16), ctx.seed + 40, "cap")
         cap = ctx.bench(server, cap_specs, label="tenants-capacity", max_concurrency=ctx.max_num_seqs)

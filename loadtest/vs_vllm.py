@@ -75,8 +75,8 @@ def vs_vllm(ctx) -> Scenario:
     def offline(_server):
         model = ctx.offline_model_dir
         prompts = offline_prompts(num, plen, ctx.offline_vocab_size, ctx.seed)
-        # Offline there is no ingress to leave a core for: torch's default threads (measured on
-        # the quiet machine: 269 tok/s with 2 threads vs 200 with 1, h1024 model).
+        # Offline there is no ingress to leave a core for: torch's default threads (on the
+        # quiet machine 2 threads beat 1 on the offline model).
         res = {"pagedserve": pagedserve_offline(model, prompts, out, max_model_len=ctx.max_model_len,
                                                 num_threads=None)}
         res["vllm"] = vllm_offline(model, prompts, out, max_model_len=ctx.max_model_len)

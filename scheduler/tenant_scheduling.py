@@ -114,8 +114,8 @@ class TenantScheduling:
     def _make_room_for_fair_share(self, ledger: Ledger | None) -> list[Request]:
         """Batch slots are part of the fair share. The fair queue orders who starts next,
         but with every slot held by one tenant's long streams, the next tenant's request
-        waits for one of them to finish (measured: a steady tenant next to a burst waited
-        up to a whole stream's length, 15x its TTFT alone). So when the batch is full and
+        waits for one of them to finish (a steady tenant next to a burst could wait up to
+        a whole stream's length; BENCHMARKS.md, tenants scenario). So when the batch is full and
         the queue's head belongs to a tenant that, with it, still holds no more than its
         share of the slots (max_num_seqs x weight / the active tenants' weights), one
         running request of a tenant over its share is preempted (recompute) for it: the

@@ -1,8 +1,7 @@
-"""The two ways outputs come back from the engine replica, over real HTTP with the openai
-client: the default output channel (one ZMQ message per step, cluster/wire/output_channel.py)
-and ``PAGEDSERVE_OUTPUT_CHANNEL=ray`` (one Ray stream item per request per step). Greedy,
-on the same model: the same tokens, streamed or not, with n=2 and logprobs, from concurrent
-clients."""
+"""The way outputs come back from the engine replica, over real HTTP with the openai
+client: the output channel (one ZMQ message per step for all of an ingress's requests,
+cluster/wire/output_channel.py). Greedy, from concurrent clients, with n=2 and logprobs:
+streamed and plain answers agree, and their tokens are the offline engine's."""
 
 from __future__ import annotations
 
@@ -17,19 +16,18 @@ PROMPTS = ["the quick brown fox", "one two three four five", "a b c", "hello"]
 
 
 @pytest.fixture(scope="module")
-def ray_url(serve_url, serve_model):
-    from ray import serve
+def offline(serve_model):
+    from pagedserve.cluster.llm import LLM
+    from pagedserve.scheduler.sampling_params import SamplingParams
 
-    from pagedserve.cluster.app import build_app
-    from pagedserve.config import EngineConfig
-
-    cfg = EngineConfig(model=serve_model, **SERVE_ENGINE)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDSERVE_OUTPUT_CHANNEL", "ray")  # read where the app is built
-        app = build_app(cfg, name_prefix="raych-")
-    serve.run(app, name="ray-channel", route_prefix="/raych")
-    yield f"{serve_url}/raych"
-    serve.delete("ray-channel")
+    llm = LLM(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None})
+    try:
+        tok = llm.get_tokenizer()
+        outs = llm.generate([tok.encode(p) for p in PROMPTS],
+                            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
 
 
 def _answers(url: str) -> list:
@@ -56,20 +54,8 @@ def _answers(url: str) -> list:
         return [list(pool.map(plain, PROMPTS)), list(pool.map(streamed, PROMPTS))]
 
 
-def test_the_output_channel_and_the_ray_stream_give_the_same_answers(openai_app, ray_url):
-    over_channel = _answers(openai_app)
-    over_ray = _answers(ray_url)
-    plain, streamed = over_channel
+def test_the_output_channel_gives_the_offline_engines_answers(openai_app, offline):
+    plain, streamed = _answers(openai_app)
     assert all(len(ids) == 12 for answer in plain for _, ids, _, _ in answer)
     assert streamed == plain  # the SSE deltas add up to the whole answer
-    assert over_ray == over_channel
-
-
-def test_an_unknown_output_channel_is_refused_where_the_app_is_built(monkeypatch):
-    from pagedserve.cluster.front.edge import IngressConfig
-
-    monkeypatch.setenv("PAGEDSERVE_OUTPUT_CHANNEL", "pigeon")
-    with pytest.raises(ValueError, match="PAGEDSERVE_OUTPUT_CHANNEL must be zmq or ray"):
-        IngressConfig.from_options()
-    monkeypatch.delenv("PAGEDSERVE_OUTPUT_CHANNEL")
-    assert IngressConfig.from_options().output_channel == "zmq"
+    assert [[ids for _, ids, _, _ in answer] for answer in plain] == [[ref, ref] for ref in offline]

@@ -10,15 +10,14 @@ API server (``VLLM_CPU_OMP_THREADS_BIND``); ``cpu_omp_threads_bind`` takes its v
     "nobind"    no pinning: threads float over the cores the process sees
     "1-3|4-7"   explicit, one core list per rank, "|" between ranks (``1,3-5`` style lists)
 
-Why a split and not every core for the model: on a 2-core box the serving path takes about
-half a core at these rates, in many short wake-ups. They preempted the step thread on its
-own core (a 1-thread worker was runnable-but-waiting 15% of its step time, 31,000
-involuntary switches a minute) and, inside the engine replica's process, the step waited
+Why a split and not every core for the model: on a 2-core box the serving path takes a
+large share of a core, in many short wake-ups. They preempted the step thread on its
+own core (a 1-thread worker spent part of its step time runnable but waiting, with many
+involuntary context switches) and, inside the engine replica's process, the step waited
 for the GIL behind the event loop. A worker in a process of its own, alone on its core,
-with the serving processes on the other: HTTP at 8 concurrent streams +20% (AMD EPYC
-numbers in BENCHMARKS.md; Intel Xeon 2 cores, 153.6 / 160.8 vs 131.0 / 129.1 tok/s,
-interleaved). Two OpenMP threads across both cores with the serving path on one of them
-measured below the split (160.2 vs 177.9): a static OpenMP split waits for its preempted half.
+with the serving processes on the other, serves more HTTP output at 8 concurrent streams
+(BENCHMARKS.md). Two OpenMP threads across both cores with the serving path on one of them
+did worse than the split: a static OpenMP split waits for its preempted half.
 
 The split is not a wall the other way: once Serve runs, cluster/cli/serving_cpu.py lets
 the serving processes onto the model's cores too, at nice 19 (``yield_process`` below), so

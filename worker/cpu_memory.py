@@ -8,20 +8,19 @@ only if it asks. The pool asks before its first touch (zeroing it then faults in
 pages), in a mapping of its own: from malloc's heap it could land on pages that earlier
 buffers had touched (the load probe's weight copies, freed), which stay 4 KB pages whatever
 it asks; that happened to the engine's pool once the probe grew. The CPU panel GEMM's
-weights (kernels/cpu_gemm.py) are allocated the same way. Offline calibration run, Intel
-Xeon 2 threads, interleaved: 343.2 / 349.9 -> 384.3 / 394.7 tok/s; most of the time saved
-was in the GEMMs (28.7 -> 25.4 s of a ~45 s run), whose weight stream the KV pool's page
-walks had slowed, less in attention (7.9 -> 7.5 s).
+weights (kernels/cpu_gemm.py) are allocated the same way. In an offline calibration run
+it raised throughput, and most of the time saved was in the GEMMs, whose weight stream the
+KV pool's page walks had slowed, less in attention.
 
 ``PAGEDSERVE_KV_THP=0`` turns it off. A no-op off Linux, on GPU tensors and where the
 kernel refuses (THP "never").
 
-A step's activations are malloc'ed and freed every step (up to ~30 MB at a 2048-token
+A step's activations are malloc'ed and freed every step (tens of MB at a 2048-token
 prefill). glibc serves chunks above its mmap threshold with a fresh mmap and unmaps them on
 free, so every step faulted its temporaries in again, page by page. :func:`tune_malloc`
 raises the mmap and trim thresholds to 1 GB: freed chunks stay in the heap and the next
-step reuses them. Offline calibration run, Intel Xeon 2 threads, interleaved: 400.3 / 376.4
-vs 382.0 / 367.1 tok/s (oneDNN / aten starts). Process-wide, so the worker calls it
+step reuses them, which raised offline throughput with either linear backend (oneDNN and
+aten starts alike). Process-wide, so the worker calls it
 (``PAGEDSERVE_CPU_MALLOPT=0`` leaves malloc alone); the heap keeps up to that much freed
 memory instead of returning it.
 """

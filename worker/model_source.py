@@ -13,12 +13,12 @@ directory, keyed by the file's content hash (a changed file gets a new one):
         config.json          from the GGUF metadata, plus "gguf_file" (where the weights are)
         tokenizer.json, tokenizer_config.json, chat_template.jinja
                              built by transformers from the metadata (vocab, merges, special
-                             ids, chat template): ~9 s once, 0.4 s to load afterwards
+                             ids, chat template): slow once, quick to load afterwards
         model.safetensors    the dequantized fp32 weights, if they come to <= 2 GiB
 
-so a warm start never parses the GGUF (the gguf reader takes ~2 s on this 98 MB file just
-to walk its 49k-token vocabulary, dequantizing another ~1 s; the 538 MB safetensors copy
-loads in ~0.5 s, and TP ranks read only their slices of it). Bigger models, or
+so a warm start never parses the GGUF (the gguf reader is slow just to walk a 49k-token
+vocabulary, and dequantizing adds to it; the safetensors copy loads much faster, and TP
+ranks read only their slices of it). Bigger models, or
 PAGEDSERVE_GGUF_WEIGHT_CACHE=0 when the entry is built, keep only the GGUF: the workers
 dequantize it on every load (loader.py). Nothing here downloads anything.
 """
@@ -82,7 +82,7 @@ def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
 
 
 def file_sha256(path: str) -> str:
-    h = hashlib.sha256()  # ~1.6 GB/s here: 0.06 s for the 98 MB default model
+    h = hashlib.sha256()  # cheap next to loading the weights, so it runs on every start
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)

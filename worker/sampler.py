@@ -22,9 +22,9 @@ that request alone), so a bad id never reaches the next step's embedding.
 Inverse-CDF sampling draws one uniform number per row: token = the first index whose
 cumulative probability reaches u x total. A seeded row draws its number from its own
 generator, exactly one per step, so its token depends on its logits and (seed, step)
-only, never on the other rows (every op is row-wise). We measured the alternative, the
-exponential race argmax(probs / q) with q ~ Exp(1) per vocab entry: same guarantee,
-but V random numbers per row, ~5x slower on CPU (random generation dominates).
+only, never on the other rows (every op is row-wise). The alternative, the exponential
+race argmax(probs / q) with q ~ Exp(1) per vocab entry, gives the same guarantee but
+draws V random numbers per row, and is much slower on CPU (random generation dominates).
 """
 
 from __future__ import annotations
@@ -160,8 +160,8 @@ def apply_token_bitmask_torch_(logits: torch.Tensor, rows: list[int], bitmask: t
 def apply_token_bitmask_(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """In place: logits[r, t] = -inf for each r in ``rows`` wherever bit t of bitmask[r]
     ([B, W] int32, one row per logits row) is clear; other rows are untouched.
-    xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU) when installed: measured ~10x
-    faster than unpacking the bits with torch ops for 20 rows of a 49k vocabulary."""
+    xgrammar's kernel (C++ on CPU, CUDA/Triton on GPU) when installed: much faster than
+    unpacking the bits with torch ops."""
     try:
         from xgrammar import apply_token_bitmask_inplace
     except ImportError:

@@ -221,7 +221,7 @@ def _token_histogram(n: int, v: int, token_ids: list[list[int]], device) -> torc
     """[n, v] float32: how often each token occurs in ``token_ids[j]``. Ids past the
     model's vocabulary (tokenizer-only added tokens) land in a dropped pad column."""
     lens = [len(t) for t in token_ids]
-    # np.fromiter: ~6x faster than torch.tensor(list) on the ~10^4 ids of a big batch.
+    # np.fromiter: much faster than torch.tensor(list) on the ~10^4 ids of a big batch.
     flat = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=sum(lens))
     cols = torch.from_numpy(flat).to(device)
     rows = torch.repeat_interleave(torch.arange(n, device=device),

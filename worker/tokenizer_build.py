@@ -96,7 +96,7 @@ def save_tokenizer(out_dir: str, vocab_size: int, seed: int = 0, model_max_lengt
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     key = (vocab_size, seed)
-    if key not in _CACHE:  # training takes ~1 s; test suites build many models of one vocab
+    if key not in _CACHE:  # training is not free; test suites build many models of one vocab
         _CACHE[key] = build_tokenizer(vocab_size, seed).to_str()
     with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
         f.write(_CACHE[key])

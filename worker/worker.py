@@ -91,7 +91,7 @@ class Worker:
             from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
 
             self.cpu_linear_backend = apply_cpu_linear_backend(model)
-            # Build (first time on a machine, ~1 min) or load the C++ kernels now, while the
+            # Build (first time on a machine, slow) or load the C++ kernels now, while the
             # engine starts, not inside the first request's forward pass.
             from pagedserve.kernels import cpu_decode_attention, cpu_fused
 

@@ -28,7 +28,7 @@ from pagedserve.scheduler.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("pagedserve")
 
-# Compiled grammars kept (LRU). A JSON-schema grammar for a 49k vocabulary is ~100 KB-1 MB.
+# Compiled grammars kept (LRU). A JSON-schema grammar over a large vocabulary is not small.
 CACHE_SIZE = 256
 
 
@@ -53,8 +53,8 @@ def choice_grammar(choices: list[str]) -> str:
 
 # xgrammar 0.2.9 spells a character of a length-bounded string (minLength / maxLength) as
 # this class, which lets raw control characters (U+0000-U+001F) through: JSON forbids
-# them unescaped, so such output would not parse. Measured: random weights emit one in
-# ~1 of 6 samples. The class of its unbounded strings excludes them; we use that.
+# them unescaped, so such output would not parse, and random weights emit one often.
+# The class of its unbounded strings excludes them; we use that.
 _XGR_BOUNDED_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 

@@ -5,13 +5,13 @@
                              └────▶ RayWorkerWrapper rank 1 ──┘  all-reduce
       result ◀── rank 0 only (the other ranks return nothing)
 
-Not a Ray method call per worker per step (~1.2 ms each on this box). Two channels,
+Not a Ray method call per worker per step (each costs more than a whole broadcast). Two channels,
 chosen by ``PAGEDSERVE_DISPATCH``:
 
 - ``zmq`` (default): one pickle per step written to a PUSH socket per rank, rank 0's
   result read from one PULL socket (cluster/executors/zmq_dispatch.py; Unix sockets when all ranks
-  share the node). Measured on the 2-core dev box at TP=2: 0.4-0.5 ms per step against
-  0.95-1.1 ms for the compiled graph in the same runs.
+  share the node). Cheaper per step than the compiled graph: loadtest/bench_dispatch.py
+  measures both (BENCHMARKS.md, Dispatch).
 - ``cgraph``: a Ray Compiled Graph (``InputNode`` -> each rank -> ``MultiOutputNode``),
   shared-memory channels allocated once.
 
@@ -96,9 +96,8 @@ class RayWorkerWrapper:
 
 # A CPU worker's malloc backs its large chunks with transparent huge pages (THP is
 # "madvise" on most distributions; the KV pool asks for them itself, worker/cpu_memory.py,
-# this covers the weights and step buffers): decode steps at batch 8, 1 thread, 8% faster
-# on an Intel Xeon (36.6 / 38.5 -> 33.4 / 34.8 ms, GEMMs 24 -> 21 ms), measured before the
-# KV pool asked.
+# this covers the weights and step buffers): faster decode steps, mostly in the GEMMs,
+# seen before the KV pool asked.
 # PAGEDSERVE_WORKER_THP=0 leaves the environment alone.
 WORKER_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 

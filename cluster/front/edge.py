@@ -34,7 +34,6 @@ from pagedserve.cluster.front.tenants import DEFAULT_TENANT, TENANT_HEADER, chec
 logger = logging.getLogger("pagedserve")
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
-OUTPUT_CHANNEL_ENV = "PAGEDSERVE_OUTPUT_CHANNEL"
 # The default body limit: room for a prompt of max_model_len tokens in its most verbose
 # legitimate JSON, plus headroom. Token ids take <= 8 bytes each ("151935, "); text takes
 # ~4 bytes per token in English, ~6-12 once a client escapes non-ASCII as \uXXXX (Python's
@@ -59,26 +58,18 @@ class IngressConfig:
     # {key: tenant} from --api-keys-file (tenants.py); any of them is a valid key too.
     api_keys: dict[str, str] | None = None
     allow_tenant_header: bool = False  # x-tenant names the tenant of an unmapped key
-    # How outputs come back from the engine replicas: "zmq", one message per step for
-    # all requests (cluster/wire/output_channel.py); "ray", one Ray stream item per request per step.
-    output_channel: str = "zmq"
 
     @classmethod
     def from_options(cls, api_key: str | None = None, max_request_body_bytes: int | None = None,
                      api_keys: dict[str, str] | None = None,
                      allow_tenant_header: bool = False) -> "IngressConfig":
         """``api_key`` falls back to $PAGEDSERVE_API_KEY of the process that builds the app
-        (the CLI, or ``serve run``), so a key need not be written into a config file; the
-        output channel is $PAGEDSERVE_OUTPUT_CHANNEL's (default zmq)."""
+        (the CLI, or ``serve run``), so a key need not be written into a config file."""
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if max_request_body_bytes is not None and max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}.")
-        channel = os.environ.get(OUTPUT_CHANNEL_ENV) or "zmq"
-        if channel not in ("zmq", "ray"):
-            raise ValueError(f"{OUTPUT_CHANNEL_ENV} must be zmq or ray, got {channel!r}.")
         return cls(api_key=key or None, max_request_body_bytes=max_request_body_bytes,
-                   api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header),
-                   output_channel=channel)
+                   api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header))
 
 
 class EdgeGuard:

@@ -2,9 +2,9 @@
 
 It validates (pydantic -> 400), checks the model name (404), forwards the request to an
 engine replica through a streaming Serve handle, and turns the outputs into a JSON body
-or SSE. The outputs come on this replica's output channel (cluster/wire/output_channel.py; one message
-per engine step), or on the handle call itself with PAGEDSERVE_OUTPUT_CHANNEL=ray. The
-call's first item is the engine's admission decision, so a 400/429 is known before any
+or SSE. The outputs come on this replica's output channel (cluster/wire/output_channel.py;
+one message per engine step); the handle call carries the admission, the end or the
+failure. The call's first item is the engine's admission decision, so a 400/429 is known before any
 200 header is sent. Leaving early (client disconnect -> Serve cancels this handler,
 or the SSE generator is closed) cancels the engine call, which aborts the request there.
 
@@ -276,31 +276,26 @@ class OpenAIIngress:
             if self._metrics is not None:
                 self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
-        route, sub = {}, None  # the outputs' way back: cluster/wire/output_channel.py
-        if self.config.output_channel == "zmq":
-            if self._channel is None:
-                self._channel = OutputChannel(node_ip())
-            sub = self._channel.open(rid)
-            route = {"output_route": self._channel.route}
+        if self._channel is None:  # the outputs' way back: cluster/wire/output_channel.py
+            self._channel = OutputChannel(node_ip())
+        sub = self._channel.open(rid)
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
-            **route)
+            output_route=self._channel.route)
         try:
             adm = await stream.__anext__()
         except BaseException as e:
-            if sub is not None:
-                sub.close()
+            sub.close()
             if isinstance(e, asyncio.CancelledError):
                 stream.cancel()
             raise
         if not adm.accepted:
-            if sub is not None:
-                sub.close()
+            sub.close()
             if adm.status == 429:
                 self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic(), adm.shed_tenant)
             return None, error(adm.status, adm.message, adm.retry_after_s)
         self._gate.accepted(adm.replica_id, time.monotonic(), who)
-        return Accumulated(stream if sub is None else sub.attach(stream)), adm
+        return Accumulated(sub.attach(stream)), adm
 
     async def _generate(self, body, chat: bool, request: Request):
         tenant = getattr(request.state, "tenant", None)

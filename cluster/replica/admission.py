@@ -1,8 +1,8 @@
 """Admission control of one engine replica: shed load before it becomes queueing delay.
 
 A request that cannot start at once waits in the scheduler's queue. Left unbounded, a
-3x overload turns into a queue that grows by 2x capacity every second (measured: TTFT
-p50 35 s, then Serve killed the replica). Three bounds, checked on the engine thread
+3x overload turns into a queue that grows by 2x capacity every second (TTFT grew until
+Serve killed the replica). Three bounds, checked on the engine thread
 right before ``add_request`` (so the counts are exact, not one step stale):
 
     queueing delay   would_wait / drain_rate > max_queue_delay_s        (on by default)
@@ -16,7 +16,7 @@ rate the rate the queue can drain at, not the arrival rate). It decays with a ha
 of ``DRAIN_HALF_LIFE_S``, so it follows the workload. Until the queue has drained at
 least ``MIN_DRAINED`` requests there is no measurement, and the delay bound is a count
 instead: at most ``max_num_seqs`` requests wait (about one batch's lifetime of delay; a
-burst into a cold server used to queue 8 s of work before the first measurement).
+burst into a cold server used to queue many seconds of work before the first measurement).
 
 With several tenants active, the delay bound is per tenant (``admit``): a request waits for
 its own tenant's queue, which drains at the tenant's fair share of the rate, so a tenant

@@ -172,8 +172,8 @@ class AsyncEngine:
             if waiting_before and len(engine.scheduler.waiting):
                 # A queue before and after the step: its admissions were bound by capacity,
                 # not by arrivals (a request that waited one step for a free slot would
-                # count a full batch's step as the drain time of one: a rate ~1.5x too high,
-                # measured as 4.8 s waits under a 3 s bound).
+                # count a full batch's step as the drain time of one: a rate too high, and
+                # waits past the delay bound).
                 self._drain.observe(now - self._last_step_end, engine.num_admitted - admitted_before)
             self._last_step_end = now
         else:

@@ -10,7 +10,7 @@
                          engine thread: admission + add_request (ids only, O(prompt))
 
 The engine thread runs every step; a prompt tokenized there delays every request in
-the batch by as long as it takes (a 20 MB prompt: 25 s). Here it delays nobody but
+the batch by as long as it takes (seconds for a prompt of many MB). Here it delays nobody but
 itself. Each pool thread has its own deep copy of the tokenizer: a Rust tokenizer
 shared across threads can fail with "Already borrowed" when one call reconfigures it
 (truncation/padding) while another encodes, and the engine thread keeps the original

@@ -5,9 +5,9 @@ ingress replica's requests, instead of one Ray stream item per request per step.
       outputs ─ grouped by route ─▶ PUSH ──tcp──▶ PULL ─ reader task ─▶ ChannelStream(rid)
               (one message per ingress per step)          (merges the steps its reader missed)
 
-As Ray stream items, a 64-token stream cost ~1.6 ms of serving-path CPU per token across
-the engine replica, Ray and the ingress (loadtest/bench_frontend.py; BENCHMARKS.md, issue
-15). vLLM's engine core, too, sends its API server one message per step.
+Ray stream items cost serving-path CPU per token in the engine replica, Ray and the
+ingress (loadtest/bench_frontend.py measures it; BENCHMARKS.md). vLLM's engine core, too,
+sends its API server one message per step.
 
 ``generate()``'s Ray stream stays the request's lifeline. Its first item is the
 Admission. It ends once the final output has been sent on the channel, and it raises the

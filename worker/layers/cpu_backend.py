@@ -8,7 +8,7 @@
     PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
     PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
 
-The probe costs a second or two and its result is logged with the timings, so a
+The probe is short and its result is logged with the timings, so a
 figure in BENCHMARKS.md can be traced to the kernel that produced it. A packed backend
 needs a 5% margin over aten to win (its mean time ratio <= 0.95): a probe on a busy
 machine is noisy, and near-ties go to plain F.linear, the path transformers itself runs.
@@ -32,7 +32,7 @@ from pagedserve.worker.layers.linear import PackableLinear
 
 logger = logging.getLogger("pagedserve")
 
-_PROBE_BYTES = 256 << 20  # ~1-2 s of probing at 1 thread (4 batch sizes x 2 backends x 4 passes)
+_PROBE_BYTES = 256 << 20  # keeps the load-time probe short (4 batch sizes x 2 backends x 4 passes)
 _MARGIN = 0.95  # onednn must take <= 95% of aten's time (geometric mean over batch sizes)
 
 

@@ -2,7 +2,7 @@
 
 A quantised cache stores each (token, KV head) row of head_dim values with one scale,
 its absmax / qmax (kernels/kv_quant.py). Real models' keys have outlier channels: a few
-of the head_dim values are 10-100x the rest (RoPE's low-frequency pairs, massive
+of the head_dim values are far larger than the rest (RoPE's low-frequency pairs, massive
 activations), so the row's scale is set by them and the other values get a handful of
 int8 steps. Rotating every row by an orthonormal R spreads each outlier over all
 channels, and attention does not change:
@@ -14,7 +14,7 @@ R is the Sylvester Hadamard matrix / sqrt(head_dim) (symmetric, so R^T = R and
 R @ R = I), as in QuaRot's KV-cache quantisation. It is applied after RoPE (RoPE's
 rotation and R do not commute), to q, k and v going into the cache and attention, and
 to the output coming out: four [n, heads, d] @ [d, d] products, ~2 * d flops per value,
-~1% of a decode step's GEMMs on a 135M model. Only quantised caches rotate; the
+a small fraction of a decode step's GEMMs. Only quantised caches rotate; the
 unquantised path is untouched. A head_dim that is not a power of two gets a fixed
 random orthonormal matrix (seeded QR): the same guarantee, slightly less even spread.
 """
