@@ -92,8 +92,29 @@ def bench(args) -> dict:
     return out
 
 
+# The benchmarks that run on their own (one process, no server to start by hand), listed in
+# --help with the first line of each one's docstring (read, not imported: no torch, no ray).
+BENCHMARKS = ("loadtest.bench_offline", "loadtest.bench_vs_vllm", "loadtest.bench_scheduler",
+              "loadtest.bench_dispatch", "loadtest.bench_frontend", "loadtest.bench_structured",
+              "loadtest.bench_kv_quant", "loadtest.bench_kv_dtype", "loadtest.bench_thrash",
+              "kernels.bench_cpu_attention", "loadtest.gpu_check")
+
+
+def benchmarks_epilog() -> str:
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    lines = ["benchmarks (python -m pagedserve.MODULE --help for each one's flags):"]
+    for mod in BENCHMARKS:
+        doc = ast.get_docstring(ast.parse((root / (mod.replace(".", "/") + ".py")).read_text())) or ""
+        first = doc.split("\n")[0].rstrip(":").replace(" (issue 15)", "")
+        lines.append(f"  {mod:30s} {first}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedserve.loadtest", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pagedserve.loadtest", description=__doc__.split("\n\n")[0],
+                                     epilog=benchmarks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_args(sub.add_parser("bench", help="load-test a running server"))
     from pagedserve.loadtest.compare import add_compare_args, run_compare

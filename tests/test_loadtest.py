@@ -200,3 +200,19 @@ def test_compare_quick_smoke(tmp_path):
     assert mixed["met"] is True
     assert (out / "summary.md").read_text().count("| ") > 10
     assert (out / "latency_cdf.png").exists() and (out / "rate_sweep.png").exists()
+
+
+def test_help_lists_every_benchmark_with_one_line(capsys):
+    from pathlib import Path
+
+    from pagedserve.loadtest.__main__ import BENCHMARKS, main
+
+    root = Path(__file__).resolve().parent.parent
+    on_disk = {f"loadtest.{p.stem}" for p in (root / "loadtest").glob("bench_*.py")}
+    assert on_disk <= set(BENCHMARKS)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for mod in BENCHMARKS:
+        line = next(line for line in out.splitlines() if line.strip().startswith(mod + " "))
+        assert len(line.split(maxsplit=1)[1]) > 20, line  # a real description, one line
