@@ -97,7 +97,7 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
     1 as a fraction of the weight-bandwidth bound (every decode step reads all weights
     once: weight bytes x tok/s against the measured copy bandwidth of section 2); and
     whether graphs and eager produce the same greedy tokens."""
-    from pagedserve.worker.testing import make_random_llama
+    from pagedserve.worker.random_models import make_random_llama
 
     if smoke:
         cfg = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -1,5 +1,5 @@
 """Write small GGUF files with the ``gguf`` package's writer, as llama.cpp's converter would:
-from one of worker/testing.py's random HF checkpoints (weights quantized, Llama q/k rows
+from one of worker/random_models.py's random HF checkpoints (weights quantized, Llama q/k rows
 permuted to ggml's rope layout, the byte-level BPE tokenizer as metadata), or a bare file of
 another architecture for the refusal test. Used by tests only."""
 
@@ -38,7 +38,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0") -> str:
-    """``hf_dir`` (a worker/testing.py checkpoint) as a GGUF at ``out``: 2-D weights in ``qtype``,
+    """``hf_dir`` (a worker/random_models.py checkpoint) as a GGUF at ``out``: 2-D weights in ``qtype``,
     norms and biases in F32, as llama.cpp's converter lays them out."""
     import gguf
 

@@ -43,7 +43,7 @@ SERVE_ENGINE = dict(max_model_len=1024, num_gpu_blocks_override=256, max_num_seq
 
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory):
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     return make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "serve-models")
 

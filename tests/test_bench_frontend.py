@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_frontend_prices_each_kind_by_process(tmp_path):
-    from pagedserve.worker.testing import make_random_llama
+    from pagedserve.worker.random_models import make_random_llama
 
     model = tmp_path / "m"
     make_random_llama(model, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -113,7 +113,7 @@ def _model(path):
 def test_packing_drops_plain_weights_keeps_tied_embedding(tmp_path):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
     from pagedserve.worker.layers.linear import PackableLinear
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     model = _model(make_test_model("qwen2-tied", tmp_path))
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
@@ -130,7 +130,7 @@ def test_packing_drops_plain_weights_keeps_tied_embedding(tmp_path):
 
 def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
     with caplog.at_level(logging.INFO, logger="pagedserve"):
@@ -146,7 +146,7 @@ def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
 def test_panel_packing_replaces_the_plain_weights(tmp_path):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
     from pagedserve.worker.layers.linear import PackableLinear
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     model = _model(make_test_model("qwen2-tied", tmp_path))  # Qwen2: q/k/v have biases
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
@@ -166,7 +166,7 @@ def test_panel_packing_replaces_the_plain_weights(tmp_path):
 def oracle_case(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     path = make_test_model("qwen2-tied", tmp_path_factory.getbasetemp() / "cpu-linear-models")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -101,7 +101,7 @@ def test_off_by_environment_and_on_small_or_gpu_tensors(monkeypatch):
 @needs_thp
 def test_the_engine_kv_pool_is_in_huge_pages(tmp_path):
     from pagedserve.cluster.llm import LLM
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     llm = LLM(model=make_test_model("llama-mha", tmp_path), max_model_len=512, num_gpu_blocks_override=1024)
     try:

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.cluster.replica.engine_replica import Admission, AsyncEngine
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.worker.testing import make_test_model
+from pagedserve.worker.random_models import make_test_model
 
 
 @pytest.fixture(scope="module")

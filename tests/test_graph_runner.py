@@ -22,7 +22,7 @@ from pagedserve.worker.cuda_graphs import capture_sizes, graphs_disabled_reason
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.testing import make_test_model
+from pagedserve.worker.random_models import make_test_model
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

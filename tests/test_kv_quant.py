@@ -244,7 +244,7 @@ def test_prefix_caching_and_preemption_unchanged_on_a_quantised_cache(tmp_path, 
     recompute after a preemption, give the outputs of a plain run on the same cache format."""
     from test_engine_oracle import PROMPT_LENS, _engine, _params, _prompts, _run
 
-    from pagedserve.worker.testing import make_test_model
+    from pagedserve.worker.random_models import make_test_model
 
     # "Same tokens, same bytes" needs K/V computed the same whatever the batch: oneDNN's packed
     # GEMM and the panel GEMM are batch-invariant here, plain F.linear (MKL) is not (a prefill

@@ -19,7 +19,7 @@ from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.models import get_model_class
-from pagedserve.worker.testing import TEST_SHAPES, make_random_llama, make_test_model
+from pagedserve.worker.random_models import TEST_SHAPES, make_random_llama, make_test_model
 
 BLOCK_SIZE = 8
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pagedserve.cluster.front.schemas import CompletionRequest
-from pagedserve.worker.testing import make_test_model
+from pagedserve.worker.random_models import make_test_model
 
 FUZZ_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "120"))
 VOCAB = 512  # the test model's

@@ -31,7 +31,7 @@ def cache_root() -> str:
 
 def demo_model_path() -> str:
     """Path of the demo model directory, building it on first use (a few seconds)."""
-    from pagedserve.worker.testing import build_once, make_random_llama  # transformers only when building
+    from pagedserve.worker.random_models import build_once, make_random_llama  # transformers only when building
 
     return build_once(os.path.join(cache_root(), DEMO_VERSION),
                       lambda tmp: make_random_llama(tmp, "llama", seed=0, **DEMO_CONFIG))

@@ -91,7 +91,7 @@ def file_sha256(path: str) -> str:
 
 def prepare_gguf(gguf: str) -> str:
     """The prepared directory of ``gguf`` (see the module docstring), built on first use."""
-    from pagedserve.worker.testing import build_once
+    from pagedserve.worker.random_models import build_once
 
     gguf = os.path.abspath(gguf)
     digest = file_sha256(gguf)
