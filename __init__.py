@@ -21,9 +21,8 @@ import os
 
 # OpenMP threads that wait for the next parallel region spin for a while (libgomp's default:
 # 300,000 spins). On a CPU that other processes also use (the Ray proxy, the ingress, the
-# tokenizer, another tenant), the spinning takes the core the late thread needs: with one
-# core kept busy by another process, 1,000 spins served far more offline tokens than the
-# default, at a small cost on a quiet machine.
+# tokenizer, another tenant), the spinning takes the core the late thread needs: a short
+# spin serves more tokens on a shared core, at a small cost on a quiet machine.
 # Set before torch loads libgomp; a value the user exported wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 

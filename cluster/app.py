@@ -67,9 +67,9 @@ def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
 def bound_worker_config(engine_config: EngineConfig) -> EngineConfig:
     """A worker bound to cores must run in a process of its own (the "ray" backend): pinned
     inside the serving replica it would pin the replica's event loop too, and the step then
-    waits for the GIL behind it (far less throughput at 8 streams). Async scheduling
-    is on unless the config says otherwise (its overlap is what a separate process buys:
-    more throughput at 8 streams than without it)."""
+    waits for the GIL behind it. Async scheduling is on unless the config says otherwise
+    (its overlap, planning the next step while this one runs, is what a separate process
+    buys)."""
     if parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size) is None:
         return engine_config
     if engine_config.distributed_executor_backend == "uni":

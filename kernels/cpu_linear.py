@@ -138,7 +138,7 @@ def relative_time(timings: dict[str, dict[int, float]], backend: str, baseline: 
     """The geometric mean over batch sizes of ``backend``'s time / ``baseline``'s: each
     batch size is one regime (decode at 1, 8 and 32, prefill at 128) and counts alike. A sum
     of seconds would let the largest batch, many times the decode terms, decide alone, and a
-    near-tie there flipped the choice on noise (on a Xeon where oneDNN won clearly at M = 8,
-    lost slightly at M = 1 and tied at 128, the summed probe picked aten in some starts)."""
+    near-tie there flipped the choice on noise (a backend that wins clearly at decode sizes
+    could lose to a near-tie at the largest one)."""
     ratios = [timings[backend][m] / timings[baseline][m] for m in timings[baseline]]
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
