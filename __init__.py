@@ -18,6 +18,17 @@ Kept light: importing ``pagedserve`` loads neither torch nor ray; ``LLM`` and
 """
 
 import os
+import sys
+
+# Run from inside the checkout (``python -m ...`` or ``python -c`` in the repository root), the
+# root is first on sys.path and the repository's folders import as top-level names: ``kernels``
+# then shadows Hugging Face's ``kernels`` distribution, which transformers imports at load (a
+# dependency of transformers since 5.25), and ``import transformers.activations`` fails. The
+# folders are only ever ``pagedserve.<folder>`` (pyproject maps them); the root is not a path
+# entry of this distribution, so it leaves sys.path on the first import of pagedserve.
+_checkout = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout]
+del _checkout
 
 # OpenMP threads that wait for the next parallel region spin for a while (libgomp's default:
 # 300,000 spins). On a CPU that other processes also use (the Ray proxy, the ingress, the

@@ -20,7 +20,6 @@ from ray import serve
 
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.front.metrics import StatsAggregator
-from pagedserve.cluster.wire.stream import slim
 from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip, tp_bundles
 from pagedserve.config import EngineConfig
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, plan_auto
@@ -143,14 +142,13 @@ class EngineDeployment:
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
     async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                       messages=None, add_generation_prompt=True, tenant=None, tools=None,
-                       output_route=None):
-        first = True  # deltas only on the wire; the ingress rebuilds the rest (cluster/wire/stream.py)
+                       messages=None, add_generation_prompt=True, tenant=None, tools=None, *,
+                       output_route):
+        """The request's lifeline (AsyncEngine.generate): its Admission, then its end or
+        failure; the outputs take the ingress's channel (cluster/wire/output_channel.py)."""
         async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
                                              messages, add_generation_prompt, tenant, tools,
-                                             output_route):
-            if isinstance(item, tuple):
-                item, first = (slim(item[0], first), item[1]), False
+                                             output_route=output_route):
             yield item
 
     async def request_info(self, request_id: str) -> dict | None:

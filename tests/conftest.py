@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+# First, before any test module imports transformers: `python -m pytest` in the checkout puts
+# its root on sys.path, where `kernels/` would shadow Hugging Face's `kernels`; importing
+# pagedserve takes the root off (pagedserve/__init__.py says why).
+import pagedserve  # noqa: F401,E402
+
 
 @pytest.fixture(scope="session")
 def ray_session():

@@ -199,9 +199,12 @@ def test_structured_outputs_step_in_turn(case):
 
 def test_the_serving_engine_streams_the_same_tokens(case):
     """The scheduler actor's loop (AsyncEngine, as Serve runs it) with --async-scheduling:
-    six concurrent streams get exactly the synchronous engine's tokens, one delta a step."""
+    six concurrent streams get exactly the synchronous engine's tokens, and their deltas add up
+    to them with no empty item (a reader that fell behind a step gets two steps as one item:
+    the output channel merges what its reader missed)."""
     import asyncio
 
+    from _replica_client import generate
     from pagedserve.cluster.replica.engine_replica import AsyncEngine
     from pagedserve.config import EngineConfig
 
@@ -209,11 +212,11 @@ def test_the_serving_engine_streams_the_same_tokens(case):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
     async def stream(core, rid, prompt):
-        gen = core.generate(rid, prompt, params)
+        gen = generate(core, rid, prompt, params)
         assert (await gen.__anext__()).accepted
-        deltas, tokens = 0, []
+        deltas, tokens = [], []
         async for out, _ in gen:
-            deltas += 1
+            deltas.append(list(out.outputs[0].delta_token_ids))
             tokens = list(out.outputs[0].token_ids)
         return tokens, deltas
 
@@ -230,4 +233,6 @@ def test_the_serving_engine_streams_the_same_tokens(case):
         finally:
             core.shutdown()
     assert [t for t, _ in got[True]] == [t for t, _ in got[False]]
-    assert all(len(t) == 20 and d == 20 for t, d in got[True])
+    for flag in (False, True):
+        for tokens, deltas in got[flag]:
+            assert len(tokens) == 20 and all(deltas) and [t for d in deltas for t in d] == tokens

@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from _replica_client import generate
 from pagedserve.cluster.replica.engine_replica import Admission, AsyncEngine
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
@@ -41,7 +42,7 @@ def test_stream_then_finish_and_count_admission(model):
     core = _engine(model, max_waiting_requests=1)
 
     async def scenario():
-        gens = [core.generate(f"r{i}", [5 + i] * 8, _greedy(200)) for i in range(4)]
+        gens = [generate(core, f"r{i}", [5 + i] * 8, _greedy(200)) for i in range(4)]
         adms = [await _first(g) for g in gens]
         assert [a.accepted for a in adms] == [True, True, True, False]
         assert adms[3].status == 429 and adms[3].retry_after_s == 1
@@ -49,7 +50,7 @@ def test_stream_then_finish_and_count_admission(model):
         # A short request streams its tokens in order and ends with finished=True.
         for g in gens[:3]:
             await g.aclose()  # consumers leave: the engine aborts them
-        short = core.generate("s", [7] * 8, _greedy(5))
+        short = generate(core, "s", [7] * 8, _greedy(5))
         assert (await _first(short)).accepted
         tokens, finished = [], False
         async for out, _ in short:
@@ -70,12 +71,12 @@ def test_projected_kv_demand_is_429(model):
     core = _engine(model, max_num_seqs=1, max_queue_delay_s=None)
 
     async def scenario():
-        running = core.generate("run", [3] * 8, _greedy(240))
+        running = generate(core, "run", [3] * 8, _greedy(240))
         assert (await _first(running)).accepted
         await running.__anext__()  # it has produced a token: it is running, not waiting
         waiting, adm = [], None
         for i in range(12):
-            g = core.generate(f"w{i}", [9] * 100, _greedy(8))
+            g = generate(core, f"w{i}", [9] * 100, _greedy(8))
             adm = await _first(g)
             if not adm.accepted:
                 break
@@ -94,12 +95,12 @@ def test_bad_request_is_400_and_cancel_frees_blocks(model):
     core = _engine(model)
 
     async def scenario():
-        bad = core.generate("too-long", [5] * 300, _greedy(4))
+        bad = generate(core, "too-long", [5] * 300, _greedy(4))
         adm = await _first(bad)
         assert isinstance(adm, Admission) and adm.status == 400
         assert "maximum context length" in adm.message
 
-        gen = core.generate("long", [5] * 40, _greedy(200))
+        gen = generate(core, "long", [5] * 40, _greedy(200))
         assert (await _first(gen)).accepted
 
         started = asyncio.Event()

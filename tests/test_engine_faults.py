@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from _replica_client import generate
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.wire.failures import EngineDeadError, RequestFailed
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -66,18 +67,18 @@ async def _wait_idle(core, timeout_s: float = 10.0) -> dict:
 @pytest.mark.parametrize("site", ["setup", "sample", "detokenize", "step"])
 def test_a_failing_request_fails_alone_while_another_streams(core, site):
     async def scenario():
-        alone = await _collect(core.generate("ref", [5] * 8, _greedy(40)))
-        other = asyncio.create_task(_collect(core.generate("other", [5] * 8, _greedy(40))))
+        alone = await _collect(generate(core, "ref", [5] * 8, _greedy(40)))
+        other = asyncio.create_task(_collect(generate(core, "other", [5] * 8, _greedy(40))))
         await asyncio.sleep(0.05)  # the other one is in the batch before the poisons come
         # max_num_seqs + 1 poisons, one after another: none may stick in the batch.
         for i in range(MAX_NUM_SEQS + 1):
-            poison = core.generate(f"p{i}", [7] * 8, _greedy(8, stop=[faults.marker(site)]))
+            poison = generate(core, f"p{i}", [7] * 8, _greedy(8, stop=[faults.marker(site)]))
             with pytest.raises(RequestFailed, match="InjectedFault"):
                 await _collect(poison)
         assert await other == alone
         stats = await _wait_idle(core)
         assert stats["running"] == 0 and stats["kv_cache_usage"] == 0
-        assert await _collect(core.generate("after", [9] * 8, _greedy(5))) != []  # still serving
+        assert await _collect(generate(core, "after", [9] * 8, _greedy(5))) != []  # still serving
         await core.check_health()
 
     asyncio.run(scenario())
@@ -85,7 +86,7 @@ def test_a_failing_request_fails_alone_while_another_streams(core, site):
 
 def test_a_broken_worker_fails_everyone_once_and_the_engine_goes_quiet(core):
     async def scenario():
-        streams = [asyncio.create_task(_collect(core.generate(f"s{i}", [5 + i] * 8, _greedy(240))))
+        streams = [asyncio.create_task(_collect(generate(core, f"s{i}", [5 + i] * 8, _greedy(240))))
                    for i in range(MAX_NUM_SEQS - 1)]  # room left for the poison to join them
         # The poison comes once the streams run (a fixed sleep let a fast machine finish
         # all 240 tokens first): they are far from done when it joins the next step.
@@ -93,14 +94,14 @@ def test_a_broken_worker_fails_everyone_once_and_the_engine_goes_quiet(core):
         while core.stats()["running"] < MAX_NUM_SEQS - 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         t0 = time.monotonic()
-        poison = asyncio.create_task(_collect(core.generate("p", [7] * 8,
+        poison = asyncio.create_task(_collect(generate(core, "p", [7] * 8,
                                                             _greedy(8, stop=[faults.marker("broken")]))))
         results = await asyncio.wait_for(asyncio.gather(*streams, poison, return_exceptions=True), 10)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert time.monotonic() - t0 < 5
         with pytest.raises(EngineDeadError, match="InjectedFault"):
             await core.check_health()
-        late = core.generate("late", [5] * 8, _greedy(4))
+        late = generate(core, "late", [5] * 8, _greedy(4))
         adm = await late.__anext__()
         assert not adm.accepted and adm.status == 503
         stats = await _wait_idle(core)
@@ -122,7 +123,7 @@ def test_a_20_mb_prompt_is_refused_at_once_and_delays_no_step(core):
 
         async def stream():
             nonlocal last
-            gen = core.generate("s", [5] * 8, _greedy(240))
+            gen = generate(core, "s", [5] * 8, _greedy(240))
             assert (await gen.__anext__()).accepted
             async for _ in gen:
                 now = time.monotonic()
@@ -135,7 +136,7 @@ def test_a_20_mb_prompt_is_refused_at_once_and_delays_no_step(core):
             await asyncio.sleep(0.01)
         for kind in ("prompt", "messages"):
             t0 = time.monotonic()
-            gen = core.generate(f"huge-{kind}", huge if kind == "prompt" else None, _greedy(4),
+            gen = generate(core, f"huge-{kind}", huge if kind == "prompt" else None, _greedy(4),
                                 messages=[{"role": "user", "content": huge}] if kind == "messages" else None)
             adm = await gen.__anext__()
             took = time.monotonic() - t0

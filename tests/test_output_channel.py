@@ -1,9 +1,9 @@
 """The engine -> ingress output channel (cluster/wire/output_channel.py) on real ZeroMQ
 sockets on 127.0.0.1, without Ray: the channel alone, then AsyncEngine sending to it.
 
-The engine's Ray stream is stood in for by ``_Lifeline``: the generator AsyncEngine.generate
-returns (what Serve streams), with ``cancel()`` cancelling the task that reads it, as
-cancelling a Serve response does to the replica's generator."""
+The engine's Ray stream is stood in for by ``Lifeline`` (tests/_replica_client.py): the
+generator AsyncEngine.generate returns (what Serve streams), with ``cancel()`` cancelling the
+task that reads it, as cancelling a Serve response does to the replica's generator."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pickle
 import pytest
 import zmq
 
+from _replica_client import Lifeline as _Lifeline
+from pagedserve import LLM
 from pagedserve.cluster.wire import output_channel
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.wire.failures import RequestFailed
@@ -22,23 +24,6 @@ from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.worker.random_models import make_test_model
-
-
-class _Lifeline:
-    def __init__(self, gen) -> None:
-        self.gen, self.task, self.cancelled = gen, None, False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        self.task = asyncio.current_task()
-        return await self.gen.__anext__()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self.task is not None:
-            self.task.cancel()
 
 
 async def _ended():
@@ -198,18 +183,18 @@ async def _over_channel(core, ch, rid, prompt, params):
     return Accumulated(sub.attach(_Lifeline(gen))), adm
 
 
-def test_engine_outputs_over_the_channel_equal_the_ray_stream_ones(model):
-    """Greedy: the same tokens and text either way; a reader that sleeps through the whole
+def test_engine_outputs_over_the_channel_equal_the_offline_engine(model):
+    """Greedy: the offline engine's tokens and text; a reader that sleeps through the whole
     request gets it as one item; the engine's stream carries nothing after the Admission."""
+    prompt = [11, 12, 13, 14, 15, 16, 17]
+    llm = LLM(model=model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    try:
+        offline = llm.generate([prompt], _greedy(24), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     core = _engine(model)
 
     async def scenario():
-        prompt = [11, 12, 13, 14, 15, 16, 17]
-        ray_items = []
-        gen = core.generate("plain", prompt, _greedy(24))
-        assert (await gen.__anext__()).accepted
-        async for out, _ in Accumulated(gen):
-            ray_items.append(out)
         ch = OutputChannel("127.0.0.1")
         fast, adm = await _over_channel(core, ch, "fast", prompt, _greedy(24))
         assert adm.prompt_token_ids == prompt
@@ -219,11 +204,11 @@ def test_engine_outputs_over_the_channel_equal_the_ray_stream_ones(model):
         await asyncio.sleep(0.1)
         slow_items = [out async for out, _ in slow]
         ch.close()
-        return ray_items, fast_items, slow_items
+        return [offline], fast_items, slow_items
 
-    ray_items, fast_items, slow_items = asyncio.run(scenario())
+    ref_items, fast_items, slow_items = asyncio.run(scenario())
     core.shutdown()
-    want = ray_items[-1].outputs[0]
+    want = ref_items[-1].outputs[0]
     assert len(want.token_ids) == 24
     for items in (fast_items, slow_items):
         got = items[-1]

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.cluster.wire.failures import ExecutorDeadError
@@ -141,23 +142,24 @@ class LLMEngine:
                 f"requested {n + (max_tokens or 1)} tokens ({n} in the prompt, "
                 f"{max_tokens or 1} for the completion). Please reduce the prompt or max_tokens.")
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams):
         """ValueError for what only the model can judge: logit_bias ids past its vocabulary,
-        a schema / regex / grammar that does not compile (compiled here, then cached: the
-        serving layer calls this in its tokenizer pool, off the engine thread)."""
+        a schema / regex / grammar that does not compile. Returns the compiled grammar (None
+        without structured outputs; cached by spec)."""
         vocab = self.model_config.vocab_size
         bad = sorted(t for t in params.logit_bias or () if t >= vocab)
         if bad:
             raise ValueError(f"logit_bias names token id {bad[0]}, outside the vocabulary "
                              f"[0, {vocab}).")
         if params.structured_outputs is not None:
-            self.structured.compile(params.structured_outputs)
+            return self.structured.compile(params.structured_outputs)
+        return None
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, tenant: str | None = None) -> None:
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use.")
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                     arrival_time: float | None = None, priority: int = 0,
+                     cache_salt: str | None = None, tenant: str | None = None) -> EngineRequest:
+        """Every check a request can fail, once (cluster/engine/engine_request.py): ValueError
+        naming the problem. Reads configuration and the tokenizer only: any thread may call it."""
         params = check_vocab_limits(params, self.model_config.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
@@ -165,11 +167,30 @@ class LLMEngine:
         full_len = len(prompt_ids)
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         self.check_length(len(prompt_ids), params.max_tokens)
-        self.check_params(params)
+        grammar = self.check_params(params)
         if len(prompt_ids) < full_len:  # RequestOutput.prompt is what the model saw
             prompt = self.tokenizer.decode(prompt_ids)
         elif not isinstance(prompt, str):
             prompt = None
+        return EngineRequest(request_id, prompt_ids, params, prompt, grammar, priority, cache_salt,
+                             tenant, arrival_time)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None, tenant: str | None = None) -> None:
+        """vLLM's offline entry: ``make_request`` then ``add_engine_request``."""
+        self.add_engine_request(self.make_request(request_id, prompt, params, arrival_time, priority,
+                                                  cache_salt, tenant))
+
+    def add_engine_request(self, req: EngineRequest) -> None:
+        """Trusts ``req`` (made by ``make_request``); only the engine's state can refuse it
+        here: an id in use (ValueError) or no room in the scheduler (ValueError,
+        QueueFullError), with nothing recorded."""
+        request_id, prompt_ids, params = req.request_id, req.prompt_token_ids, req.params
+        prompt, arrival_time, priority = req.prompt, req.arrival_time, req.priority
+        cache_salt, tenant = req.cache_salt, req.tenant
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use.")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         group = _Group(request_id, prompt, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
@@ -192,7 +213,7 @@ class LLMEngine:
                                     priority=priority, cache_salt=cache_salt, tenant=tenant))
         if params.structured_outputs is not None:  # one matcher per sample, one grammar
             for sample in group.samples:
-                self.structured.add_request(sample.req_id, params.structured_outputs)
+                self.structured.add_request(sample.req_id, params.structured_outputs, req.grammar)
         try:
             self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
         except BaseException:

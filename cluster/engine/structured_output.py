@@ -139,10 +139,11 @@ class StructuredOutputManager:
                              f"{msg[-1] if msg else type(e).__name__}") from None
 
     # ------------------------------------------------------------ matchers (engine thread)
-    def add_request(self, req_id: str, so: StructuredOutputsParams) -> None:
+    def add_request(self, req_id: str, so: StructuredOutputsParams, grammar=None) -> None:
+        """``grammar``: ``so`` compiled already (EngineRequest.grammar), else compiled here."""
         import xgrammar as xgr
 
-        self.matchers[req_id] = xgr.GrammarMatcher(self.compile(so))
+        self.matchers[req_id] = xgr.GrammarMatcher(grammar if grammar is not None else self.compile(so))
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)

@@ -50,7 +50,6 @@ from pagedserve.cluster.front.tool_choice import constrain_to_schema, tool_plan
 from pagedserve.cluster.ray_utils import node_ip, serve_grpc_on_node_ip, stream_with_backpressure
 from pagedserve.cluster.wire.output_channel import OutputChannel
 from pagedserve.cluster.wire.stream import Accumulated
-from pagedserve.scheduler.vocab_limits import check_vocab_limits
 
 
 logger = logging.getLogger("pagedserve")
@@ -157,9 +156,7 @@ async def create_completion(ingress, body, rid: str, tenant):
         return bad
     info = await ingress.info()
     try:
-        # Checked here too (the engine checks again) to name the field as it was sent.
-        params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"], info["max_logprobs"],
-                                    "logprobs")
+        params = body.to_sampling_params()  # model-dependent checks: LLMEngine.make_request
         prompts = body.prompts()
     except ValueError as e:
         return error(400, str(e))
@@ -315,9 +312,7 @@ class OpenAIIngress:
         info = await self.info()
         plan = None  # tool_choice.py: how tools are used, if at all
         try:
-            # Checked here too (the engine checks again) to name the field as it was sent.
-            params = check_vocab_limits(body.to_sampling_params(), info["vocab_size"],
-                                        info["max_logprobs"], "top_logprobs")
+            params = body.to_sampling_params()  # model-dependent checks: LLMEngine.make_request
             prompt, messages = None, [m.template_dict() for m in body.messages]
             template, echo = body.template_mode(), body.echo_text()
             plan = tool_plan(body, info.get("chat_template_tools", False))

@@ -48,7 +48,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.cluster.engine.detokenizer import token_texts
-from pagedserve.cluster.engine.request_options import truncate_prompt
+from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.replica.admission import DrainMeter, admit, drain_seconds, retry_after
 from pagedserve.cluster.replica.chat_template import renders_tools
 from pagedserve.cluster.replica.live_view import VIEW_INTERVAL_S, StepTimeline, replica_view
@@ -57,7 +57,7 @@ from pagedserve.cluster.wire.failures import EngineDeadError, ExecutorDeadError,
 from pagedserve.cluster.wire.output_channel import DONE, OutputRouter
 from pagedserve.cluster.wire.outputs import RequestOutput
 from pagedserve.cluster.wire.stats import stats_snapshot
-from pagedserve.cluster.wire.stream import Admission, QueueStatus, merge_items
+from pagedserve.cluster.wire.stream import Admission, QueueStatus
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
@@ -221,20 +221,18 @@ class AsyncEngine:
                 await asyncio.sleep(0)  # let add/abort calls and consumers run
 
     def _dispatch(self, outputs) -> None:
-        """A step's outputs to their requests: into the request's queue (its Ray stream),
-        or, with a route, into one channel message per ingress for the whole step."""
+        """A step's outputs: one channel message per ingress for the whole step; a request's
+        failure goes into its queue instead (its Ray stream raises it)."""
         rest = []
         for out, token_text in outputs:
             self._pending_blocks.pop(out.request_id, None)
             q = self._queues.get(out.request_id)
             if q is None:
                 continue
-            if out.error is not None:  # on the Ray stream, either way
+            if out.error is not None:
                 q.put_nowait(RequestFailed(f"request {out.request_id} failed: {out.error}"))
-            elif self._router.routed(out.request_id):
-                rest.append((out, token_text))
             else:
-                q.put_nowait((out, token_text))
+                rest.append((out, token_text))
         lost = self._router.send(rest, self._queues)
         if lost:  # their ingress stopped reading: they fail here, and free their blocks
             self._thread.submit(self.engine.abort_request, lost)
@@ -260,36 +258,32 @@ class AsyncEngine:
             logger.debug("stats push failed", exc_info=True)
 
     # ---------------------------------------------------------------- requests
-    def _admit_and_add(self, request_id, prompt_ids, params, priority, cache_salt,
-                       tenant=None) -> Admission | None:
+    def _admit_and_add(self, req: EngineRequest) -> Admission | None:
         """Engine thread, so the counts admission sees are exact (admission.py)."""
+        num_prompt_tokens = len(req.prompt_token_ids)
         rejected = admit(
             self.engine.get_stats(), replica_id=self.replica_id, max_num_seqs=self.config.max_num_seqs,
             num_blocks=self.engine.num_gpu_blocks, block_size=self.config.block_size,
-            pending_blocks=self._pending_blocks.copy(), num_prompt_tokens=len(prompt_ids),
+            pending_blocks=self._pending_blocks.copy(), num_prompt_tokens=num_prompt_tokens,
             rate=self._drain.rate, max_waiting=self.max_waiting,
-            max_queue_delay_s=self.max_queue_delay_s, tenant=tenant or DEFAULT_TENANT,
+            max_queue_delay_s=self.max_queue_delay_s, tenant=req.tenant or DEFAULT_TENANT,
             weights=self.config.tenant_weights)
         if rejected is None:
-            self.engine.add_request(request_id, prompt_ids, params, None, priority, cache_salt, tenant)
-            self._new_ids.append(request_id)
-            self._pending_blocks[request_id] = -(-len(prompt_ids) // self.config.block_size)
+            self.engine.add_engine_request(req)
+            self._new_ids.append(req.request_id)
+            self._pending_blocks[req.request_id] = -(-num_prompt_tokens // self.config.block_size)
         return rejected
 
-    def _encode(self, prompt, messages, add_generation_prompt, params: SamplingParams,
-                tools=None) -> list[int]:
-        """Tokenizer pool thread: text -> ids (or ids checked), then the length check and
-        the model-dependent parameter checks."""
+    def _make_request(self, request_id, prompt, messages, add_generation_prompt, params: SamplingParams,
+                      tools, priority, cache_salt, tenant) -> EngineRequest:
+        """Tokenizer pool thread: text -> ids (a chat's through its template), then the one
+        validation of the request (LLMEngine.make_request); the engine thread trusts it."""
         if messages is not None or isinstance(prompt, str):
-            ids = self._tok.encode_prompt(prompt, messages, add_generation_prompt, tools)
-        else:
-            ids = self.engine.tokenize(prompt)  # validates ids; reads config only
-        ids = truncate_prompt(ids, params, self.engine.max_model_len)
-        self.engine.check_length(len(ids), params.max_tokens)
-        self.engine.check_params(params)  # compiles a grammar here, not on the engine thread
-        return ids
+            prompt = self._tok.encode_prompt(prompt, messages, add_generation_prompt, tools)
+        return self.engine.make_request(request_id, prompt, params, None, priority, cache_salt, tenant)
 
-    async def _prepare(self, prompt, messages, add_generation_prompt, params, tools=None) -> list[int]:
+    async def _prepare(self, request_id, prompt, messages, add_generation_prompt, params, tools,
+                       priority, cache_salt, tenant) -> EngineRequest:
         # O(1) checks first, on the event loop: a 20 MB prompt costs nothing more.
         # (Not with truncate_prompt_tokens: then a prompt of any length is fine; the
         # body limit still bounds what the pool tokenizes.)
@@ -298,16 +292,17 @@ class AsyncEngine:
         elif (isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len
               and params.truncate_prompt_tokens is None):
             self.engine.check_length(len(prompt), params.max_tokens)
-        return await self._tok.run(self._encode, prompt, messages, add_generation_prompt, params, tools)
+        return await self._tok.run(self._make_request, request_id, prompt, messages, add_generation_prompt,
+                                   params, tools, priority, cache_salt, tenant)
 
     async def generate(self, request_id: str, prompt: str | list[int] | None,
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
                        messages: list[dict] | None = None, add_generation_prompt: bool = True,
-                       tenant: str | None = None, tools: list[dict] | None = None,
-                       output_route: tuple[str, bytes] | None = None):
-        """With ``output_route`` (an ingress's OutputChannel.route), the outputs go out on
-        that channel and this stream carries only the Admission, then ends after the final
-        output (or raises the request's failure)."""
+                       tenant: str | None = None, tools: list[dict] | None = None, *,
+                       output_route: tuple[str, bytes]):
+        """The request's lifeline: its Admission, then nothing until it ends after the final
+        output (or raises the request's failure). The outputs go out on ``output_route`` (an
+        ingress's OutputChannel.route: cluster/wire/output_channel.py), one message per step."""
         if self._dead is not None:
             yield Admission(False, self.replica_id, 503,
                             f"This engine replica is unavailable ({self._dead}); retry shortly.",
@@ -315,19 +310,18 @@ class AsyncEngine:
             return
         self._ensure_loop()
         try:
-            prompt_ids = await self._prepare(prompt, messages, add_generation_prompt, params, tools)
+            req = await self._prepare(request_id, prompt, messages, add_generation_prompt, params, tools,
+                                      priority, cache_salt, tenant)
         except ValueError as e:
             yield Admission(False, self.replica_id, 400, str(e))
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        if output_route is not None:  # before the add: its first step may come at once
-            self._router.add(request_id, output_route)
+        self._router.add(request_id, output_route)  # before the add: its first step may come at once
         finished = False
         try:
             try:
-                rejected = await self._call(self._admit_and_add, request_id, prompt_ids, params,
-                                            priority, cache_salt, tenant)
+                rejected = await self._call(self._admit_and_add, req)
                 if rejected is not None:
                     finished = True
                     yield rejected
@@ -348,10 +342,10 @@ class AsyncEngine:
             # sooner anyway), so the ingress can put why-waiting in the response header.
             item = await queue.get()
             status = item.status if isinstance(item, QueueStatus) else None
-            yield Admission(True, self.replica_id, prompt_token_ids=prompt_ids, queue=status)
+            yield Admission(True, self.replica_id, prompt_token_ids=req.prompt_token_ids, queue=status)
             if isinstance(item, QueueStatus):
                 item = await queue.get()
-            while output_route is not None:  # the outputs go on the channel; wait for the end
+            while True:  # the outputs go on the channel; wait for the end
                 if isinstance(item, Exception):
                     finished = True
                     raise item
@@ -359,24 +353,6 @@ class AsyncEngine:
                     finished = True
                     return
                 item = await queue.get()
-            while True:
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                # Steps that ran while this caller was behind go out as one item. Serve pulls
-                # this generator only as the ingress reads (ray_utils.stream_with_backpressure),
-                # so under load a stream's items carry several tokens and cost what one does.
-                nxt = None
-                while not item[0].finished and not queue.empty():
-                    nxt = queue.get_nowait()
-                    if not isinstance(nxt, tuple):
-                        break
-                    item, nxt = merge_items(item, nxt), None
-                finished = item[0].finished
-                yield item  # (RequestOutput, {token id: text} | None)
-                if finished:
-                    return
-                item = nxt if nxt is not None and not isinstance(nxt, QueueStatus) else await queue.get()
         finally:
             self._queues.pop(request_id, None)
             self._router.remove(request_id)

@@ -111,9 +111,6 @@ class OutputRouter:
     def remove(self, request_id: str) -> None:
         self._routes.pop(request_id, None)
 
-    def routed(self, request_id: str) -> bool:
-        return request_id in self._routes
-
     def send(self, outputs, queues: dict) -> list[str]:
         """Send a step's (RequestOutput, token_text) of routed requests; mark SENT / DONE
         in their queues once sent (the Ray stream ends behind the final output). Returns

@@ -1,10 +1,10 @@
-"""What a request's stream carries between the engine replica and the ingress: first an
-``Admission`` (accepted, or the HTTP status of a refusal) and, when it waited, its
-``QueueStatus``; then its outputs.
+"""What crosses from the engine replica to the ingress for one request: on its Ray stream
+an ``Admission`` (accepted, or the HTTP status of a refusal), then its end or failure; on
+the ingress's output channel (cluster/wire/output_channel.py) its outputs.
 
 The engine hands out RequestOutputs with cumulative fields (the whole output text, token
 ids and logprobs, the prompt's ids) next to the step's deltas. Sent as they are, each
-token of a stream would carry everything before it across the Ray hop: O(n^2) bytes per
+token of a stream would carry everything before it across the hop: O(n^2) bytes per
 request, pickled on the engine replica, whose event loop shares the GIL with the step
 thread. So (as vLLM's engine core sends only deltas to its API server):
 
@@ -117,7 +117,7 @@ class Accumulated:
         return dataclasses.replace(out, outputs=outputs, prompt=self._prompt, prompt_token_ids=self._prompt_ids)
 
 
-# ---- the first items of a generate() stream (cluster/replica/engine_replica.py)
+# ---- what a generate() Ray stream carries (cluster/replica/engine_replica.py)
 @dataclass(slots=True)
 class Admission:
     accepted: bool
