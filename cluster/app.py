@@ -239,11 +239,9 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     # The engine's knobs set where the app is built reach the replica even on a Ray cluster that
     # was started before (whose workers have the raylet's environment, not this process's).
     env = {k: os.environ[k] for k in ENGINE_ENV if k in os.environ}
-    # The replica runs AsyncEngine.generate on Serve's own loop, which then pulls each
-    # stream only as its caller reads (flow control: ray_utils.stream_with_backpressure).
-    # In Serve's default separate thread, a task drains the generator into a queue at once,
-    # and the engine never sees a slow reader. The engine's own work is off the loop anyway
-    # (one step thread, the tokenizer pool).
+    # The replica runs AsyncEngine.generate on Serve's own loop, not in Serve's default
+    # separate thread (a hop per call and per stream item): the engine's own work is off the
+    # loop anyway (one step thread, the tokenizer pool).
     env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] = os.environ.get(
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
     opts["ray_actor_options"]["runtime_env"] = {"env_vars": env}

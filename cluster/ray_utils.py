@@ -7,9 +7,7 @@ These quirks of Ray 2.60 shape this file (see /work/shared/PEERS.md):
   does not help (2.60 rewrites loopback to the routable IP); see ``init_ray``. A dev box
   should not open ports to the network by accident;
 - every Serve replica opens an inter-deployment gRPC server on ``[::]:0`` (hard-coded in
-  ray/serve/_private/replica.py); ``serve_grpc_on_node_ip`` moves it (deploy/README.md);
-- a streaming handle call has no flow control: the callee's items queue at the caller
-  however far behind it reads; ``stream_with_backpressure`` adds Ray's own.
+  ray/serve/_private/replica.py); ``serve_grpc_on_node_ip`` moves it (deploy/README.md).
 """
 
 from __future__ import annotations
@@ -88,70 +86,6 @@ def serve_grpc_on_node_ip() -> None:
 
     add_port._pagedserve_wrapped = True
     replica.add_port_to_grpc_server = add_port
-
-
-# Streamed items a Serve callee may have sent that its caller has not read yet.
-STREAM_CREDITS = 1
-_STREAMING_ENTRYPOINTS = ("handle_request_with_rejection", "handle_request_streaming")
-
-
-def stream_with_backpressure(num_objects: int = STREAM_CREDITS) -> None:
-    """Make this process's streaming Serve handle calls carry Ray's generator flow control
-    (``_generator_backpressure_num_objects``): the callee's generator is not resumed while
-    ``num_objects`` of its items are unread here. Serve has no option for it; this wraps
-    the actor handle its request router sends through (ray/serve/_private/request_router/
-    replica_wrapper.py). Idempotent; if a Ray upgrade moves that class, it logs and
-    changes nothing (streams then work as before, without flow control).
-
-    Why: the engine replica merges the steps a stream's reader has not caught up with into
-    one item (cluster/replica/engine_replica.py), but only if its generator is not drained at
-    once. Without flow control Ray drains it, one object per token, and under overload
-    those objects queued for seconds at the ingress (BENCHMARKS.md, issue 15)."""
-    try:
-        from ray.serve._private.request_router import replica_wrapper
-    except ImportError:  # pragma: no cover - ray without serve
-        return
-    cls = getattr(replica_wrapper, "ActorReplicaWrapper", None)
-    send = getattr(cls, "send_request_python", None)
-    if send is None or getattr(send, "_pagedserve_wrapped", False):
-        if send is None:
-            logger.warning("ray.serve has no ActorReplicaWrapper.send_request_python; "
-                           "streams keep no flow control")
-        return
-
-    def wrapped_send(self, *args, **kwargs):
-        # Wrapped at the first send, not at construction: the router may have made its
-        # replica wrappers before this ran.
-        if not isinstance(self._actor_handle, _Backpressured):
-            self._actor_handle = _Backpressured(self._actor_handle, num_objects)
-        return send(self, *args, **kwargs)
-
-    wrapped_send._pagedserve_wrapped = True
-    cls.send_request_python = wrapped_send
-
-
-class _Backpressured:
-    """An actor handle whose streaming entry points add flow control to their options."""
-
-    def __init__(self, handle, num_objects: int) -> None:
-        self._handle, self._n = handle, num_objects
-
-    def __getattr__(self, name):
-        method = getattr(self._handle, name)
-        return _BackpressuredMethod(method, self._n) if name in _STREAMING_ENTRYPOINTS else method
-
-
-class _BackpressuredMethod:
-    def __init__(self, method, num_objects: int) -> None:
-        self._method, self._n = method, num_objects
-
-    def options(self, **kwargs):
-        if kwargs.get("num_returns") == "streaming":
-            kwargs.setdefault("_generator_backpressure_num_objects", self._n)
-        return self._method.options(**kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._method, name)
 
 
 def _is_loopback(ip: str) -> bool:

@@ -12,12 +12,24 @@ from /proc) over the batch divided by the requests sent.
     bad400    a completion with an unknown field  refused by the ingress (a 429 costs as much)
     tok1      a 1-token completion                + one engine call: the per-request cost
     stream64  a streamed 64-token completion      + 63 more tokens: the per-token cost
+    s200x128  a streamed completion, 200 prompt   a serving workload: CPU per output token
+              ids in, 128 tokens out              of every process, the model's included
 
     python -m pagedserve.loadtest.bench_frontend [--kinds models:300 bad400:300 tok1:200 stream64:64]
-        [--concurrency 8] [--model DIR] [--rounds 2]
+        [--concurrency 8] [--model DIR] [--rounds 2] [--servers pagedserve vllm tree:DIR ...]
+
+``--servers`` runs the same kinds against each server in turn, in one run: ``pagedserve``
+(this checkout), ``vllm`` (vLLM's own OpenAI API server from .venv-vllm, PEERS.md: its API
+server and engine-core processes) and ``tree:DIR`` (pagedserve from another checkout, e.g. a
+``git worktree`` of the commit before a change; this venv's packages). The serving-workload
+comparison of issue 28::
+
+    python -m pagedserve.loadtest.bench_frontend --kinds s200x128:64 --concurrency 16 \
+        --servers pagedserve tree:/tmp/before vllm
 
 Rounds interleave the kinds (A B C D A B C D) so drift lands on all of them. The last line
-printed is one JSON object: per kind, CPU ms per request by process role, and the rate.
+printed is one JSON object: per server and kind, CPU ms per request by process role, and the
+rate; for s200x128 also CPU ms per output token, all processes and by role.
 """
 
 from __future__ import annotations
@@ -26,19 +38,23 @@ import argparse
 import asyncio
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from pagedserve.loadtest.servers import pagedserve_server, session_pids
+from pagedserve.loadtest.servers import (ServerProcess, free_port, pagedserve_command, pagedserve_server,
+                                         session_pids)
 
 # Process role by what its command line contains (Ray sets actor titles: ray::<Class>...).
 ROLES = (("ProxyActor", "proxy"), ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
          ("StatsAggregator", "stats"), ("RayWorkerWrapper", "model worker"), ("ServeController", "controller"),
          ("cli.main serve", "serve cli"), ("gcs_server", "ray"), ("raylet", "ray"), ("dashboard", "ray"),
-         ("DashboardAgent", "ray"), ("RuntimeEnvAgent", "ray"), ("log_monitor", "ray"))
-KINDS = ("models", "bad400", "tok1", "stream64")
+         ("DashboardAgent", "ray"), ("RuntimeEnvAgent", "ray"), ("log_monitor", "ray"),
+         ("EngineCore", "vllm engine core"), ("vllm.entrypoints", "vllm api server"))
+KINDS = ("models", "bad400", "tok1", "stream64", "s200x128")
+S200_IN, S200_OUT = 200, 128
 _TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -86,6 +102,9 @@ async def send(base_url: str, kind: str, n: int, concurrency: int, vocab: int) -
                     code = (await c.post("/v1/completions", json=body)).status_code
                 else:
                     req = {**body, "max_tokens": 64, "ignore_eos": True, "stream": True}
+                    if kind == "s200x128":
+                        req.update(prompt=[1 + (i * 7 + j) % (vocab - 1) for j in range(S200_IN)],
+                                   max_tokens=S200_OUT)
                     async with c.stream("POST", "/v1/completions", json=req) as r:
                         async for _ in r.aiter_bytes():
                             pass
@@ -110,8 +129,13 @@ def measure(base_url: str, sid: int, kind: str, n: int, concurrency: int, vocab:
     wall, codes = asyncio.run(send(base_url, kind, n, concurrency, vocab))
     ms = by_role(before, snapshot(), n)
     serving = sum(v for r, v in ms.items() if r not in ("model worker", "load generator"))
-    return {"n": n, "req_per_s": n / wall, "codes": codes, "cpu_ms_per_request": ms,
-            "serving_ms_per_request": serving}
+    out = {"n": n, "req_per_s": n / wall, "codes": codes, "cpu_ms_per_request": ms,
+           "serving_ms_per_request": serving}
+    if kind == "s200x128":  # every process of the server, the model's compute included
+        server = {r: v / S200_OUT for r, v in ms.items() if r != "load generator"}
+        out.update(output_tok_per_s=n * S200_OUT / wall, cpu_ms_per_output_token=sum(server.values()),
+                   cpu_ms_per_output_token_by_role=server)
+    return out
 
 
 def main() -> None:
@@ -121,36 +145,75 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default=None, help="a model directory (default: compare's serving model)")
+    ap.add_argument("--servers", nargs="+", default=["pagedserve"],
+                    help="pagedserve, vllm and/or tree:DIR (pagedserve from the checkout DIR)")
     args = ap.parse_args()
     kinds = [(k, int(n)) for k, n in (s.split(":") for s in args.kinds)]
     for k, _ in kinds:
         if k not in KINDS:
             ap.error(f"unknown kind {k!r}; one of {KINDS}")
+    for name in args.servers:
+        if name not in ("pagedserve", "vllm") and not name.startswith("tree:"):
+            ap.error(f"unknown server {name!r}: pagedserve, vllm or tree:DIR")
     from pagedserve.loadtest.compare import SERVE_SHAPE, ensure_model
 
     model = args.model or ensure_model("serve-h512-l4-v2048", SERVE_SHAPE)
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
-    # compare's "tenants" server: its defaults plus the tenant header.
-    server = pagedserve_server(model, served_model_name="model", max_model_len=512, block_size=16,
-                               dtype="float32", seed=0, max_num_seqs=16, max_num_batched_tokens=128,
-                               enable_prefix_caching=True, enable_chunked_prefill=True,
-                               kv_cache_memory="1GiB", num_threads=1, allow_tenant_header=True)
+    summary: dict = {}
+    for name in args.servers:
+        summary[name] = run_server(name, model, vocab, kinds, args.rounds, args.concurrency)
+    # One server: its kinds at the top level, as before --servers existed.
+    print(json.dumps(summary[args.servers[0]] if len(args.servers) == 1 else summary))
+
+
+def server_process(name: str, model: str):
+    """compare's "tenants" server (its defaults plus the tenant header), or vLLM's on the
+    same model and lengths."""
+    engine_args = dict(served_model_name="model", max_model_len=512, block_size=16, dtype="float32", seed=0,
+                       max_num_seqs=16, max_num_batched_tokens=128, enable_prefix_caching=True,
+                       enable_chunked_prefill=True, kv_cache_memory="1GiB", num_threads=1,
+                       allow_tenant_header=True)
+    if name == "vllm":
+        from pagedserve.loadtest.peers import setup_vllm, vllm_server
+
+        setup_vllm()
+        return vllm_server(model, served_model_name="model", max_model_len=512,
+                           extra_args=["--max-num-seqs", "16"])
+    if name.startswith("tree:"):  # `pagedserve` resolves to that checkout (a path entry named so)
+        tree = Path(name[5:]).resolve()
+        link_dir = Path(tempfile.mkdtemp(prefix="bench-tree-"))
+        (link_dir / "pagedserve").symlink_to(tree)
+        port = free_port()
+        return ServerProcess(f"pagedserve-{tree.name}", pagedserve_command(model, port, **engine_args), port,
+                             env={"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                                  "PYTHONPATH": str(link_dir)})
+    return pagedserve_server(model, **engine_args)
+
+
+def run_server(name: str, model: str, vocab: int, kinds, rounds: int, concurrency: int) -> dict:
     results: dict[str, list[dict]] = {k: [] for k, _ in kinds}
-    with server:
-        asyncio.run(send(server.base_url, "stream64", 16, args.concurrency, vocab))  # warm-up
-        for rnd in range(args.rounds):
+    with server_process(name, model) as server:
+        asyncio.run(send(server.base_url, "stream64", 16, concurrency, vocab))  # warm-up
+        for rnd in range(rounds):
             for kind, n in kinds:
-                r = measure(server.base_url, server.proc.pid, kind, n, args.concurrency, vocab)
+                r = measure(server.base_url, server.proc.pid, kind, n, concurrency, vocab)
                 results[kind].append(r)
                 parts = " ".join(f"{k} {v:.1f}" for k, v in r["cpu_ms_per_request"].items() if v >= 0.05)
-                print(f"round {rnd} {kind:8s} {r['req_per_s']:6.1f} req/s codes {r['codes']}  serving "
-                      f"{r['serving_ms_per_request']:.1f} ms/req | {parts}", flush=True)
-    summary = {k: {"serving_ms_per_request": min(r["serving_ms_per_request"] for r in rs),
-                   "rounds": rs} for k, rs in results.items()}
+                extra = (f" | {r['cpu_ms_per_output_token']:.2f} CPU ms/output token, "
+                         f"{r['output_tok_per_s']:.0f} tok/s" if "cpu_ms_per_output_token" in r else "")
+                print(f"{name} round {rnd} {kind:8s} {r['req_per_s']:6.1f} req/s codes {r['codes']}  serving "
+                      f"{r['serving_ms_per_request']:.1f} ms/req | {parts}{extra}", flush=True)
+    summary: dict = {k: {"serving_ms_per_request": min(r["serving_ms_per_request"] for r in rs),
+                         "rounds": rs} for k, rs in results.items()}
+    if "s200x128" in summary:
+        best = min(results["s200x128"], key=lambda r: r["cpu_ms_per_output_token"])
+        summary["s200x128"].update(cpu_ms_per_output_token=best["cpu_ms_per_output_token"],
+                                   cpu_ms_per_output_token_by_role=best["cpu_ms_per_output_token_by_role"],
+                                   output_tok_per_s=best["output_tok_per_s"])
     if "tok1" in summary and "stream64" in summary:
         summary["serving_ms_per_token"] = (summary["stream64"]["serving_ms_per_request"]
                                            - summary["tok1"]["serving_ms_per_request"]) / 63
-    print(json.dumps(summary))
+    return summary
 
 
 if __name__ == "__main__":

@@ -227,7 +227,7 @@ def test_kv_size_cli_reports_values_and_scales(tmp_path):
     import subprocess
     import sys
 
-    from tests.test_kv_size import LLAMA3_70B
+    from test_kv_size import LLAMA3_70B
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA3_70B))
     out = subprocess.run([sys.executable, "-m", "pagedserve.cluster.cli.kv_size", "--model", str(tmp_path),

@@ -47,7 +47,7 @@ from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionR
                                                TokenizeResponse, random_id)
 from pagedserve.cluster.front.tenants import DEFAULT_TENANT
 from pagedserve.cluster.front.tool_choice import constrain_to_schema, tool_plan
-from pagedserve.cluster.ray_utils import node_ip, serve_grpc_on_node_ip, stream_with_backpressure
+from pagedserve.cluster.ray_utils import node_ip, serve_grpc_on_node_ip
 from pagedserve.cluster.wire.output_channel import OutputChannel
 from pagedserve.cluster.wire.stream import Accumulated
 
@@ -107,8 +107,8 @@ def _drop(tasks) -> None:
 async def _merged(streams, finished: list[bool]):
     """(prompt index, (RequestOutput, token_text)) from every stream, as they come."""
     if len(streams) == 1:
-        # One prompt: read it as the caller reads, with no pump in between, so the engine
-        # sees this reader's pace (flow control: ray_utils.stream_with_backpressure).
+        # One prompt: read it as the caller reads, with no pump in between: the steps its
+        # reader missed come merged into one item (ChannelStream).
         try:
             async for item in streams[0]:
                 finished[0] = item[0].finished
@@ -235,7 +235,6 @@ async def _sse(ingress, streams, finished, shapers, state: fmt.StreamState, incl
 class OpenAIIngress:
     def __init__(self, engine, stats, config: IngressConfig | None = None) -> None:
         serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
-        stream_with_backpressure()  # before this replica's first handle call
         self.engine = engine
         self.stats = stats
         self.config = config or IngressConfig()
