@@ -220,8 +220,12 @@ def test_metrics_after_traffic(openai_app, client, model_name):
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
               if "reason" not in s.labels}
     for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
-                 "request_queue_time_seconds_count", "time_per_output_token_seconds_count"):
+                 "request_queue_time_seconds_count", "time_per_output_token_seconds_count",
+                 "front_time_to_first_token_seconds_count"):
         assert values[f"pagedserve:{name}"] >= 1, name
+    # The front's TTFT holds the engine's (it starts earlier, at the HTTP front).
+    assert (values["pagedserve:front_time_to_first_token_seconds_sum"]
+            >= values["pagedserve:time_to_first_token_seconds_sum"] * 0.999)
     assert values["pagedserve:prompt_tokens_total"] > 0
     assert values["pagedserve:generation_tokens_total"] >= 3
     assert 0 < values["pagedserve:prefix_cache_hits_total"] <= values["pagedserve:prefix_cache_queries_total"]

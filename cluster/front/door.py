@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import OrderedDict, deque
 from importlib import resources
 
@@ -117,14 +118,15 @@ def request_object(request_id: str, status: dict) -> dict:
 
 
 class LiveRequests:
-    """The ingress's requests in flight: id -> [tenant, replica id, holders]. A request is
-    held by its handler and, when streaming, by its SSE body too."""
+    """The ingress's requests in flight: id -> [tenant, replica id, holders, arrival]. A
+    request is held by its handler and, when streaming, by its SSE body too; ``arrival``
+    (time.monotonic) is when the front took it."""
 
     def __init__(self) -> None:
         self._live: OrderedDict[str, list] = OrderedDict()
 
     def add(self, rid: str, tenant: str | None) -> None:
-        self._live[rid] = [tenant, None, 1]
+        self._live[rid] = [tenant, None, 1, time.monotonic()]
         while len(self._live) > MAX_LIVE:
             self._live.popitem(last=False)
 
@@ -142,6 +144,10 @@ class LiveRequests:
             entry[2] -= 1
             if entry[2] <= 0:
                 del self._live[rid]
+
+    def arrival(self, rid: str) -> float | None:
+        entry = self._live.get(rid)
+        return None if entry is None else entry[3]
 
     def get(self, rid: str) -> tuple[str | None, str | None] | None:
         entry = self._live.get(rid)

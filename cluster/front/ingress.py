@@ -77,7 +77,8 @@ def _remote_error(e: Exception) -> JSONResponse:
 async def _start_all(ingress, rid: str, prompts: list, params, body, tenant):
     """Admit every prompt (concurrently); (streams, admissions) or (None, error response)."""
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    tasks = [asyncio.ensure_future(ingress._start(sub, p, params, body, None, tenant))
+    arrival = ingress._live.arrival(rid)
+    tasks = [asyncio.ensure_future(ingress._start(sub, p, params, body, None, tenant, arrival=arrival))
              for sub, p in zip(ids, prompts)]
     try:
         await asyncio.wait(tasks)
@@ -197,8 +198,8 @@ async def create_completion(ingress, body, rid: str, tenant):
     except Exception:  # a system error: logged with the request id, this request only
         logger.exception("request %s failed", rid)
         return error(500, f"internal error while generating request {rid}; see the server log")
-    for out in finals:
-        ingress._observe(out)
+    for out, stream in zip(finals, streams):
+        ingress._observe(out, stream)
     resp = batch_response(rid, created, model, finals, shapers, token_text, body.return_token_ids,
                           params.prompt_logprobs, body.return_tokens_as_token_ids)
     return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
@@ -223,8 +224,8 @@ async def _sse(ingress, streams, finished, shapers, state: fmt.StreamState, incl
         if include_usage:
             yield state.usage_chunk(combined(state.rid, finals))
         yield fmt.SSE_DONE
-        for out in finals:
-            ingress._observe(out)
+        for out, stream in zip(finals, streams):
+            ingress._observe(out, stream)
     finally:
         ingress._live.release(state.rid)
 
@@ -263,9 +264,10 @@ class OpenAIIngress:
 
     # ------------------------------------------------------------ generation
     async def _start(self, rid: str, prompt, params, body, messages=None, tenant=None,
-                     template: bool | str = True, tools=None):
+                     template: bool | str = True, tools=None, arrival: float | None = None):
         """Open the engine stream; return (stream, admission) or (None, error response).
-        ``template``: what the chat template appends (ChatCompletionRequest.template_mode)."""
+        ``template``: what the chat template appends (ChatCompletionRequest.template_mode);
+        ``arrival``: when this front took the request (its TTFT starts there)."""
         who = tenant or DEFAULT_TENANT
         shed = self._gate.refuse(time.monotonic(), who)
         if shed is not None:  # every replica is shedding (this tenant): no trip (door.py)
@@ -274,7 +276,7 @@ class OpenAIIngress:
             return None, error(429, shed[0], shed[1])
         if self._channel is None:  # the outputs' way back: cluster/wire/output_channel.py
             self._channel = OutputChannel(node_ip())
-        sub = self._channel.open(rid)
+        sub = self._channel.open(rid, arrival)
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
             output_route=self._channel.route)
@@ -322,7 +324,7 @@ class OpenAIIngress:
         model = info["served_model_name"]
         created = int(time.time())
         stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template,
-                                        plan.tools if plan is not None else None)
+                                        plan.tools if plan is not None else None, self._live.arrival(rid))
         if stream is None:
             return adm
         self._live.placed(rid, adm.replica_id)
@@ -350,7 +352,7 @@ class OpenAIIngress:
         except Exception:  # a system error: logged with the request id, this request only
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
-        self._observe(final)
+        self._observe(final, stream)
         resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
                                  body.return_tokens_as_token_ids, plan, echo)
         resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
@@ -372,14 +374,17 @@ class OpenAIIngress:
             if include_usage and final is not None:
                 yield state.usage_chunk(final)
             yield fmt.SSE_DONE
-            self._observe(final)
+            self._observe(final, stream)
         finally:
             self._live.release(state.rid)
             if final is None or not final.finished:
                 stream.cancel()  # disconnect mid-stream: abort in the engine
                 self._observe_abort()
 
-    def _observe(self, final) -> None:
+    def _observe(self, final, stream=None) -> None:
+        ttft = None if stream is None else stream.ttft_s
+        if ttft is not None and self._metrics is not None:
+            self._metrics.front_ttft.observe(ttft)
         if final is not None and final.metrics is not None and self._metrics is not None:
             self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs),
                                            [c.finish_reason for c in final.outputs])

@@ -239,6 +239,13 @@ class ServeMetrics:
                              registry=self.registry).labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        # The same request seen from the HTTP front: from its handler's start, through the
+        # replica call, tokenization, admission and the engine's queue, to the first output
+        # read off the output channel. Beside the client's TTFT it shows the wait before the
+        # front (proxy, network); beside the engine's, the wait between front and engine.
+        self.front_ttft = hist("front_time_to_first_token_seconds",
+                               "Time to first token as the HTTP front sees it (its arrival to the "
+                               "first output it reads).", _TTFT_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.",
                          _TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)

@@ -29,6 +29,7 @@ import hmac
 import logging
 import pickle
 import secrets
+import time
 
 import zmq
 import zmq.asyncio
@@ -156,9 +157,10 @@ class OutputChannel:
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.rejected = 0  # messages whose MAC was wrong
 
-    def open(self, request_id: str) -> "ChannelStream":
-        """Before the generate call, so no output can come before its stream exists."""
-        stream = self._streams[request_id] = ChannelStream(self, request_id)
+    def open(self, request_id: str, arrival: float | None = None) -> "ChannelStream":
+        """Before the generate call, so no output can come before its stream exists.
+        ``arrival``: when the front took the request (time.monotonic), for ``ttft_s``."""
+        stream = self._streams[request_id] = ChannelStream(self, request_id, arrival)
         return stream
 
     def _forget(self, request_id: str) -> None:
@@ -201,12 +203,13 @@ class ChannelStream:
     ``async for (RequestOutput, token_text)``, where the outputs its reader did not keep up
     with come merged into one; ``cancel()`` cancels the Ray stream (the engine aborts)."""
 
-    def __init__(self, channel: OutputChannel, request_id: str) -> None:
+    def __init__(self, channel: OutputChannel, request_id: str, arrival: float | None = None) -> None:
         self._channel, self.request_id = channel, request_id
         self._items: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._ray = None
         self._done = False
+        self._arrival, self._first_at = arrival, None
 
     def attach(self, ray_stream) -> "ChannelStream":
         """Once the Admission is read: watch the rest of the Ray stream for its end."""
@@ -226,8 +229,18 @@ class ChannelStream:
         self._push(_RAY_END)
 
     def _push(self, item) -> None:
+        if self._first_at is None and isinstance(item, tuple):
+            self._first_at = time.monotonic()
         self._items.append(item)
         self._ready.set()
+
+    @property
+    def ttft_s(self) -> float | None:
+        """From the front's arrival to its first output read off the channel (None: no
+        arrival given, or no output yet)."""
+        if self._arrival is None or self._first_at is None:
+            return None
+        return self._first_at - self._arrival
 
     def __aiter__(self):
         return self
