@@ -95,7 +95,7 @@ def bench(args) -> dict:
 # The benchmarks that run on their own (one process, no server to start by hand), listed in
 # --help with the first line of each one's docstring (read, not imported: no torch, no ray).
 BENCHMARKS = ("loadtest.bench_offline", "loadtest.bench_vs_vllm", "loadtest.bench_scheduler",
-              "loadtest.bench_dispatch", "loadtest.bench_frontend", "loadtest.bench_structured",
+              "loadtest.bench_dispatch", "loadtest.bench_frontend", "loadtest.bench_door", "loadtest.bench_structured",
               "loadtest.bench_kv_quant", "loadtest.bench_kv_dtype", "loadtest.bench_thrash",
               "kernels.bench_cpu_attention", "loadtest.gpu_check")
 

@@ -189,3 +189,39 @@ def test_shed_gate_closes_per_tenant_when_the_replica_refused_a_tenants_share():
     for k in range(MIN_REFUSALS):
         g.refused("a", 0.5, now=2.0 + 0.01 * k)  # the replica refuses everyone
     assert g.refuse(2.1, "steady") is not None and g.refuse(2.1, "bursty") is not None
+
+
+def test_front_limit_binds_only_after_late_first_tokens_and_opens_again():
+    from pagedserve.cluster.front.door import FrontLimit
+
+    lim = FrontLimit(enabled=True)
+    fair = lambda: (0, 1)  # noqa: E731  (this tenant holds nothing else; one tenant)
+    flood = lambda: (10_000, 1)  # noqa: E731
+    t = 0.0
+    # A server that keeps up: any number in flight, short waits, never a refusal.
+    for i in range(200):
+        t += 0.01
+        assert lim.refuse(t, in_flight=500, tenant_share=flood) is None
+        lim.observe(0.2, t)
+    assert lim.limit == float("inf") and lim.num_refused == 0
+    # Requests wait long before the engine (median over the target) with 40 in flight: the
+    # bound falls below 40.
+    for i in range(200):
+        t += 0.01
+        lim.refuse(t, in_flight=39, tenant_share=flood)
+        lim.observe(FrontLimit.TARGET_S * 3, t)
+    assert lim.limit <= 0.75 * 40
+    bound = lim.limit
+    msg, retry = lim.refuse(t, in_flight=int(bound) + 1, tenant_share=flood)
+    assert "overloaded" in msg and retry == 1
+    # A tenant below its even share is still let in (the engine's shares judge it).
+    assert lim.refuse(t, in_flight=int(bound) + 1, tenant_share=lambda: (0, 2)) is None
+    # Short waits again while the bound binds: it grows back (by a tenth per window).
+    for i in range(1000):
+        t += 0.01
+        lim.refuse(t, in_flight=int(lim.limit), tenant_share=fair)
+        lim.observe(0.1, t)
+    assert lim.limit > bound * 1.5
+    off = FrontLimit(enabled=False)  # PAGEDSERVE_INGRESS_SHED=0
+    off.limit = 1
+    assert off.refuse(t, in_flight=100, tenant_share=flood) is None

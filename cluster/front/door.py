@@ -23,6 +23,10 @@ rate says) must not turn away the next client. It never refuses longer than
 MAX_CLOSED_S after the last replica 429, so a replica that has drained is asked again
 within that. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off (to measure without it).
 
+The front limit (``FrontLimit``): a bound on the requests this front holds, which binds
+only while the wait it measures before the engine is past its target: the queue that forms
+in the serving path itself, before any replica admits the request.
+
 The live requests: why-waiting as the HTTP front shows it, and the live view page.
 
     x-pagedserve-queue: reason=no_blocks; position=3; est-start-s=0.42
@@ -96,6 +100,83 @@ class ShedGate:
                 f"Retry later."), max(1, math.ceil(wait))
 
 
+class FrontLimit:
+    """The front's own bound on the requests it has in flight, adapted to the wait it
+    measures before the engine (from a request's arrival at this front to the replica's
+    answer, the Admission, which comes after the first engine step that saw it): cut when
+    that wait runs long, grown back while it is short (as TCP's window; Envoy's adaptive
+    concurrency filter does the same with a gradient).
+
+    Why: the replica admits on the engine's queue, but on a box whose serving path (proxy,
+    ingress, the replica's loop) is short of CPU the queue forms in front of the engine, where
+    the replica cannot see it: at 3x capacity the engine found a short queue and admitted
+    most requests while their first token came many seconds later. A wait in the engine's
+    own queue (behind max_num_seqs) is not in this signal: the replica's admission bounds it.
+
+        every WINDOW_S:  median wait of the window > TARGET_S  ──▶  limit = 0.75 x peak in flight
+                         the limit bound in the window, waits fine ──▶  limit += max(1, limit / 10)
+        request ──▶ in flight >= limit and its tenant holds its share ──▶ 429, Retry-After 1
+
+    It starts unlimited and only ever binds after a window whose waits missed the target, so
+    a server that keeps up never refuses here. A tenant below its even share of the limit is
+    still let in (the engine's own shares judge it), so one tenant's flood does not close the
+    door to another. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off with the shed gate."""
+
+    WINDOW_S = 1.0
+    # The median wait before the engine this front allows before it bounds what it holds
+    # (at capacity the wait is a step or two; past it, requests queue in the serving path).
+    TARGET_S = 0.5
+    MIN_SAMPLES = 8
+    FLOOR = 4
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.enabled = os.environ.get(ENV, "1") != "0" if enabled is None else enabled
+        self.limit: float = math.inf
+        self._window_start: float | None = None
+        self._waits: list[float] = []
+        self._peak = 0
+        self.num_refused = 0
+
+    def observe(self, wait_s: float, now: float) -> None:
+        self._waits.append(wait_s)
+        self._roll(now)
+
+    def refuse(self, now: float, in_flight: int, tenant_share) -> tuple[str, int] | None:
+        """(message, Retry-After) when this request would pass the limit, else None (and
+        it counts toward the window's peak). ``in_flight``: the others this front holds;
+        ``tenant_share()``: (this tenant's of them, tenants with any), asked only at the limit."""
+        self._roll(now)
+        if not self.enabled:
+            return None
+        if in_flight >= self.limit and _holds_share(self.limit, *tenant_share()):
+            self.num_refused += 1
+            return (f"The server is overloaded: its HTTP front has {in_flight} requests in flight, "
+                    f"its limit while requests wait over {self.TARGET_S:g} s to reach the engine. "
+                    f"Retry later."), 1
+        self._peak = max(self._peak, in_flight + 1)
+        return None
+
+    def _roll(self, now: float) -> None:
+        if self._window_start is None:
+            self._window_start = now
+        if now - self._window_start < self.WINDOW_S:
+            return
+        if len(self._waits) >= self.MIN_SAMPLES:
+            t = sorted(self._waits)
+            p50 = t[len(t) // 2]
+            if p50 > self.TARGET_S:
+                self.limit = max(self.FLOOR, 0.75 * min(self.limit, self._peak))
+            elif self._peak >= self.limit:
+                self.limit += max(1.0, self.limit / 10)
+        elif self._peak < 0.5 * self.limit and not math.isinf(self.limit):
+            self.limit += max(1.0, self.limit / 10)  # quiet: the bound opens again
+        self._window_start, self._waits, self._peak = now, [], 0
+
+
+def _holds_share(limit: float, tenant_in_flight: int, num_tenants: int) -> bool:
+    return tenant_in_flight >= limit / max(1, num_tenants)
+
+
 DASHBOARD_HTML = resources.files("pagedserve.cluster.front").joinpath("dashboard.html").read_text("utf-8")
 # Ids remembered at most (a request whose stream body was never iterated is never
 # released; the oldest go first, so a leak cannot grow without bound).
@@ -148,6 +229,17 @@ class LiveRequests:
     def arrival(self, rid: str) -> float | None:
         entry = self._live.get(rid)
         return None if entry is None else entry[3]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def tenant_share(self, tenant: str | None) -> tuple[int, int]:
+        """For a live request of ``tenant``: (the others ``tenant`` has in flight, tenants
+        with any in flight)."""
+        counts: dict[str | None, int] = {}
+        for entry in self._live.values():
+            counts[entry[0]] = counts.get(entry[0], 0) + 1
+        return max(0, counts.get(tenant, 0) - 1), max(1, len(counts))
 
     def get(self, rid: str) -> tuple[str | None, str | None] | None:
         entry = self._live.get(rid)

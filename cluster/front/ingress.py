@@ -37,7 +37,8 @@ from ray import serve
 
 from pagedserve import __version__
 from pagedserve.cluster.front import openai_format as fmt
-from pagedserve.cluster.front.door import DASHBOARD_HTML, LiveRequests, ShedGate, queue_header, request_object
+from pagedserve.cluster.front.door import (DASHBOARD_HTML, FrontLimit, LiveRequests, ShedGate, queue_header,
+                                           request_object)
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.front.metrics import ServeMetrics
@@ -198,8 +199,8 @@ async def create_completion(ingress, body, rid: str, tenant):
     except Exception:  # a system error: logged with the request id, this request only
         logger.exception("request %s failed", rid)
         return error(500, f"internal error while generating request {rid}; see the server log")
-    for out, stream in zip(finals, streams):
-        ingress._observe(out, stream)
+    for out in finals:
+        ingress._observe(out)
     resp = batch_response(rid, created, model, finals, shapers, token_text, body.return_token_ids,
                           params.prompt_logprobs, body.return_tokens_as_token_ids)
     return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
@@ -224,8 +225,8 @@ async def _sse(ingress, streams, finished, shapers, state: fmt.StreamState, incl
         if include_usage:
             yield state.usage_chunk(combined(state.rid, finals))
         yield fmt.SSE_DONE
-        for out, stream in zip(finals, streams):
-            ingress._observe(out, stream)
+        for out in finals:
+            ingress._observe(out)
     finally:
         ingress._live.release(state.rid)
 
@@ -243,6 +244,7 @@ class OpenAIIngress:
         self._metrics: ServeMetrics | None = None
         self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
         self._gate = ShedGate()  # replicas' recent 429s: refuse at the door while all shed
+        self._limit = FrontLimit()  # requests in flight here, bound while first tokens come late
         self._channel: OutputChannel | None = None  # made on the loop that reads it
         activate(EdgeGuard(self.config, self._max_model_len))
 
@@ -269,14 +271,17 @@ class OpenAIIngress:
         ``template``: what the chat template appends (ChatCompletionRequest.template_mode);
         ``arrival``: when this front took the request (its TTFT starts there)."""
         who = tenant or DEFAULT_TENANT
-        shed = self._gate.refuse(time.monotonic(), who)
+        now = time.monotonic()
+        # (This request is in the live list already: the others are one fewer.)
+        shed = self._gate.refuse(now, who) or self._limit.refuse(
+            now, len(self._live) - 1, lambda: self._live.tenant_share(tenant))
         if shed is not None:  # every replica is shedding (this tenant): no trip (door.py)
             if self._metrics is not None:
                 self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
         if self._channel is None:  # the outputs' way back: cluster/wire/output_channel.py
             self._channel = OutputChannel(node_ip())
-        sub = self._channel.open(rid, arrival)
+        sub = self._channel.open(rid, arrival, self._first_output)
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
             output_route=self._channel.route)
@@ -287,6 +292,8 @@ class OpenAIIngress:
             if isinstance(e, asyncio.CancelledError):
                 stream.cancel()
             raise
+        if arrival is not None:  # the wait before the engine: the front limit's signal
+            self._limit.observe(time.monotonic() - arrival, time.monotonic())
         if not adm.accepted:
             sub.close()
             if adm.status == 429:
@@ -352,7 +359,7 @@ class OpenAIIngress:
         except Exception:  # a system error: logged with the request id, this request only
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
-        self._observe(final, stream)
+        self._observe(final)
         resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
                                  body.return_tokens_as_token_ids, plan, echo)
         resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
@@ -374,17 +381,19 @@ class OpenAIIngress:
             if include_usage and final is not None:
                 yield state.usage_chunk(final)
             yield fmt.SSE_DONE
-            self._observe(final, stream)
+            self._observe(final)
         finally:
             self._live.release(state.rid)
             if final is None or not final.finished:
                 stream.cancel()  # disconnect mid-stream: abort in the engine
                 self._observe_abort()
 
-    def _observe(self, final, stream=None) -> None:
-        ttft = None if stream is None else stream.ttft_s
-        if ttft is not None and self._metrics is not None:
-            self._metrics.front_ttft.observe(ttft)
+    def _first_output(self, ttft_s: float) -> None:
+        """A request's first output reached this front, ``ttft_s`` after it arrived here."""
+        if self._metrics is not None:
+            self._metrics.front_ttft.observe(ttft_s)
+
+    def _observe(self, final) -> None:
         if final is not None and final.metrics is not None and self._metrics is not None:
             self._metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs),
                                            [c.finish_reason for c in final.outputs])

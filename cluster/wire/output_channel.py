@@ -157,10 +157,11 @@ class OutputChannel:
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.rejected = 0  # messages whose MAC was wrong
 
-    def open(self, request_id: str, arrival: float | None = None) -> "ChannelStream":
+    def open(self, request_id: str, arrival: float | None = None, on_first=None) -> "ChannelStream":
         """Before the generate call, so no output can come before its stream exists.
-        ``arrival``: when the front took the request (time.monotonic), for ``ttft_s``."""
-        stream = self._streams[request_id] = ChannelStream(self, request_id, arrival)
+        ``arrival``: when the front took the request (time.monotonic); ``on_first(ttft_s)``
+        runs when its first output comes."""
+        stream = self._streams[request_id] = ChannelStream(self, request_id, arrival, on_first)
         return stream
 
     def _forget(self, request_id: str) -> None:
@@ -203,13 +204,14 @@ class ChannelStream:
     ``async for (RequestOutput, token_text)``, where the outputs its reader did not keep up
     with come merged into one; ``cancel()`` cancels the Ray stream (the engine aborts)."""
 
-    def __init__(self, channel: OutputChannel, request_id: str, arrival: float | None = None) -> None:
+    def __init__(self, channel: OutputChannel, request_id: str, arrival: float | None = None,
+                 on_first=None) -> None:
         self._channel, self.request_id = channel, request_id
         self._items: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._ray = None
         self._done = False
-        self._arrival, self._first_at = arrival, None
+        self._arrival, self._first_at, self._on_first = arrival, None, on_first
 
     def attach(self, ray_stream) -> "ChannelStream":
         """Once the Admission is read: watch the rest of the Ray stream for its end."""
@@ -231,16 +233,10 @@ class ChannelStream:
     def _push(self, item) -> None:
         if self._first_at is None and isinstance(item, tuple):
             self._first_at = time.monotonic()
+            if self._on_first is not None and self._arrival is not None:
+                self._on_first(self._first_at - self._arrival)
         self._items.append(item)
         self._ready.set()
-
-    @property
-    def ttft_s(self) -> float | None:
-        """From the front's arrival to its first output read off the channel (None: no
-        arrival given, or no output yet)."""
-        if self._arrival is None or self._first_at is None:
-            return None
-        return self._first_at - self._arrival
 
     def __aiter__(self):
         return self

@@ -95,10 +95,6 @@ class Accumulated:
     def cancel(self) -> None:
         self._stream.cancel()
 
-    @property
-    def ttft_s(self) -> float | None:
-        return getattr(self._stream, "ttft_s", None)
-
     def rebuild(self, out: RequestOutput) -> RequestOutput:
         if out.prompt_token_ids:
             self._prompt, self._prompt_ids = out.prompt, out.prompt_token_ids
