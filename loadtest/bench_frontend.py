@@ -40,14 +40,12 @@ import asyncio
 import contextlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from pagedserve.loadtest.servers import (ServerProcess, free_port, pagedserve_command, pagedserve_server,
-                                         session_pids)
+from pagedserve.loadtest.servers import pagedserve_server, session_pids
 
 # Process role by what its command line contains (Ray sets actor titles: ray::<Class>...).
 ROLES = (("ProxyActor", "proxy"), ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
@@ -180,14 +178,8 @@ def server_process(name: str, model: str):
         setup_vllm()
         return vllm_server(model, served_model_name="model", max_model_len=512,
                            extra_args=["--max-num-seqs", "16"])
-    if name.startswith("tree:"):  # `pagedserve` resolves to that checkout (a path entry named so)
-        tree = Path(name[5:]).resolve()
-        link_dir = Path(tempfile.mkdtemp(prefix="bench-tree-"))
-        (link_dir / "pagedserve").symlink_to(tree)
-        port = free_port()
-        return ServerProcess(f"pagedserve-{tree.name}", pagedserve_command(model, port, **engine_args), port,
-                             env={"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-                                  "PYTHONPATH": str(link_dir)})
+    if name.startswith("tree:"):
+        return pagedserve_server(model, tree=name[5:], **engine_args)
     return pagedserve_server(model, **engine_args)
 
 

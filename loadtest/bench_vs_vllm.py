@@ -13,6 +13,7 @@
 
     python -m pagedserve.loadtest.bench_vs_vllm            # the full run: long on 2 cores
     python -m pagedserve.loadtest.bench_vs_vllm --quick    # a small version, no HTTP
+    python -m pagedserve.loadtest.bench_vs_vllm --no-hf --before-tree /tmp/before   # + a checkout's server in the HTTP pair
 
 Engines run one after the other, never at once. The last line is one JSON object
 (``pagedserve_tok_s``, ``vllm_tok_s``, ``ratio_vs_vllm``, ``ratio_vs_hf_static``, ``b1_*``,
@@ -74,6 +75,31 @@ def http_run(server_ctx, specs, concurrency: int, label: str) -> dict:
                                   "completed", "failed")}
 
 
+def http_pair(args, summary: dict, path: str, vocab: int, want_vllm: bool) -> None:
+    """Both servers with their default flags (and ``--before-tree``'s), the same token-id
+    workload, at concurrency 8 and 32."""
+    specs = http_specs(128, 200, 128, vocab)
+    for c in (8, 32):
+        a = http_run(pagedserve_server(path, max_model_len=MAX_MODEL_LEN, served_model_name="model",
+                                       dtype="float32"), specs, c, "pagedserve")
+        summary[f"http_pagedserve_c{c}"] = a
+        before = None
+        if args.before_tree:
+            before = http_run(pagedserve_server(path, tree=args.before_tree, max_model_len=MAX_MODEL_LEN,
+                                                served_model_name="model", dtype="float32"),
+                              specs, c, "pagedserve before")
+            summary[f"http_before_c{c}"] = before
+            summary[f"http_ratio_vs_before_c{c}"] = a["output_throughput"] / before["output_throughput"]
+        if want_vllm:
+            b = http_run(vllm_server(path, served_model_name="model", max_model_len=MAX_MODEL_LEN,
+                                     enforce_eager=args.vllm_eager), specs, c, "vLLM")
+            summary[f"http_vllm_c{c}"] = b
+            summary[f"http_ratio_vs_vllm_c{c}"] = a["output_throughput"] / b["output_throughput"]
+            summary[f"tpot_ratio_vs_vllm_c{c}"] = b["mean_tpot_ms"] / a["mean_tpot_ms"]
+            if before is not None:
+                summary[f"http_before_ratio_vs_vllm_c{c}"] = before["output_throughput"] / b["output_throughput"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="32 requests, short outputs, no HTTP pair")
@@ -81,10 +107,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-vllm", action="store_true", help="pagedserve and transformers only")
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--http-only", action="store_true", help="the HTTP pair alone (no offline, HF or batch-1 part)")
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="run transformers on the first N requests only (its tok/s is a rate; default all)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
     ap.add_argument("--model", default=None, help="model dir (default: the 63M-parameter bench Llama)")
+    ap.add_argument("--before-tree", default=None, metavar="DIR",
+                    help="also serve pagedserve from the checkout DIR in the HTTP pair (before/after a change)")
     args = ap.parse_args(argv)
     n = 32 if args.quick else args.num_prompts
     out_mean = 32 if args.quick else 128
@@ -99,6 +128,11 @@ def main(argv=None) -> int:
     want_vllm = not args.no_vllm
     if want_vllm and not vllm_available():
         setup_vllm()
+
+    if args.http_only:
+        http_pair(args, summary, path, vocab, want_vllm)
+        print(json.dumps(summary), flush=True)
+        return 0
 
     # -- offline, each engine in a fresh process, start-up excluded -------------------------
     ps = pagedserve_offline(path, prompts, max_tokens, max_model_len=MAX_MODEL_LEN, num_threads=None,
@@ -135,19 +169,8 @@ def main(argv=None) -> int:
           f"({weight_bytes / 1e6:.1f} MB/step at {copy:.1f} GB/s copied), {b1 / read_bound:.2f} of the "
           f"read bound {read_bound:.0f} ({read:.1f} GB/s read)", flush=True)
 
-    # -- HTTP: both servers with their default flags, the same token-id workload -----------
     if not (args.quick or args.no_http):
-        specs = http_specs(128, 200, 128, vocab)
-        for c in (8, 32):
-            a = http_run(pagedserve_server(path, max_model_len=MAX_MODEL_LEN, served_model_name="model",
-                                           dtype="float32"), specs, c, "pagedserve")
-            summary[f"http_pagedserve_c{c}"] = a
-            if want_vllm:
-                b = http_run(vllm_server(path, served_model_name="model", max_model_len=MAX_MODEL_LEN,
-                                         enforce_eager=args.vllm_eager), specs, c, "vLLM")
-                summary[f"http_vllm_c{c}"] = b
-                summary[f"http_ratio_vs_vllm_c{c}"] = a["output_throughput"] / b["output_throughput"]
-                summary[f"tpot_ratio_vs_vllm_c{c}"] = b["mean_tpot_ms"] / a["mean_tpot_ms"]
+        http_pair(args, summary, path, vocab, want_vllm)
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -142,8 +142,18 @@ def pagedserve_command(model: str, port: int, python: str | None = None, **engin
     return cmd
 
 
-def pagedserve_server(model: str, *, log_dir=None, port: int | None = None, **engine_args) -> ServerProcess:
+def pagedserve_server(model: str, *, log_dir=None, port: int | None = None, tree: str | Path | None = None,
+                      **engine_args) -> ServerProcess:
+    """``tree``: serve pagedserve from that checkout instead (e.g. a ``git worktree`` of the
+    commit before a change, for a before/after row in one run), with this venv's packages:
+    ``pagedserve`` then resolves to it through a path entry of its own."""
     port = port or free_port()
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    return ServerProcess("pagedserve", pagedserve_command(model, port, **engine_args), port,
-                         env=env, log_dir=log_dir)
+    name = "pagedserve"
+    if tree is not None:
+        tree = Path(tree).resolve()
+        link_dir = Path(tempfile.mkdtemp(prefix="pagedserve-tree-"))
+        (link_dir / "pagedserve").symlink_to(tree)
+        env["PYTHONPATH"] = str(link_dir)
+        name = f"pagedserve-{tree.name}"
+    return ServerProcess(name, pagedserve_command(model, port, **engine_args), port, env=env, log_dir=log_dir)
