@@ -24,8 +24,8 @@ MAX_CLOSED_S after the last replica 429, so a replica that has drained is asked 
 within that. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off (to measure without it).
 
 The front limit (``FrontLimit``): a bound on the requests this front holds, which binds
-only while the wait it measures before the engine is past its target: the queue that forms
-in the serving path itself, before any replica admits the request.
+only while the wait it measures before the replica is past its target: the queue that forms
+in the serving path itself, before any replica sees the request.
 
 The live requests: why-waiting as the HTTP front shows it, and the live view page.
 
@@ -102,16 +102,17 @@ class ShedGate:
 
 class FrontLimit:
     """The front's own bound on the requests it has in flight, adapted to the wait it
-    measures before the engine (from a request's arrival at this front to the replica's
-    answer, the Admission, which comes after the first engine step that saw it): cut when
-    that wait runs long, grown back while it is short (as TCP's window; Envoy's adaptive
+    measures before the replica (from a request's arrival at this front to the replica's
+    answer, less the time the replica says it spent: ``Admission.replica_s``): cut when that
+    wait runs long, grown back while it is short (as TCP's window; Envoy's adaptive
     concurrency filter does the same with a gradient).
 
     Why: the replica admits on the engine's queue, but on a box whose serving path (proxy,
     ingress, the replica's loop) is short of CPU the queue forms in front of the engine, where
     the replica cannot see it: at 3x capacity the engine found a short queue and admitted
-    most requests while their first token came many seconds later. A wait in the engine's
-    own queue (behind max_num_seqs) is not in this signal: the replica's admission bounds it.
+    most requests while their first token came many seconds later. What the replica spends
+    (tokenization, the engine thread, a long step, its queue behind max_num_seqs) is not in
+    this signal: the replica's own admission bounds that.
 
         every WINDOW_S:  median wait of the window > TARGET_S  ──▶  limit = 0.75 x peak in flight
                          the limit bound in the window, waits fine ──▶  limit += max(1, limit / 10)
@@ -123,8 +124,8 @@ class FrontLimit:
     door to another. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off with the shed gate."""
 
     WINDOW_S = 1.0
-    # The median wait before the engine this front allows before it bounds what it holds
-    # (at capacity the wait is a step or two; past it, requests queue in the serving path).
+    # The median wait before the replica this front allows before it bounds what it holds
+    # (a keeping-up server forwards in milliseconds; past it, requests queue in the serving path).
     TARGET_S = 0.5
     MIN_SAMPLES = 8
     FLOOR = 4
@@ -151,7 +152,7 @@ class FrontLimit:
         if in_flight >= self.limit and _holds_share(self.limit, *tenant_share()):
             self.num_refused += 1
             return (f"The server is overloaded: its HTTP front has {in_flight} requests in flight, "
-                    f"its limit while requests wait over {self.TARGET_S:g} s to reach the engine. "
+                    f"its limit while requests wait over {self.TARGET_S:g} s to reach a replica. "
                     f"Retry later."), 1
         self._peak = max(self._peak, in_flight + 1)
         return None

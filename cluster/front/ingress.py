@@ -292,8 +292,9 @@ class OpenAIIngress:
             if isinstance(e, asyncio.CancelledError):
                 stream.cancel()
             raise
-        if arrival is not None:  # the wait before the engine: the front limit's signal
-            self._limit.observe(time.monotonic() - arrival, time.monotonic())
+        if arrival is not None:  # the wait before the replica: the front limit's signal
+            now = time.monotonic()
+            self._limit.observe(max(0.0, now - arrival - adm.replica_s), now)
         if not adm.accepted:
             sub.close()
             if adm.status == 429:

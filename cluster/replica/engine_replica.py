@@ -303,6 +303,7 @@ class AsyncEngine:
         """The request's lifeline: its Admission, then nothing until it ends after the final
         output (or raises the request's failure). The outputs go out on ``output_route`` (an
         ingress's OutputChannel.route: cluster/wire/output_channel.py), one message per step."""
+        entered = time.monotonic()
         if self._dead is not None:
             yield Admission(False, self.replica_id, 503,
                             f"This engine replica is unavailable ({self._dead}); retry shortly.",
@@ -342,7 +343,8 @@ class AsyncEngine:
             # sooner anyway), so the ingress can put why-waiting in the response header.
             item = await queue.get()
             status = item.status if isinstance(item, QueueStatus) else None
-            yield Admission(True, self.replica_id, prompt_token_ids=req.prompt_token_ids, queue=status)
+            yield Admission(True, self.replica_id, prompt_token_ids=req.prompt_token_ids, queue=status,
+                            replica_s=time.monotonic() - entered)
             if isinstance(item, QueueStatus):
                 item = await queue.get()
             while True:  # the outputs go on the channel; wait for the end

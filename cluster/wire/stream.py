@@ -135,6 +135,10 @@ class Admission:
     # The tenant whose own share refused it (None: the replica refuses everyone): the gate
     # then sheds only that tenant's requests.
     shed_tenant: str | None = None
+    # Seconds the request spent in the replica before this answer (tokenization, the engine
+    # thread, its first step): the ingress subtracts it from its own wait to see how long the
+    # request took to reach the replica (cluster/front/door.py FrontLimit).
+    replica_s: float = 0.0
 
 
 class QueueStatus:
