@@ -191,7 +191,7 @@ def test_shed_gate_closes_per_tenant_when_the_replica_refused_a_tenants_share():
     assert g.refuse(2.1, "steady") is not None and g.refuse(2.1, "bursty") is not None
 
 
-def test_front_limit_binds_only_after_late_first_tokens_and_opens_again():
+def test_front_limit_binds_only_after_long_waits_before_the_replica_and_opens_again():
     from pagedserve.cluster.front.door import FrontLimit
 
     lim = FrontLimit(enabled=True)

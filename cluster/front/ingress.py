@@ -244,7 +244,7 @@ class OpenAIIngress:
         self._metrics: ServeMetrics | None = None
         self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
         self._gate = ShedGate()  # replicas' recent 429s: refuse at the door while all shed
-        self._limit = FrontLimit()  # requests in flight here, bound while first tokens come late
+        self._limit = FrontLimit()  # requests in flight here, bound while they wait to reach a replica
         self._channel: OutputChannel | None = None  # made on the loop that reads it
         activate(EdgeGuard(self.config, self._max_model_len))
 
