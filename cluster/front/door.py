@@ -149,6 +149,7 @@ class FrontLimit:
         self._roll(now)
         if not self.enabled:
             return None
+        self._peak = max(self._peak, in_flight)  # what the front held, refused or not
         if in_flight >= self.limit and _holds_share(self.limit, *tenant_share()):
             self.num_refused += 1
             return (f"The server is overloaded: its HTTP front has {in_flight} requests in flight, "
