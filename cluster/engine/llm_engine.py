@@ -187,13 +187,11 @@ class LLMEngine:
         here: an id in use (ValueError) or no room in the scheduler (ValueError,
         QueueFullError), with nothing recorded."""
         request_id, prompt_ids, params = req.request_id, req.prompt_token_ids, req.params
-        prompt, arrival_time, priority = req.prompt, req.arrival_time, req.priority
-        cache_salt, tenant = req.cache_salt, req.tenant
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        arrival = time.monotonic() if req.arrival_time is None else req.arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        group = _Group(request_id, prompt, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
+        group = _Group(request_id, req.prompt, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
                        params=params, prompt_logprobs=None if params.prompt_logprobs is None
                        else [None] * len(prompt_ids))
         requests = []
@@ -210,7 +208,7 @@ class LLMEngine:
             sample = _Sample(i, req_id, detok, child, logprobs=[] if child.logprobs is not None else None)
             group.samples.append(sample)
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
-                                    priority=priority, cache_salt=cache_salt, tenant=tenant))
+                                    priority=req.priority, cache_salt=req.cache_salt, tenant=req.tenant))
         if params.structured_outputs is not None:  # one matcher per sample, one grammar
             for sample in group.samples:
                 self.structured.add_request(sample.req_id, params.structured_outputs, req.grammar)

@@ -211,7 +211,8 @@ class ChannelStream:
         self._ready = asyncio.Event()
         self._ray = None
         self._done = False
-        self._arrival, self._first_at, self._on_first = arrival, None, on_first
+        # Called once, at the first output, when the front gave its arrival time.
+        self._arrival, self._on_first = arrival, (on_first if arrival is not None else None)
 
     def attach(self, ray_stream) -> "ChannelStream":
         """Once the Admission is read: watch the rest of the Ray stream for its end."""
@@ -231,10 +232,9 @@ class ChannelStream:
         self._push(_RAY_END)
 
     def _push(self, item) -> None:
-        if self._first_at is None and isinstance(item, tuple):
-            self._first_at = time.monotonic()
-            if self._on_first is not None and self._arrival is not None:
-                self._on_first(self._first_at - self._arrival)
+        if self._on_first is not None and isinstance(item, tuple):
+            on_first, self._on_first = self._on_first, None
+            on_first(time.monotonic() - self._arrival)
         self._items.append(item)
         self._ready.set()
 
