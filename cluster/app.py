@@ -16,11 +16,15 @@ import logging
 import os
 from typing import Any
 
+import ray
 from ray import serve
 
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.front.metrics import StatsAggregator
-from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip, tp_bundles
+from pagedserve.cluster.front.routing import ROUTER_PATH
+from pagedserve.cluster.ray_utils import (ON_HEAD_NODE, PLACEMENT_STRATEGIES, bind_host, check_group_fits,
+                                          serve_grpc_on_node_ip, tp_bundles)
+from pagedserve.cluster.wire.lifeline import Lifeline
 from pagedserve.config import EngineConfig
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, plan_auto
 
@@ -36,7 +40,16 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     api_key=None, max_request_body_bytes=None,
     # Tenants (cluster/front/tenants.py): a YAML/JSON file of API key -> tenant (+ weight),
     # and whether an x-tenant header may name the tenant of a request.
-    api_keys_file=None, allow_tenant_header=False)
+    api_keys_file=None, allow_tenant_header=False,
+    # One engine replica's placement group (the replica + its TP workers): STRICT_PACK
+    # keeps it on one node; PACK lets a group that fits no node span several.
+    placement_group_strategy="STRICT_PACK",
+    # How long a replica being removed (scale-down, update) may take to finish its
+    # streams; None: long enough for a max_model_len stream at GRACE_TOKENS_PER_S.
+    graceful_shutdown_timeout_s=None)
+# The slowest decode a draining stream is given time for (tokens/s, one stream): a
+# replica leaving waits only as long as its streams still need; this bounds a stuck one.
+GRACE_TOKENS_PER_S = 10.0
 
 
 def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
@@ -138,6 +151,9 @@ class EngineDeployment:
         if all_cores:  # the only engine replica: its ranks may use the node's cores
             engine_config = cpu_threads(engine_config)
         self.core = AsyncEngine(engine_config, stats_sink=sink, replica_id=replica_id)
+        # The fronts' line to this process: they learn at once when it or its node dies.
+        self._lifeline = Lifeline(bind_host())
+        self.core.lifeline_address = self._lifeline.address
         info = self.core.info()
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
@@ -182,7 +198,7 @@ class EngineDeployment:
         if self._stats is not None:
             # Bounded: when the whole app is deleted the aggregator may be gone already, and
             # a handle call then waits for a replica forever; Serve force-killed this one
-            # after its grace period (20 s), before the engine shut its workers down.
+            # after its grace period, before the engine shut its workers down.
             async def remove() -> None:
                 await self._stats.remove.remote(self.core.replica_id)
 
@@ -190,14 +206,13 @@ class EngineDeployment:
                 await asyncio.wait_for(remove(), timeout=0.5)
             except Exception:  # gone, or timed out: the aggregator drops stale replicas itself
                 pass
+        self._lifeline.close()
         self.core.shutdown()
 
 
 def _use_gpu(engine_config: EngineConfig) -> bool:
     if engine_config.device != "auto":
         return engine_config.device == "cuda"
-    import ray
-
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
@@ -210,8 +225,13 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     o = serve_options(serve_opts)
     tp = engine_config.tensor_parallel_size
     use_gpu = _use_gpu(engine_config)
+    grace = o["graceful_shutdown_timeout_s"]
+    if grace is None:
+        grace = max(30.0, (engine_config.max_model_len or 2048) / GRACE_TOKENS_PER_S)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
-                                graceful_shutdown_timeout_s=20,
+                                graceful_shutdown_timeout_s=float(grace),
+                                # The front routes around replicas it saw die (routing.py).
+                                request_router_config=dict(request_router_class=ROUTER_PATH),
                                 # Serve replaces a replica after 3 failed checks in a row: a
                                 # dead worker costs ~3 periods before the new replica starts.
                                 health_check_period_s=2, health_check_timeout_s=15)
@@ -228,8 +248,11 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     if engine_config.executor_backend() == "ray":
         # Bundle 0 is this replica (the scheduler actor); 1..tp the worker actors, which
         # RayExecutor places into the replica's own group (cluster/ray_utils.py).
+        strategy = str(o["placement_group_strategy"]).upper()
+        if strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_group_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
         opts["placement_group_bundles"] = tp_bundles(tp, use_gpu, driver_cpus=float(o["engine_num_cpus"]))
-        opts["placement_group_strategy"] = "PACK"
+        opts["placement_group_strategy"] = strategy
         opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"])}
     else:
         # tp=1: the worker runs inside the scheduler actor (no dispatch hop at all; see
@@ -268,12 +291,18 @@ def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: 
         serve_opts.pop("api_key", None), serve_opts.pop("max_request_body_bytes", None),
         api_keys={k: v.tenant for k, v in keys.items()},
         allow_tenant_header=serve_opts.pop("allow_tenant_header", False))
-    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator").bind()
+    on_head = {"num_cpus": 0, "resources": dict(ON_HEAD_NODE)}
+    engine_opts = engine_deployment_options(engine_config, **serve_opts)
+    if ray.is_initialized() and "placement_group_bundles" in engine_opts:  # refused now, not pending for good
+        check_group_fits(engine_opts["placement_group_bundles"], engine_opts["placement_group_strategy"])
+    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator",
+                                              ray_actor_options=on_head).bind()
     engine = EngineDeployment.options(
         name=name_prefix + "EngineDeployment",
-        **engine_deployment_options(engine_config, **serve_opts)).bind(
+        **engine_opts).bind(
             engine_config, stats, all_cores=int(serve_options(serve_opts)["max_replicas"]) == 1)
-    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress").bind(engine, stats, ingress_config)
+    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress", ray_actor_options=on_head).bind(
+        engine, stats, ingress_config)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:

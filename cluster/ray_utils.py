@@ -97,7 +97,8 @@ def _is_loopback(ip: str) -> bool:
 
 def shutdown_ray() -> None:
     """ray.shutdown() for drivers outside cluster/ (benchmarks), which never import ray."""
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 def node_ip() -> str:
@@ -106,6 +107,70 @@ def node_ip() -> str:
         return ray.util.get_node_ip_address()
     except Exception:  # not inside Ray: a plain local process
         return LOOPBACK
+
+
+def alive_nodes() -> list[dict]:
+    """The cluster's live nodes as ``ray.nodes()`` reports them."""
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def bind_host() -> str:
+    """Where a control-plane socket of this process listens (issue 10's bind policy):
+    loopback while the Ray cluster is this one node, where every peer is local; the node's
+    cluster address once the cluster has other nodes, whose processes may be the peers
+    (an engine replica on another node sends its outputs to the front's channel)."""
+    if not ray.is_initialized():
+        return LOOPBACK
+    return node_ip() if len(alive_nodes()) > 1 else LOOPBACK
+
+
+# Resources that put an actor on the head node: the HTTP front and the stats aggregator
+# live beside Serve's controller and proxy there, so losing a worker node never takes the
+# front (and every stream through it) with it.
+ON_HEAD_NODE = {"node:__internal_head__": 0.001}
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+def _fits(need: dict[str, float], have: dict[str, float]) -> bool:
+    return all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
+
+
+def check_group_fits(bundles: list[dict[str, float]], strategy: str) -> None:
+    """Refuse a placement group that no live node can hold, with the numbers, instead of
+    a replica that waits for resources for good. STRICT_PACK needs one node with the
+    whole group; the other strategies need a node for each bundle and the cluster's
+    total. On an autoscaling cluster the nodes that could hold it must be up first."""
+    nodes = alive_nodes()
+    if not nodes:
+        return
+    def fmt(r: dict) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in sorted(r.items()) if k in ("CPU", "GPU") and v)
+
+    totals = [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in nodes]
+    key = lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0))  # noqa: E731
+    largest = max(totals, key=key)
+    group: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            group[k] = group.get(k, 0.0) + v
+    if strategy == "STRICT_PACK":
+        if not any(_fits(group, t) for t in totals):
+            raise ValueError(
+                f"one engine replica's group ({len(bundles) - 1} workers + the replica) needs "
+                f"{fmt(group)} on one node (placement_group_strategy STRICT_PACK), but the largest "
+                f"of the {len(nodes)} live nodes has {fmt(largest)}. Lower --tensor-parallel-size, add "
+                f"a node that fits it, or pass --placement-group-strategy PACK to spread the group "
+                f"across nodes (tensor parallelism over the network).")
+        return
+    for b in bundles:
+        if not any(_fits(b, t) for t in totals):
+            raise ValueError(f"a bundle of {fmt(b)} fits no live node (the largest has {fmt(largest)}).")
+    cluster: dict[str, float] = {}
+    for t in totals:
+        for k, v in t.items():
+            cluster[k] = cluster.get(k, 0.0) + v
+    if not _fits(group, cluster):
+        raise ValueError(f"one engine replica's group needs {fmt(group)}; the whole cluster has {fmt(cluster)}.")
 
 
 def get_open_port(host: str = LOOPBACK) -> int:
@@ -124,24 +189,120 @@ def tp_bundles(tensor_parallel_size: int, use_gpu: bool, cpus_per_worker: float 
     return [{"CPU": driver_cpus}] + [dict(worker) for _ in range(tensor_parallel_size)]
 
 
-def worker_placement(tensor_parallel_size: int, use_gpu: bool
+def worker_placement(tensor_parallel_size: int, use_gpu: bool, strategy: str = "STRICT_PACK"
                      ) -> tuple[PlacementGroup, list[int], bool]:
     """The placement group and bundle indices for the TP workers. Inside a Serve replica
     that was given ``placement_group_bundles`` the replica's own group is reused (bundle
-    0 is the replica itself); elsewhere a fresh group is created and owned by the caller
-    (third value True: the caller must remove it)."""
+    0 is the replica itself; Serve applied the deployment's strategy); elsewhere a fresh
+    group is created and owned by the caller (third value True: the caller must remove
+    it). STRICT_PACK: every rank on one node (NCCL over NVLink, not the network)."""
     current = ray.util.get_current_placement_group()
     if current is not None and len(current.bundle_specs) >= tensor_parallel_size + 1:
         return current, list(range(1, tensor_parallel_size + 1)), False
     bundles = tp_bundles(tensor_parallel_size, use_gpu)[1:]
-    # PACK: all ranks of one replica on as few nodes as possible (NCCL over NVLink beats
-    # the network); a real multi-node TP deployment would switch to STRICT_PACK per node.
-    pg = placement_group(bundles, strategy="PACK")
+    check_group_fits(bundles, strategy)
+    pg = placement_group(bundles, strategy=strategy)
     ray.get(pg.ready(), timeout=120)
     return pg, list(range(tensor_parallel_size)), True
+
+
+def node_of_each(actors: list) -> list[str]:
+    """The node id each actor runs on."""
+    return ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                    for a in actors])
 
 
 def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     return PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=index,
         placement_group_capture_child_tasks=True)
+
+
+# ---- a multi-node Ray cluster on one machine (tests, loadtest/cluster_check.py)
+class LocalCluster:
+    """A head and worker nodes on this machine (``ray.cluster_utils.Cluster``), each its
+    own raylet, resources and object store, as ``ray up`` makes them on several machines.
+    The head has no CPUs (nothing but Serve's controller, proxy and the front lands
+    there); worker ``i`` listens on 127.0.0.``i+2`` and has the resource ``node_i``.
+    ``kill(ip)`` removes a node with everything on it, as a machine that dies."""
+
+    def __init__(self, workers: int = 2, cpus_per_worker: int = 4, object_store_mb: int = 150) -> None:
+        from ray.cluster_utils import Cluster
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep 127.0.0.x (init_ray)
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        self._store = object_store_mb * 1024 * 1024
+        self._cluster = Cluster(initialize_head=True, head_node_args=dict(
+            num_cpus=0, node_ip_address=LOOPBACK, include_dashboard=False, object_store_memory=self._store))
+        self.nodes: dict[str, object] = {}
+        for _ in range(workers):
+            self.add_worker(cpus_per_worker)
+
+    @property
+    def address(self) -> str:
+        return self._cluster.address
+
+    def add_worker(self, cpus: int) -> str:
+        i = len(self.nodes)
+        ip = f"127.0.0.{i + 2}"
+        self.nodes[ip] = self._cluster.add_node(num_cpus=cpus, node_ip_address=ip,
+                                                resources={f"node_{i}": 1}, object_store_memory=self._store)
+        return ip
+
+    def kill(self, ip: str) -> None:
+        self._cluster.remove_node(self.nodes.pop(ip), allow_graceful=False)
+
+    def shutdown(self) -> None:
+        self._cluster.shutdown()
+
+
+def cluster_view(address: str, namespace: str = "serve") -> dict:
+    """What a user would check on a cluster, from a driver that joins it: the live nodes,
+    every actor's class, state and node, every placement group's state and the node of
+    each bundle, and Serve's deployments. JSON-ready (loadtest/cluster_check.py)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+    from ray._private import state
+    from ray import serve
+
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    alive = sorted(n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive"))
+    actors = [dict(cls=a.get("ActorClassName", ""), state=a.get("State"), name=a.get("Name", ""),
+                   node=nodes.get(a.get("Address", {}).get("NodeID"), "?"), pid=a.get("Pid"))
+              for a in state.actors().values()]
+    groups = []
+    for pg_id, pg in ray.util.placement_group_table().items():
+        groups.append(dict(id=pg_id, name=pg.get("name", ""), state=pg.get("state"), strategy=pg.get("strategy"),
+                           bundle_nodes=[nodes.get(n, "?") for _, n in sorted(pg.get("bundles_to_node_id", {}).items())]))
+    deployments = {}
+    try:
+        for app_name, app in serve.status().applications.items():
+            for name, dep in app.deployments.items():
+                deployments[f"{app_name}/{name}"] = dict(
+                    status=str(getattr(dep.status, "value", dep.status)), message=dep.message,
+                    replicas={str(getattr(k, "value", k)): v for k, v in dep.replica_states.items()})
+    except Exception as e:  # Serve not started
+        deployments = {"error": f"{type(e).__name__}: {e}"}
+    return dict(alive_nodes=alive, actors=actors, placement_groups=groups, deployments=deployments)
+
+
+def deploy_config(address: str, config: dict) -> None:
+    """``serve deploy CONFIG`` without the dashboard: the same declarative apply (Serve's
+    controller starts the changed deployments' new version and drains the old replicas)."""
+    if not ray.is_initialized():
+        ray.init(address=address, namespace="serve", log_to_driver=False, configure_logging=False)
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    client = serve_start(http_options=config.get("http_options"), proxy_location=config.get("proxy_location"))
+    client.deploy_apps(ServeDeploySchema.model_validate(config))
+
+
+def delete_app(name: str) -> None:
+    """``serve.delete(name)`` for drivers outside cluster/."""
+    from ray import serve
+
+    serve.delete(name)

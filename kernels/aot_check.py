@@ -10,7 +10,10 @@ variable changing type, a bad dot shape, too much shared memory) fail on a CPU b
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -95,22 +98,37 @@ def kv_quant_variants():
                         QMAX=qmax, INV_QMAX=1.0 / qmax), arch)
 
 
+def _todo(args) -> list:
+    return list(kv_quant_variants() if args.kv_quant else ((*v, args.arch) for v in variants(args.quick)))
+
+
+def _compile_one(args, i: int) -> str:
+    """One variant's line; runs in a pool process (the variant is rebuilt there: kernels
+    do not pickle)."""
+    name, fn, types, consts, arch = _todo(args)[i]
+    try:
+        meta = _compile(fn, types, consts, arch)
+        return f"OK   {name}: shared {meta['shared_bytes']} B"
+    except Exception as e:  # report every variant, then fail
+        return f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--kv-quant", action="store_true", help="the quantised-cache variants only")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="compile this many variants at once (each compile is one CPU-bound process)")
     args = ap.parse_args()
+    n = len(_todo(args))
     failed = 0
-    todo = (kv_quant_variants() if args.kv_quant
-            else ((*v, args.arch) for v in variants(args.quick)))
-    for name, fn, types, consts, arch in todo:
-        try:
-            meta = _compile(fn, types, consts, arch)
-            print(f"OK   {name}: shared {meta['shared_bytes']} B", flush=True)
-        except Exception as e:  # report every variant, then fail
-            failed += 1
-            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    # Fork: the children inherit the imported triton and kernels (no GPU is touched here).
+    with ProcessPoolExecutor(max_workers=max(1, min(args.jobs, n)),
+                             mp_context=multiprocessing.get_context("fork")) as pool:
+        for line in pool.map(_compile_one, [args] * n, range(n)):
+            failed += line.startswith("FAIL")
+            print(line, flush=True)
     return 1 if failed else 0
 
 

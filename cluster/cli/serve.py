@@ -54,6 +54,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--ray-address", default=None,
                    help="join a running Ray cluster ('auto' on a cluster node); default: a "
                         "private local instance on 127.0.0.1")
+    s.add_argument("--placement-group-strategy", default="STRICT_PACK",
+                   choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                   help="one engine replica's placement group (the replica and its TP workers): "
+                        "STRICT_PACK keeps it on one node (default; refused with the numbers when no "
+                        "node fits it); PACK lets it span nodes (tensor parallelism over the network)")
+    s.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
+                   help="how long a replica being removed (scale-down, update) may take to finish its "
+                        "streams (default: a max_model_len stream at 10 tokens/s, at least 30 s)")
+    s.add_argument("--proxy-location", default=None, choices=["HeadOnly", "EveryNode", "Disabled"],
+                   help="where Serve runs HTTP proxies (default: HeadOnly on a loopback --host, whose "
+                        "proxies elsewhere no client could reach; EveryNode otherwise)")
     s.add_argument("--serving-nice", type=int, default=int(os.environ.get("PAGEDSERVE_SERVING_NICE", "19")),
                    help="with the CPU split of --cpu-omp-threads-bind auto, the serving path may also use "
                         "the model's cores at this nice value, i.e. when the model leaves them idle "
@@ -61,6 +72,25 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     add_engine_args(p)
     p.set_defaults(func=run_serve)
     return p
+
+
+def _serve_options(args: argparse.Namespace, max_replicas: int) -> dict:
+    return dict(min_replicas=args.min_replicas, max_replicas=max_replicas,
+                target_ongoing_requests=args.target_ongoing_requests,
+                upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
+                api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
+                api_keys_file=args.api_keys_file, allow_tenant_header=args.allow_tenant_header,
+                placement_group_strategy=args.placement_group_strategy,
+                graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _raise_interrupt(signum, frame):
@@ -99,12 +129,13 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)  # also when started in the background (SIG_IGN)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        app = build_app(cfg, min_replicas=args.min_replicas, max_replicas=max_replicas,
-                        target_ongoing_requests=args.target_ongoing_requests,
-                        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
-                        api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
-                        api_keys_file=args.api_keys_file, allow_tenant_header=args.allow_tenant_header)
+        proxies = args.proxy_location or ("HeadOnly" if _is_loopback(args.host) else "EveryNode")
+        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=proxies)
+        try:
+            app = build_app(cfg, **_serve_options(args, max_replicas))
+        except ValueError as e:  # a configuration the cluster cannot hold (placement)
+            logger.error("%s", e)
+            raise SystemExit(1) from None
         try:
             serve.run(app, name=APP_NAME, route_prefix="/")
         except RuntimeError as e:

@@ -35,7 +35,8 @@ from ray.dag import InputNode, MultiOutputNode
 
 from pagedserve.cluster.executors.base import Executor
 from pagedserve.cluster.wire.failures import ExecutorDeadError
-from pagedserve.cluster.ray_utils import get_open_port, in_bundle, init_ray, node_ip, worker_placement
+from pagedserve.cluster.ray_utils import (LOOPBACK, get_open_port, in_bundle, init_ray, node_ip, node_of_each,
+                                          worker_placement)
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
 
@@ -46,7 +47,7 @@ class RayWorkerWrapper:
     """Actor body around one ``pagedserve.worker.worker.Worker`` (which knows nothing of Ray)."""
 
     def __init__(self, engine_config: EngineConfig, rank: int, world_size: int,
-                 distributed_init_method: str) -> None:
+                 distributed_init_method: str | None = None) -> None:
         from pagedserve.worker.worker import Worker  # torch is imported in the actor only
 
         self.rank = rank
@@ -56,7 +57,15 @@ class RayWorkerWrapper:
         # from the round trip to get the pure dispatch overhead).
         self.exec_times: list[float] = []
 
-    def init_device(self) -> None:
+    def rendezvous(self, across_nodes: bool) -> str:
+        """Rank 0: the torch.distributed address, on this node: its cluster address when
+        some rank sits on another node, loopback otherwise (issue 10's bind policy)."""
+        host = node_ip() if across_nodes else LOOPBACK
+        return f"tcp://{host}:{get_open_port(host)}"
+
+    def init_device(self, distributed_init_method: str | None = None) -> None:
+        if distributed_init_method is not None:
+            self.worker.distributed_init_method = distributed_init_method
         self.worker.init_device()
 
     def load_model(self) -> None:
@@ -114,8 +123,6 @@ class RayExecutor(Executor):
         tp = engine_config.tensor_parallel_size
         use_gpu = engine_config.resolve_device() == "cuda"
         self.placement_group, bundle_ids, self._owns_pg = worker_placement(tp, use_gpu)
-        # Rendezvous on the node of rank 0's bundle; with PACK that is this node.
-        init_method = f"tcp://{node_ip()}:{get_open_port()}"
         actor_cls = ray.remote(RayWorkerWrapper)
         self.workers = []
         for rank, bundle in enumerate(bundle_ids):
@@ -130,10 +137,12 @@ class RayExecutor(Executor):
                 env[FAULT_INJECTION_ENV] = "1"
             if env:
                 opts["runtime_env"] = {"env_vars": env}
-            self.workers.append(actor_cls.options(**opts).remote(
-                engine_config, rank, tp, init_method))
+            self.workers.append(actor_cls.options(**opts).remote(engine_config, rank, tp))
+        self._nodes = node_of_each(self.workers)
+        # Rendezvous on rank 0's node (a STRICT_PACK group: all on one node, loopback).
+        init_method = ray.get(self.workers[0].rendezvous.remote(len(set(self._nodes)) > 1)) if tp > 1 else None
         # All ranks must enter the rendezvous together: submit to all, then wait.
-        ray.get([w.init_device.remote() for w in self.workers])
+        ray.get([w.init_device.remote(init_method) for w in self.workers])
         ray.get([w.load_model.remote() for w in self.workers])
         self._dag = None
         self._bcast = None
@@ -160,8 +169,7 @@ class RayExecutor(Executor):
         from pagedserve.cluster.executors.zmq_dispatch import ZmqBroadcast
 
         here = ray.get_runtime_context().get_node_id()
-        local = all(n == here for n in ray.get([w.__ray_call__.remote(
-            lambda self: ray.get_runtime_context().get_node_id()) for w in self.workers]))
+        local = all(n == here for n in self._nodes)
         self._bcast = ZmqBroadcast(node_ip(), len(self.workers), local=local)
         self._loops = [w.run_zmq_loop.remote(*self._bcast.addresses(rank))
                        for rank, w in enumerate(self.workers)]

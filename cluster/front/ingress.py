@@ -8,6 +8,11 @@ failure. The call's first item is the engine's admission decision, so a 400/429 
 200 header is sent. Leaving early (client disconnect -> Serve cancels this handler,
 or the SSE generator is closed) cancels the engine call, which aborts the request there.
 
+A lost replica (its process or node died: its lifeline, cluster/wire/lifeline.py, ends)
+is routed around at once (cluster/front/routing.py, lost_replicas.py). Its requests that have sent the
+client nothing yet are tried again on another replica (Resumable); a stream that has
+sent tokens ends with an in-band 503 naming the replica.
+
 /v1/completions: one engine request per prompt of a batch, answered as one response.
 
     prompt: [p0, p1, p2] ──▶ engine.generate(rid-0, p0) ─┐  each admitted on its own;
@@ -42,13 +47,16 @@ from pagedserve.cluster.front.door import (DASHBOARD_HTML, FrontLimit, LiveReque
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.front.metrics import ServeMetrics
+from pagedserve.cluster.front.lost_replicas import mark_lost
 from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response, combined, prompt_logprobs_json
 from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                                                TokenizeResponse, random_id)
 from pagedserve.cluster.front.tenants import DEFAULT_TENANT
 from pagedserve.cluster.front.tool_choice import constrain_to_schema, tool_plan
-from pagedserve.cluster.ray_utils import node_ip, serve_grpc_on_node_ip
+from pagedserve.cluster.ray_utils import bind_host, serve_grpc_on_node_ip
+from pagedserve.cluster.wire.failures import ReplicaLost
+from pagedserve.cluster.wire.lifeline import LifelineWatch
 from pagedserve.cluster.wire.output_channel import OutputChannel
 from pagedserve.cluster.wire.stream import Accumulated
 
@@ -58,6 +66,52 @@ REPLICA_HEADER = "x-pagedserve-replica"
 REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
 QUEUE_HEADER = "x-pagedserve-queue"  # why-waiting at admission (door.py)
 HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
+# A request still waiting for its Admission when some replica is lost may be waiting on
+# that one (the router does not say where it went): it is tried again if its Admission
+# has not come this long after the loss.
+ADMIT_AFTER_LOSS_S = 1.5
+MAX_ATTEMPTS = 3  # tries of one request over lost replicas before it fails
+# How often the front looks whether the Ray cluster has grown past one node (its output
+# channel then listens on the node's address too: ray_utils.bind_host).
+BIND_RECHECK_S = 10.0
+
+
+class Resumable:
+    """One engine request's outputs, carried over to another replica when its replica is
+    lost before any of them reached the client (a stream), or at any point before the
+    response (not streamed: the client has seen nothing). ``again()`` admits it anew:
+    (stream, admission) or (None, error response)."""
+
+    def __init__(self, stream, adm, again, restart_after_output: bool, on_placed) -> None:
+        self._stream, self._again = stream, again
+        self._restart_after_output, self._on_placed = restart_after_output, on_placed
+        self._sent = False
+        self.attempts = 1
+        on_placed(adm)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while True:
+            try:
+                item = await self._stream.__anext__()
+            except ReplicaLost as e:
+                if (self._sent and not self._restart_after_output) or self.attempts >= MAX_ATTEMPTS:
+                    raise
+                self.attempts += 1
+                logger.warning("%s; trying its request again on another replica (attempt %d)", e, self.attempts)
+                stream, adm = await self._again()
+                if stream is None:
+                    raise e
+                self._stream = stream
+                self._on_placed(adm)
+                continue
+            self._sent = True
+            return item
+
+    def cancel(self) -> None:
+        self._stream.cancel()
 
 app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
 install_error_handlers(app)
@@ -196,6 +250,8 @@ async def create_completion(ingress, body, rid: str, tenant):
                 token_text.update(tt or {})
     except asyncio.CancelledError:  # client went away: _merged cancelled the streams
         raise
+    except ReplicaLost as e:  # and no other replica took it (Resumable)
+        return error(503, f"{e}; request {rid} could not be completed elsewhere", 1)
     except Exception:  # a system error: logged with the request id, this request only
         logger.exception("request %s failed", rid)
         return error(500, f"internal error while generating request {rid}; see the server log")
@@ -217,6 +273,11 @@ async def _sse(ingress, streams, finished, shapers, state: fmt.StreamState, incl
                     finals[i] = shaped = shapers[i].shape(out)
                     for line in state.chunks(shaped, tt or {}):
                         yield line
+        except ReplicaLost as e:  # tokens were sent: it cannot move (Resumable)
+            logger.warning("request %s: %s mid-stream", state.rid, e)
+            for line in fmt.sse_failure(state.rid, 503, f"{e}; request {state.rid} ended mid-stream"):
+                yield line
+            return
         except Exception:  # headers are gone: report in-band, as vLLM does
             logger.exception("request %s failed mid-stream", state.rid)
             for line in fmt.sse_failure(state.rid):
@@ -246,6 +307,9 @@ class OpenAIIngress:
         self._gate = ShedGate()  # replicas' recent 429s: refuse at the door while all shed
         self._limit = FrontLimit()  # requests in flight here, bound while they wait to reach a replica
         self._channel: OutputChannel | None = None  # made on the loop that reads it
+        self._lifelines: dict[str, LifelineWatch | None] = {}  # replica id -> its watch; None: dead
+        self._loss: asyncio.Future | None = None  # done when a replica is lost; then renewed
+        self._bind_checked = 0.0  # when the channel's address was last chosen (BIND_RECHECK_S)
         activate(EdgeGuard(self.config, self._max_model_len))
 
     async def _max_model_len(self) -> int:
@@ -269,7 +333,33 @@ class OpenAIIngress:
                      template: bool | str = True, tools=None, arrival: float | None = None):
         """Open the engine stream; return (stream, admission) or (None, error response).
         ``template``: what the chat template appends (ChatCompletionRequest.template_mode);
-        ``arrival``: when this front took the request (its TTFT starts there)."""
+        ``arrival``: when this front took the request (its TTFT starts there). A request
+        whose replica is lost before it has sent anything is tried on another (Resumable)."""
+        async def again():
+            for attempt in range(MAX_ATTEMPTS):
+                try:
+                    return await self._start_once(rid, prompt, params, body, messages, tenant, template,
+                                                  tools, arrival)
+                except ReplicaLost as e:
+                    if attempt + 1 == MAX_ATTEMPTS:
+                        return None, error(503, f"{e}; no replica took the request {rid}", 1)
+                    logger.warning("%s while request %s waited for admission; trying again", e, rid)
+                    if self._metrics is not None:
+                        self._metrics.requests_retried.inc()
+
+        async def resume():
+            if self._metrics is not None:
+                self._metrics.requests_retried.inc()
+            return await again()
+
+        stream, adm = await again()
+        if stream is None:
+            return None, adm
+        resumable = Resumable(stream, adm, resume, not body.stream,
+                              lambda a: self._live.placed(rid, a.replica_id))
+        return resumable, adm
+
+    async def _start_once(self, rid: str, prompt, params, body, messages, tenant, template, tools, arrival):
         who = tenant or DEFAULT_TENANT
         now = time.monotonic()
         # (This request is in the live list already: the others are one fewer.)
@@ -280,16 +370,20 @@ class OpenAIIngress:
                 self._metrics.shed_at_ingress.inc()
             return None, error(429, shed[0], shed[1])
         if self._channel is None:  # the outputs' way back: cluster/wire/output_channel.py
-            self._channel = OutputChannel(node_ip())
+            self._channel = OutputChannel(bind_host())
+            self._loss = asyncio.get_running_loop().create_future()
+            self._bind_checked = now
+        elif now - self._bind_checked > BIND_RECHECK_S:
+            self._channel.listen_on(self._channel_host())
         sub = self._channel.open(rid, arrival, self._first_output)
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
             output_route=self._channel.route)
         try:
-            adm = await stream.__anext__()
+            adm = await self._admission(stream)
         except BaseException as e:
             sub.close()
-            if isinstance(e, asyncio.CancelledError):
+            if isinstance(e, (asyncio.CancelledError, ReplicaLost)):
                 stream.cancel()
             raise
         if arrival is not None:  # the wait before the replica: the front limit's signal
@@ -301,7 +395,50 @@ class OpenAIIngress:
                 self._gate.refused(adm.replica_id, adm.shed_s, time.monotonic(), adm.shed_tenant)
             return None, error(adm.status, adm.message, adm.retry_after_s)
         self._gate.accepted(adm.replica_id, time.monotonic(), who)
-        return Accumulated(sub.attach(stream)), adm
+        self._watch(adm)
+        if self._lifelines.get(adm.replica_id) is None and adm.lifeline is not None:
+            sub.close()  # admitted by a replica this front has just seen die
+            stream.cancel()
+            raise ReplicaLost(adm.replica_id, "lost before its admission was read")
+        return Accumulated(sub.attach(stream, adm.replica_id)), adm
+
+    async def _admission(self, stream):
+        """The stream's first item, unless a replica is lost while it is awaited and it
+        still has not come ADMIT_AFTER_LOSS_S later (then ReplicaLost: try elsewhere)."""
+        first = asyncio.ensure_future(stream.__anext__())
+        try:
+            loss = self._loss
+            await asyncio.wait((first, loss), return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                done, _ = await asyncio.wait((first,), timeout=ADMIT_AFTER_LOSS_S)
+                if not done:
+                    raise ReplicaLost("(unknown)", f"replica {loss.result()} was lost while this request "
+                                      f"waited for its admission")
+            return first.result()
+        finally:
+            if not first.done():
+                first.cancel()
+
+    def _channel_host(self) -> str:
+        self._bind_checked = time.monotonic()
+        return bind_host()
+
+    def _watch(self, adm) -> None:
+        """Watch the lifeline of a replica this front has not watched yet."""
+        if adm.lifeline is None or adm.replica_id in self._lifelines:
+            return
+        self._lifelines[adm.replica_id] = LifelineWatch(adm.replica_id, adm.lifeline, self._replica_lost)
+
+    def _replica_lost(self, replica_id: str, reason: str) -> None:
+        """A replica's lifeline ended: route nothing more there, fail or retry what it held."""
+        self._lifelines[replica_id] = None  # seen dead: never watched again
+        mark_lost(replica_id)
+        n = self._channel.fail_replica(replica_id, ReplicaLost(replica_id, reason))
+        logger.warning("engine replica %s lost (%s): %d requests in flight there", replica_id, reason, n)
+        if self._metrics is not None:
+            self._metrics.replicas_lost.inc()
+        loss, self._loss = self._loss, asyncio.get_running_loop().create_future()
+        loss.set_result(replica_id)
 
     async def _generate(self, body, chat: bool, request: Request):
         tenant = getattr(request.state, "tenant", None)
@@ -357,6 +494,8 @@ class OpenAIIngress:
             stream.cancel()
             self._observe_abort()
             raise
+        except ReplicaLost as e:  # and no other replica took it (Resumable)
+            return error(503, f"{e}; request {rid} could not be completed elsewhere", 1)
         except Exception:  # a system error: logged with the request id, this request only
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
@@ -374,6 +513,11 @@ class OpenAIIngress:
                     final = out
                     for line in state.chunks(out, tt or {}):
                         yield line
+            except ReplicaLost as e:  # tokens were sent: it cannot move (Resumable)
+                logger.warning("request %s: %s mid-stream", state.rid, e)
+                for line in fmt.sse_failure(state.rid, 503, f"{e}; request {state.rid} ended mid-stream"):
+                    yield line
+                return
             except Exception:  # headers are gone: report in-band, as vLLM does
                 logger.exception("request %s failed mid-stream", state.rid)
                 for line in fmt.sse_failure(state.rid):
@@ -459,14 +603,29 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
-        # Asks the engine replica (loop alive, every TP worker answers), never cached
-        # info: 503 as vLLM answers when its engine is dead, until Serve has replaced it.
-        try:
-            await asyncio.wait_for(self.engine.health.remote(), HEALTH_TIMEOUT_S)
-        except Exception as e:
-            cause = getattr(e, "cause", None) or e
-            return error(503, f"The engine is unhealthy: {type(cause).__name__}: {cause}"[:500])
-        return Response(status_code=200)
+        # Asks an engine replica (loop alive, every TP worker answers), never cached info:
+        # 503 as vLLM answers when its engine is dead, until Serve has replaced it. A
+        # replica lost while it is asked (its lifeline) is not the answer: a live one is.
+        for attempt in range(MAX_ATTEMPTS):
+            loss = self._loss
+            call = asyncio.ensure_future(self._ask_health())
+            waits = {call} if loss is None else {call, loss}
+            await asyncio.wait(waits, timeout=HEALTH_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                e = call.exception()
+                if e is None:
+                    return Response(status_code=200)
+                if not (loss is not None and loss.done() and attempt + 1 < MAX_ATTEMPTS):
+                    cause = getattr(e, "cause", None) or e
+                    return error(503, f"The engine is unhealthy: {type(cause).__name__}: {cause}"[:500])
+                continue
+            call.cancel()
+            if loss is None or not loss.done():
+                return error(503, f"The engine did not answer within {HEALTH_TIMEOUT_S:.0f} s")
+        return error(503, "engine replicas were lost while they were asked")
+
+    async def _ask_health(self) -> None:
+        await self.engine.health.remote()
 
     @app.get("/metrics")
     async def metrics(self):

@@ -272,6 +272,13 @@ class ServeMetrics:
         self.shed_at_ingress = Counter(PREFIX + "requests_shed_at_ingress",
                                        "429s the ingress answered itself while every replica shed.",
                                        ["model_name"], registry=self.registry).labels(model_name)
+        self.replicas_lost = Counter(PREFIX + "replicas_lost",
+                                     "Engine replicas this front saw die (their lifeline ended).",
+                                     ["model_name"], registry=self.registry).labels(model_name)
+        self.requests_retried = Counter(PREFIX + "requests_retried",
+                                        "Requests tried again on another replica after theirs was lost "
+                                        "before it had sent anything.",
+                                        ["model_name"], registry=self.registry).labels(model_name)
         if kv_sizing:
             self._kv_sizing_gauges(model_name, kv_sizing)
 

@@ -49,9 +49,9 @@ def sse(obj) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def sse_failure(rid: str) -> list[str]:
+def sse_failure(rid: str, status: int = 500, message: str | None = None) -> list[str]:
     """The in-band end of a stream whose headers are gone (as vLLM): an error, then [DONE]."""
-    return [sse(json.dumps(error_body(500, f"internal error in request {rid}"))), SSE_DONE]
+    return [sse(json.dumps(error_body(status, message or f"internal error in request {rid}"))), SSE_DONE]
 
 
 def usage_of(out: RequestOutput) -> UsageInfo:

@@ -113,6 +113,9 @@ class AsyncEngine:
         self._last_step_end = time.monotonic()
         self._step_started: float | None = None
         self._dead: str | None = None  # why this replica can no longer serve
+        # Where the fronts watch this replica's process (cluster/wire/lifeline.py); set by
+        # the Serve replica that owns the Lifeline, None in process.
+        self.lifeline_address: str | None = None
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._stats: dict = stats_snapshot(self.engine.get_stats())
@@ -344,7 +347,7 @@ class AsyncEngine:
             item = await queue.get()
             status = item.status if isinstance(item, QueueStatus) else None
             yield Admission(True, self.replica_id, prompt_token_ids=req.prompt_token_ids, queue=status,
-                            replica_s=time.monotonic() - entered)
+                            replica_s=time.monotonic() - entered, lifeline=self.lifeline_address)
             if isinstance(item, QueueStatus):
                 item = await queue.get()
             while True:  # the outputs go on the channel; wait for the end

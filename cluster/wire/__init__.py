@@ -5,8 +5,9 @@ the executors, in one place that each side imports (and no side imports the othe
     stream.py           a generate() stream's items: Admission, QueueStatus, then outputs
                         (merged when a reader falls behind)
     output_channel.py   the ZMQ channel that carries every step's outputs to an ingress
+    lifeline.py         a replica's liveness as its fronts see it (a TCP line that beats)
     stats.py            the stats snapshot a replica pushes to the /metrics aggregator
-    failures.py         ExecutorDeadError, RequestFailed, EngineDeadError
+    failures.py         ExecutorDeadError, RequestFailed, EngineDeadError, ReplicaLost
 
 Imports: nothing of cluster/ but itself; scheduler/ types at most.
 """

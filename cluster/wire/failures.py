@@ -7,6 +7,9 @@
                                                     names it)
     EngineDeadError     replica -> front            the replica's engine cannot step any
                                                     more (503; Serve replaces the replica)
+    ReplicaLost         front's own                 the replica's process or node is gone
+                                                    (its lifeline, lifeline.py): a request
+                                                    that sent nothing yet is tried again
 """
 
 from __future__ import annotations
@@ -22,3 +25,11 @@ class RequestFailed(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The replica's engine cannot step any more; Serve replaces the replica."""
+
+
+class ReplicaLost(RuntimeError):
+    """The replica serving a request is gone (its lifeline closed or fell silent)."""
+
+    def __init__(self, replica_id: str, reason: str) -> None:
+        super().__init__(f"engine replica {replica_id} was lost: {reason}")
+        self.replica_id = replica_id

@@ -150,6 +150,7 @@ class OutputChannel:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # the engines' SEND_HWM bounds what may queue
         self._sock.setsockopt(zmq.LINGER, 0)
+        self.host = host
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.route = (f"tcp://{host}:{port}", self._key)
         self._streams: dict[str, ChannelStream] = {}
@@ -157,12 +158,30 @@ class OutputChannel:
         self._reader = asyncio.get_running_loop().create_task(self._read())
         self.rejected = 0  # messages whose MAC was wrong
 
+    def listen_on(self, host: str) -> None:
+        """Also listen on ``host`` and give engines that address from now on (the cluster
+        grew past one node: a replica elsewhere cannot reach loopback). Requests already
+        routed keep the address they were given; the old one stays bound."""
+        if host != self.host:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+            self.host, self.route = host, (f"tcp://{host}:{port}", self._key)
+
     def open(self, request_id: str, arrival: float | None = None, on_first=None) -> "ChannelStream":
         """Before the generate call, so no output can come before its stream exists.
         ``arrival``: when the front took the request (time.monotonic); ``on_first(ttft_s)``
         runs when its first output comes."""
         stream = self._streams[request_id] = ChannelStream(self, request_id, arrival, on_first)
         return stream
+
+    def fail_replica(self, replica_id: str, error: Exception) -> int:
+        """``replica_id`` is gone: its streams raise ``error`` after what they got; their
+        Ray streams are cancelled (they would wait for Ray to notice). Returns how many."""
+        streams = [s for s in self._streams.values() if s.replica_id == replica_id]
+        for stream in streams:
+            stream._push(error)
+            if stream._ray is not None:
+                stream._ray.cancel()
+        return len(streams)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -210,13 +229,14 @@ class ChannelStream:
         self._items: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._ray = None
+        self.replica_id: str | None = None  # the replica that admitted it (attach)
         self._done = False
         # Called once, at the first output, when the front gave its arrival time.
         self._arrival, self._on_first = arrival, (on_first if arrival is not None else None)
 
-    def attach(self, ray_stream) -> "ChannelStream":
+    def attach(self, ray_stream, replica_id: str | None = None) -> "ChannelStream":
         """Once the Admission is read: watch the rest of the Ray stream for its end."""
-        self._ray = ray_stream
+        self._ray, self.replica_id = ray_stream, replica_id
         self._channel._spawn(self._watch())
         return self
 

@@ -139,6 +139,9 @@ class Admission:
     # thread, its first step): the ingress subtracts it from its own wait to see how long the
     # request took to reach the replica (cluster/front/door.py FrontLimit).
     replica_s: float = 0.0
+    # "host:port" of the replica's Lifeline (cluster/wire/lifeline.py): the front watches it
+    # to learn at once when the replica's process or node is gone. None: not watched.
+    lifeline: str | None = None
 
 
 class QueueStatus:
