@@ -259,12 +259,22 @@ class LocalCluster:
         self._cluster.shutdown()
 
 
+def _join(address: str, namespace: str) -> None:
+    """This driver joins ``address`` (once). Serve's client of an earlier cluster this
+    process joined is dropped: it would ask that cluster's (gone) controller."""
+    if ray.is_initialized():
+        return
+    from ray.serve.context import _set_global_client
+
+    _set_global_client(None)
+    ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+
+
 def cluster_view(address: str, namespace: str = "serve") -> dict:
     """What a user would check on a cluster, from a driver that joins it: the live nodes,
     every actor's class, state and node, every placement group's state and the node of
     each bundle, and Serve's deployments. JSON-ready (loadtest/cluster_check.py)."""
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, log_to_driver=False, configure_logging=False)
+    _join(address, namespace)
     from ray._private import state
     from ray import serve
 
@@ -292,8 +302,7 @@ def cluster_view(address: str, namespace: str = "serve") -> dict:
 def deploy_config(address: str, config: dict) -> None:
     """``serve deploy CONFIG`` without the dashboard: the same declarative apply (Serve's
     controller starts the changed deployments' new version and drains the old replicas)."""
-    if not ray.is_initialized():
-        ray.init(address=address, namespace="serve", log_to_driver=False, configure_logging=False)
+    _join(address, "serve")
     from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
