@@ -229,7 +229,9 @@ def phase_node_kill(ctx: Ctx) -> dict:
     cluster = ctx.new_cluster(3)
     # 6 streams and 2 whole-response clients: the lost node holds streams that sent tokens
     # and requests that have sent the client nothing.
-    with ctx.server(min_replicas=2, tensor_parallel_size=2) as srv:
+    # max_num_seqs 32: one replica holds the whole load after the loss, so the TTFT after it
+    # shows the routing, not a queue of half the capacity.
+    with ctx.server(min_replicas=2, tensor_parallel_size=2, max_num_seqs=32) as srv:
         view = ctx.view()
         victim_node = _replica_nodes(view)[0]
         groups_before = [g["id"] for g in view["placement_groups"] if g["state"] == "CREATED"]
@@ -260,6 +262,10 @@ def phase_node_kill(ctx: Ctx) -> dict:
         other_replica_failed=len(failures(elsewhere)),
         after_kill=len([r for r in results if r.start_time > kill_t + 0.5]),
         after_kill_failed=len(failures([r for r in results if r.start_time > kill_t + 0.5])),
+        after_kill_errors=sorted({r.error[:160] for r in failures([r for r in results
+                                                                     if r.start_time > kill_t + 0.5])})[:3],
+        slow_after_kill=[(round(r.start_time - kill_t, 2), round(r.ttft, 2), r.replica)
+                         for r in after if r.ttft > 1.0][:8],
         ttft_before_p50_s=round(median([r.ttft for r in before]), 3),
         ttft_after_p50_s=round(median([r.ttft for r in after]), 3),
         ttft_after_p90_s=round(quantile([r.ttft for r in after], 0.9), 3),

@@ -47,7 +47,7 @@ from pagedserve.cluster.front.door import (DASHBOARD_HTML, FrontLimit, LiveReque
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.front.metrics import ServeMetrics
-from pagedserve.cluster.front.lost_replicas import mark_lost
+from pagedserve.cluster.front.lost_replicas import mark_lost, pop_routed, routed_to
 from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response, combined, prompt_logprobs_json
 from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -66,9 +66,9 @@ REPLICA_HEADER = "x-pagedserve-replica"
 REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
 QUEUE_HEADER = "x-pagedserve-queue"  # why-waiting at admission (door.py)
 HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
-# A request still waiting for its Admission when some replica is lost may be waiting on
-# that one (the router does not say where it went): it is tried again if its Admission
-# has not come this long after the loss.
+# A request still waiting for its Admission when some replica is lost, and whose replica
+# the router did not record (routing.py), may be waiting on that one: it is tried again if
+# its Admission has not come this long after the loss.
 ADMIT_AFTER_LOSS_S = 1.5
 MAX_ATTEMPTS = 3  # tries of one request over lost replicas before it fails
 # How often the front looks whether the Ray cluster has grown past one node (its output
@@ -335,11 +335,11 @@ class OpenAIIngress:
         ``template``: what the chat template appends (ChatCompletionRequest.template_mode);
         ``arrival``: when this front took the request (its TTFT starts there). A request
         whose replica is lost before it has sent anything is tried on another (Resumable)."""
-        async def again():
+        async def again(retry: bool = False):
             for attempt in range(MAX_ATTEMPTS):
                 try:
                     return await self._start_once(rid, prompt, params, body, messages, tenant, template,
-                                                  tools, arrival)
+                                                  tools, arrival, retry or attempt > 0)
                 except ReplicaLost as e:
                     if attempt + 1 == MAX_ATTEMPTS:
                         return None, error(503, f"{e}; no replica took the request {rid}", 1)
@@ -350,7 +350,7 @@ class OpenAIIngress:
         async def resume():
             if self._metrics is not None:
                 self._metrics.requests_retried.inc()
-            return await again()
+            return await again(retry=True)
 
         stream, adm = await again()
         if stream is None:
@@ -359,11 +359,14 @@ class OpenAIIngress:
                               lambda a: self._live.placed(rid, a.replica_id))
         return resumable, adm
 
-    async def _start_once(self, rid: str, prompt, params, body, messages, tenant, template, tools, arrival):
+    async def _start_once(self, rid: str, prompt, params, body, messages, tenant, template, tools, arrival,
+                          retry: bool = False):
+        """One try. ``retry``: its replica was lost: the door let it in once already, and
+        its wait so far is the loss's, not a queue's (the front limit does not see it)."""
         who = tenant or DEFAULT_TENANT
         now = time.monotonic()
         # (This request is in the live list already: the others are one fewer.)
-        shed = self._gate.refuse(now, who) or self._limit.refuse(
+        shed = None if retry else self._gate.refuse(now, who) or self._limit.refuse(
             now, len(self._live) - 1, lambda: self._live.tenant_share(tenant))
         if shed is not None:  # every replica is shedding (this tenant): no trip (door.py)
             if self._metrics is not None:
@@ -374,19 +377,20 @@ class OpenAIIngress:
             self._loss = asyncio.get_running_loop().create_future()
             self._bind_checked = now
         elif now - self._bind_checked > BIND_RECHECK_S:
-            self._channel.listen_on(self._channel_host())
+            self._bind_checked = now
+            asyncio.ensure_future(self._recheck_bind())  # a GCS call: never on this loop
         sub = self._channel.open(rid, arrival, self._first_output)
         stream = self.engine.options(stream=True).generate.remote(
             rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
             output_route=self._channel.route)
         try:
-            adm = await self._admission(stream)
+            adm = await self._admission(rid, stream)
         except BaseException as e:
             sub.close()
             if isinstance(e, (asyncio.CancelledError, ReplicaLost)):
                 stream.cancel()
             raise
-        if arrival is not None:  # the wait before the replica: the front limit's signal
+        if arrival is not None and not retry:  # the wait before the replica: the front limit's signal
             now = time.monotonic()
             self._limit.observe(max(0.0, now - arrival - adm.replica_s), now)
         if not adm.accepted:
@@ -402,26 +406,37 @@ class OpenAIIngress:
             raise ReplicaLost(adm.replica_id, "lost before its admission was read")
         return Accumulated(sub.attach(stream, adm.replica_id)), adm
 
-    async def _admission(self, stream):
-        """The stream's first item, unless a replica is lost while it is awaited and it
-        still has not come ADMIT_AFTER_LOSS_S later (then ReplicaLost: try elsewhere)."""
+    async def _admission(self, rid: str, stream):
+        """The stream's first item, unless the replica it was routed to is lost meanwhile
+        (ReplicaLost at once: try elsewhere). Where the router did not say where it went,
+        a loss gives it ADMIT_AFTER_LOSS_S more before it is tried elsewhere."""
         first = asyncio.ensure_future(stream.__anext__())
         try:
-            loss = self._loss
-            await asyncio.wait((first, loss), return_when=asyncio.FIRST_COMPLETED)
-            if not first.done():
-                done, _ = await asyncio.wait((first,), timeout=ADMIT_AFTER_LOSS_S)
-                if not done:
-                    raise ReplicaLost("(unknown)", f"replica {loss.result()} was lost while this request "
-                                      f"waited for its admission")
+            while not first.done():
+                loss = self._loss
+                await asyncio.wait((first, loss), return_when=asyncio.FIRST_COMPLETED)
+                if first.done():
+                    break
+                where = routed_to(rid)
+                if where == loss.result():
+                    raise ReplicaLost(where, "while the request waited for its admission there")
+                if where is None:
+                    done, _ = await asyncio.wait((first,), timeout=ADMIT_AFTER_LOSS_S)
+                    if not done:  # it may have been routed there
+                        raise ReplicaLost(loss.result(), "while a request waited for its admission")
             return first.result()
         finally:
+            pop_routed(rid)
             if not first.done():
                 first.cancel()
 
-    def _channel_host(self) -> str:
-        self._bind_checked = time.monotonic()
-        return bind_host()
+    async def _recheck_bind(self) -> None:
+        try:
+            host = await asyncio.to_thread(bind_host)
+        except Exception:  # the GCS is away: keep the address, look again later
+            logger.debug("bind_host failed", exc_info=True)
+            return
+        self._channel.listen_on(host)
 
     def _watch(self, adm) -> None:
         """Watch the lifeline of a replica this front has not watched yet."""

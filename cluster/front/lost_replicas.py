@@ -23,6 +23,29 @@ LOST_TTL_S = 120.0
 _lock = threading.Lock()
 _lost: dict[str, float] = {}  # replica unique id -> when this process saw it die
 _routers: weakref.WeakSet = weakref.WeakSet()
+# request id -> the replica its generate call was routed to, until its admission is read:
+# a request waiting for its admission on a replica that dies is tried again at once.
+_routed: dict[str, str] = {}
+MAX_ROUTED = 100_000  # bounds what a caller that never pops could leave here
+
+
+def routed(request_id: str, replica_id: str) -> None:
+    """The router sent ``request_id`` to ``replica_id``. Any thread."""
+    with _lock:
+        if len(_routed) >= MAX_ROUTED:
+            _routed.clear()
+        _routed[request_id] = replica_id
+
+
+def pop_routed(request_id: str) -> str | None:
+    """Where ``request_id`` was routed (None: not yet, or unknown), forgetting it."""
+    with _lock:
+        return _routed.pop(request_id, None)
+
+
+def routed_to(request_id: str) -> str | None:
+    with _lock:
+        return _routed.get(request_id)
 
 
 def is_lost(replica_id: str, now: float | None = None) -> bool:

@@ -35,6 +35,14 @@ class LiveReplicaRouter(PowerOfTwoChoicesRequestRouter):
         now = time.monotonic()
         super().update_replicas([r for r in replicas if not lost_replicas.is_lost(r.replica_id.unique_id, now)])
 
+    async def _choose_replica_for_request(self, pending_request, *, is_retry: bool = False):
+        # Serve's hook that resolves a request to its replica: remember where each engine
+        # request went, so the front knows which admissions a lost replica took with it.
+        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        if pending_request.metadata.call_method == "generate" and pending_request.args:
+            lost_replicas.routed(str(pending_request.args[0]), replica.replica_id.unique_id)
+        return replica
+
     def drop_lost(self) -> None:
         now = time.monotonic()
         for replica_id in list(self.curr_replicas):
