@@ -5,8 +5,8 @@ One run of ``python -m pagedserve.loadtest.cluster_check`` in a subprocess: it b
 own multi-node clusters (cluster/ray_utils.py LocalCluster; the suite's session Ray is not
 touched), joins them with ``pagedserve serve --ray-address`` or a ``serve deploy`` apply,
 drives them with httpx and prints one JSON line of figures per phase. The tests below
-assert on those figures. It takes about 4 minutes on 2 cores (marked slow; CI runs it
-with the rest of ``./dev test``).
+assert on those figures. It takes about 4 minutes on 2 cores: marked ``cluster``, it is
+left out of the default run (``./dev test``, CI) and runs with ``./dev test -m cluster``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
