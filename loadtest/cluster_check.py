@@ -282,7 +282,7 @@ def phase_node_kill(ctx: Ctx) -> dict:
                      and out["after_kill_failed"] == 0 and out["replaced_in_s"] is not None
                      and out["replaced_in_s"] <= 60 and out["health_non_200"] == 0
                      and out["groups_left_behind"] == 0 and out["groups_alive"] == 2 and out["workers_alive"] == 4
-                     # Sent after the loss: the usual TTFT, not Serve's ~15 s to notice it
+                     # Sent after the loss: the usual TTFT, not the wait for Serve to notice it
                      # (the replacement's start-up shares this box's 2 cores: the tail grows).
                      and out["ttft_after_p90_s"] <= max(1.0, 3 * out["ttft_before_p50_s"])
                      and out["ttft_after_max_s"] < 5.0)

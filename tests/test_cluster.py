@@ -5,7 +5,7 @@ One run of ``python -m pagedserve.loadtest.cluster_check`` in a subprocess: it b
 own multi-node clusters (cluster/ray_utils.py LocalCluster; the suite's session Ray is not
 touched), joins them with ``pagedserve serve --ray-address`` or a ``serve deploy`` apply,
 drives them with httpx and prints one JSON line of figures per phase. The tests below
-assert on those figures. It takes about 4 minutes on 2 cores: marked ``cluster``, it is
+assert on those figures. It takes minutes (BENCHMARKS.md): marked ``cluster``, it is
 left out of the default run (``./dev test``, CI) and runs with ``./dev test -m cluster``.
 """
 

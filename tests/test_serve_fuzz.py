@@ -127,7 +127,8 @@ def _internals(text: str, sent: str = "") -> bool:
     sent is its echo (an unknown field "monitor.py" is named back), not a leak."""
     if "Traceback" in text or "/work/" in text:
         return True
-    return any(name not in sent for name in re.findall(r"[\w./-]*\.py\b", text))
+    # "messages.3.monitor.py": the field path ends in the name the request sent.
+    return any(name not in sent for name in re.findall(r"[^\s./\\\"']+\.py\b", text))
 
 
 def _stream_beside(base: str, out: list) -> threading.Thread:

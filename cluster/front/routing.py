@@ -5,7 +5,7 @@ replicas this front has seen die (lost_replicas.py).
     lost_replicas.mark_lost(id)          ─▶ LiveReplicaRouter.drop_lost (at once)
 
 Serve's router learns that a replica is gone from the controller, which learns it from
-the GCS, which on a lost node waits for the raylet's missed health checks (about 15 s).
+the GCS, which on a lost node waits for several missed raylet health checks in a row.
 Until then new requests would be routed to the dead replica and wait there.
 
 The router runs in the process that holds the engine handle (the ingress replica), on

@@ -7,7 +7,8 @@ replica is gone, long before Ray does.
                                                        ─▶ on_lost(replica_id)
 
 When a node dies, Ray's control plane marks its actors dead only after the GCS has missed
-the raylet's health checks (about 15 s), and until then a call to a replica there waits.
+several of the raylet's health checks in a row, and until then a call to a replica there
+waits (BENCHMARKS.md, the cluster table, has how long).
 A TCP connection to the replica process says it at once: when the process dies the
 kernel closes its sockets (the front reads EOF); when the machine itself goes away, the
 beats stop and the front gives up after SILENCE_S.
