@@ -227,7 +227,7 @@ async def _health_watch(base: str, stop: asyncio.Event, codes: list) -> None:
 
 def phase_node_kill(ctx: Ctx) -> dict:
     cluster = ctx.new_cluster(3)
-    # 6 streams and 2 whole-response clients: the lost node holds streams that sent tokens
+    # Streams and whole-response requests: the lost node holds streams that sent tokens
     # and requests that have sent the client nothing.
     # max_num_seqs 32: one replica holds the whole load after the loss, so the TTFT after it
     # shows the routing, not a queue of half the capacity.
@@ -250,9 +250,9 @@ def phase_node_kill(ctx: Ctx) -> dict:
     failed_unstarted = [r for r in on_victim if not r.success and r not in in_band]
     retried_streams = [r for r in on_victim if r.success and r.kind != "whole"]
     retried_whole = [r for r in on_victim if r.success and r.kind == "whole"]
-    streams = [r for r in results if r.kind != "whole" and r.success]
-    after = [r for r in streams if r.start_time > kill_t + 0.5]
-    before = [r for r in streams if r.end_time < kill_t]
+    streams = [r for r in results if r.kind != "whole"]
+    after = [r for r in streams if r.start_time > kill_t + 0.5 and r.success]
+    before = [r for r in streams if 0 < r.first_token_time < kill_t]
     out = dict(
         victim_node=victim_node, inflight_at_kill=len(inflight), on_lost_replica=len(on_victim),
         in_band_errors=len(in_band), retried_streams_ok=len(retried_streams),
@@ -266,6 +266,7 @@ def phase_node_kill(ctx: Ctx) -> dict:
                                                                      if r.start_time > kill_t + 0.5])})[:3],
         slow_after_kill=[(round(r.start_time - kill_t, 2), round(r.ttft, 2), r.replica)
                          for r in after if r.ttft > 1.0][:8],
+        victim_replicas=sorted(victim_replicas),
         ttft_before_p50_s=round(median([r.ttft for r in before]), 3),
         ttft_after_p50_s=round(median([r.ttft for r in after]), 3),
         ttft_after_p90_s=round(quantile([r.ttft for r in after], 0.9), 3),
@@ -290,20 +291,22 @@ def phase_node_kill(ctx: Ctx) -> dict:
 
 
 async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster, victim_node: str) -> dict:
-    load = Load(base, clients=8, max_tokens=160, whole=2)
+    # First 8 whole-response requests, long ones, while both replicas are idle: the router
+    # alternates between equal queues, so each replica holds some when the node dies; they
+    # have sent the client nothing, and must be retried, not failed. Then 6 streams.
+    burst = Load(base, clients=8, max_tokens=300, whole=8, seed=1)
+    burst_task = asyncio.ensure_future(burst.run())
+    await asyncio.sleep(0.3)
+    burst.stop()  # each client's one request runs to its end
+    load = Load(base, clients=6, max_tokens=160)
     stop_health = asyncio.Event()
     codes: list = []
     tasks = [asyncio.ensure_future(load.run()), asyncio.ensure_future(_health_watch(base, stop_health, codes))]
-    await asyncio.sleep(6.0)
-    # The replicas of the victim node (by the header of requests they answered).
+    await asyncio.sleep(3.0)
+    # The victim node's replicas: Serve's replica actor names end in the replica id the
+    # engine reports in the x-pagedserve-replica header.
     view = await asyncio.to_thread(ctx.view)
     victims = {a["name"].rsplit("#", 1)[-1] for a in engine_replicas(view) if a["node"] == victim_node}
-    # A burst of whole-response requests just before the kill: those on the lost node have
-    # sent the client nothing, and must be retried, not failed.
-    burst = Load(base, clients=8, max_tokens=120, whole=8, seed=1)
-    burst_task = asyncio.ensure_future(burst.run())
-    await asyncio.sleep(0.5)
-    burst.stop()  # each client's one request runs to its end
     kill_t = time.perf_counter()
     await asyncio.to_thread(cluster.kill, victim_node)
     print(f"  node {victim_node} removed under load (replica {', '.join(sorted(victims))})", flush=True)
@@ -321,9 +324,7 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster, victim_no
     stop_health.set()
     await asyncio.gather(*tasks, burst_task)
     load.results += burst.results
-    victim_ids = {v for v in victims}
-    # Serve's replica actor names end in the replica id the engine reports.
-    return dict(kill_t=kill_t, victim_replicas=victim_ids, results=load.results,
+    return dict(kill_t=kill_t, victim_replicas=victims, results=load.results,
                 replaced_in_s=None if replaced is None else round(replaced, 1),
                 health_checks=len(codes), health_non_200=sum(1 for _, c in codes if c != 200),
                 requests=len(load.results))
