@@ -156,7 +156,8 @@ def check_group_fits(bundles: list[dict[str, float]], strategy: str) -> None:
     if strategy == "STRICT_PACK":
         if not any(_fits(group, t) for t in totals):
             raise ValueError(
-                f"one engine replica's group ({len(bundles) - 1} workers + the replica) needs "
+                f"one engine replica's placement group ({len(bundles)} bundles: its TP workers, and the "
+                f"replica itself under Serve) needs "
                 f"{fmt(group)} on one node (placement_group_strategy STRICT_PACK), but the largest "
                 f"of the {len(nodes)} live nodes has {fmt(largest)}. Lower --tensor-parallel-size, add "
                 f"a node that fits it, or pass --placement-group-strategy PACK to spread the group "
