@@ -80,7 +80,7 @@ def serve_grpc_on_node_ip() -> None:
 
     def add_port(server, address: str):
         # Only on a loopback node: on a real cluster Ray's own choice stands.
-        if address.startswith("[::]:") and ray.is_initialized() and _is_loopback(node_ip()):
+        if address.startswith("[::]:") and ray.is_initialized() and is_loopback(node_ip()):
             address = f"{node_ip()}:{address.rsplit(':', 1)[1]}"
         return original(server, address)
 
@@ -88,11 +88,11 @@ def serve_grpc_on_node_ip() -> None:
     replica.add_port_to_grpc_server = add_port
 
 
-def _is_loopback(ip: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(ip).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        return host == "localhost"
 
 
 def shutdown_ray() -> None:

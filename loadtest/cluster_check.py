@@ -343,29 +343,24 @@ def phase_scale_cycle(ctx: Ctx) -> dict:
 async def _scale_cycle(ctx: Ctx, base: str) -> dict:
     load = Load(base, clients=8, max_tokens=120)
     task = asyncio.ensure_future(load.run())
-    counts = []
-    t0 = time.perf_counter()
+    counts: list[int] = []
 
-    async def running() -> int:
-        view = await asyncio.to_thread(ctx.view)
-        return view["deployments"].get(f"pagedserve/{ENGINE}", {}).get("replicas", {}).get("RUNNING", 0)
+    async def until_running(n: int, timeout: float = 120.0) -> float | None:
+        """Seconds until Serve says ``n`` engine replicas run (None: not within timeout)."""
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout:
+            view = await asyncio.to_thread(ctx.view)
+            counts.append(view["deployments"].get(f"pagedserve/{ENGINE}", {}).get("replicas", {}).get("RUNNING", 0))
+            if counts[-1] == n:
+                return time.perf_counter() - t0
+            await asyncio.sleep(1.0)
+        return None
 
-    up = down = None
-    while time.perf_counter() - t0 < 120:
-        counts.append(await running())
-        if counts[-1] == 2:
-            up = time.perf_counter() - t0
-            break
-        await asyncio.sleep(1.0)
+    up = await until_running(2)
     await asyncio.sleep(3.0)
     load.clients_now = 1  # the load falls: Serve removes a replica with streams on it
     t_low = time.perf_counter()
-    while time.perf_counter() - t_low < 120:
-        counts.append(await running())
-        if counts[-1] == 1:
-            down = time.perf_counter() - t_low
-            break
-        await asyncio.sleep(1.0)
+    down = await until_running(1)
     t_down = time.perf_counter()
     await asyncio.sleep(3.0)
     load.stop()

@@ -84,15 +84,6 @@ def _serve_options(args: argparse.Namespace, max_replicas: int) -> dict:
                 graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s)
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -105,7 +96,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import init_ray
+    from pagedserve.cluster.ray_utils import init_ray, is_loopback
     from pagedserve.cluster.cli.serving_cpu import ServingCPU
     from pagedserve.cluster.app import build_app, resolve_cpu_bind
     from pagedserve.worker.cpu_affinity import pin_this_process
@@ -129,7 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)  # also when started in the background (SIG_IGN)
     try:
-        proxies = args.proxy_location or ("HeadOnly" if _is_loopback(args.host) else "EveryNode")
+        proxies = args.proxy_location or ("HeadOnly" if is_loopback(args.host) else "EveryNode")
         serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=proxies)
         try:
             app = build_app(cfg, **_serve_options(args, max_replicas))
