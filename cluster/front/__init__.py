@@ -7,6 +7,9 @@
     tool_choice.py    what ``tools`` / ``tool_choice`` ask of the engine
     tool_parsers.py   tool calls out of the model's text
     door.py           the shed gate (429 at the door) and the live-request list
+    failover.py       a request whose replica is lost: tried again, or an in-band 503
+    routing.py        Serve's request router minus the replicas this front saw die
+    lost_replicas.py  which replicas this process saw die, and where requests were routed
     edge.py           body size, auth, OpenAI's error JSON for every error
     tenants.py        API keys -> tenants
     metrics.py        /metrics (vLLM's names), the stats aggregator

@@ -9,9 +9,9 @@ failure. The call's first item is the engine's admission decision, so a 400/429 
 or the SSE generator is closed) cancels the engine call, which aborts the request there.
 
 A lost replica (its process or node died: its lifeline, cluster/wire/lifeline.py, ends)
-is routed around at once (cluster/front/routing.py, lost_replicas.py). Its requests that have sent the
-client nothing yet are tried again on another replica (Resumable); a stream that has
-sent tokens ends with an in-band 503 naming the replica.
+is routed around at once (cluster/front/routing.py, lost_replicas.py). Its requests that
+have sent the client nothing yet are tried again on another replica (failover.py); a
+stream that has sent tokens ends with an in-band 503 naming the replica.
 
 /v1/completions: one engine request per prompt of a batch, answered as one response.
 
@@ -47,7 +47,8 @@ from pagedserve.cluster.front.door import (DASHBOARD_HTML, FrontLimit, LiveReque
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers)
 from pagedserve.cluster.front.metrics import ServeMetrics
-from pagedserve.cluster.front.lost_replicas import mark_lost, pop_routed, routed_to
+from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission
+from pagedserve.cluster.front.lost_replicas import mark_lost
 from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response, combined, prompt_logprobs_json
 from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -66,52 +67,10 @@ REPLICA_HEADER = "x-pagedserve-replica"
 REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
 QUEUE_HEADER = "x-pagedserve-queue"  # why-waiting at admission (door.py)
 HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
-# A request still waiting for its Admission when some replica is lost, and whose replica
-# the router did not record (routing.py), may be waiting on that one: it is tried again if
-# its Admission has not come this long after the loss.
-ADMIT_AFTER_LOSS_S = 1.5
-MAX_ATTEMPTS = 3  # tries of one request over lost replicas before it fails
 # How often the front looks whether the Ray cluster has grown past one node (its output
 # channel then listens on the node's address too: ray_utils.bind_host).
 BIND_RECHECK_S = 10.0
 
-
-class Resumable:
-    """One engine request's outputs, carried over to another replica when its replica is
-    lost before any of them reached the client (a stream), or at any point before the
-    response (not streamed: the client has seen nothing). ``again()`` admits it anew:
-    (stream, admission) or (None, error response)."""
-
-    def __init__(self, stream, adm, again, restart_after_output: bool, on_placed) -> None:
-        self._stream, self._again = stream, again
-        self._restart_after_output, self._on_placed = restart_after_output, on_placed
-        self._sent = False
-        self.attempts = 1
-        on_placed(adm)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        while True:
-            try:
-                item = await self._stream.__anext__()
-            except ReplicaLost as e:
-                if (self._sent and not self._restart_after_output) or self.attempts >= MAX_ATTEMPTS:
-                    raise
-                self.attempts += 1
-                logger.warning("%s; trying its request again on another replica (attempt %d)", e, self.attempts)
-                stream, adm = await self._again()
-                if stream is None:
-                    raise e
-                self._stream = stream
-                self._on_placed(adm)
-                continue
-            self._sent = True
-            return item
-
-    def cancel(self) -> None:
-        self._stream.cancel()
 
 app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
 install_error_handlers(app)
@@ -384,7 +343,7 @@ class OpenAIIngress:
             rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
             output_route=self._channel.route)
         try:
-            adm = await self._admission(rid, stream)
+            adm = await admission(rid, stream, lambda: self._loss)
         except BaseException as e:
             sub.close()
             if isinstance(e, (asyncio.CancelledError, ReplicaLost)):
@@ -405,30 +364,6 @@ class OpenAIIngress:
             stream.cancel()
             raise ReplicaLost(adm.replica_id, "lost before its admission was read")
         return Accumulated(sub.attach(stream, adm.replica_id)), adm
-
-    async def _admission(self, rid: str, stream):
-        """The stream's first item, unless the replica it was routed to is lost meanwhile
-        (ReplicaLost at once: try elsewhere). Where the router did not say where it went,
-        a loss gives it ADMIT_AFTER_LOSS_S more before it is tried elsewhere."""
-        first = asyncio.ensure_future(stream.__anext__())
-        try:
-            while not first.done():
-                loss = self._loss
-                await asyncio.wait((first, loss), return_when=asyncio.FIRST_COMPLETED)
-                if first.done():
-                    break
-                where = routed_to(rid)
-                if where == loss.result():
-                    raise ReplicaLost(where, "while the request waited for its admission there")
-                if where is None:
-                    done, _ = await asyncio.wait((first,), timeout=ADMIT_AFTER_LOSS_S)
-                    if not done:  # it may have been routed there
-                        raise ReplicaLost(loss.result(), "while a request waited for its admission")
-            return first.result()
-        finally:
-            pop_routed(rid)
-            if not first.done():
-                first.cancel()
 
     async def _recheck_bind(self) -> None:
         try:
@@ -487,7 +422,6 @@ class OpenAIIngress:
                                         plan.tools if plan is not None else None, self._live.arrival(rid))
         if stream is None:
             return adm
-        self._live.placed(rid, adm.replica_id)
         # The id as GET /v1/requests/{id} takes it, before a streamed body names it.
         headers = {REPLICA_HEADER: adm.replica_id, REQUEST_ID_HEADER: rid}
         queued = queue_header(adm.queue)
