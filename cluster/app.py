@@ -50,6 +50,10 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
 # The slowest decode a draining stream is given time for (tokens/s, one stream): a
 # replica leaving waits only as long as its streams still need; this bounds a stuck one.
 GRACE_TOKENS_PER_S = 10.0
+# How often a leaving replica checks whether its last request has ended. Serve sleeps one
+# period before the first check (2 s by default): an idle replica would wait that long on
+# every scale-down, rolling update and delete.
+DRAIN_POLL_S = 0.25
 
 
 def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
@@ -230,6 +234,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
         grace = max(30.0, (engine_config.max_model_len or 2048) / GRACE_TOKENS_PER_S)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
                                 graceful_shutdown_timeout_s=float(grace),
+                                graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
                                 # The front routes around replicas it saw die (routing.py).
                                 request_router_config=dict(request_router_class=ROUTER_PATH),
                                 # Serve replaces a replica after 3 failed checks in a row: a
@@ -295,13 +300,14 @@ def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: 
     engine_opts = engine_deployment_options(engine_config, **serve_opts)
     if ray.is_initialized() and "placement_group_bundles" in engine_opts:  # refused now, not pending for good
         check_group_fits(engine_opts["placement_group_bundles"], engine_opts["placement_group_strategy"])
-    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator",
-                                              ray_actor_options=on_head).bind()
+    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator", ray_actor_options=on_head,
+                                              graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind()
     engine = EngineDeployment.options(
         name=name_prefix + "EngineDeployment",
         **engine_opts).bind(
             engine_config, stats, all_cores=int(serve_options(serve_opts)["max_replicas"]) == 1)
-    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress", ray_actor_options=on_head).bind(
+    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress", ray_actor_options=on_head,
+                                 graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind(
         engine, stats, ingress_config)
 
 

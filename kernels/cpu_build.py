@@ -36,6 +36,15 @@ logger = logging.getLogger(__name__)
 
 FLOCK_NAME = "pagedserve.flock"
 
+# What every extension takes of torch: at::Tensor (as torch::Tensor), pybind11 with torch's
+# Tensor caster; each source adds what else it uses (ATen/Parallel.h). load_inline puts
+# torch/extension.h first unless told not to: all of libtorch's C++ API (torch::nn,
+# autograd, serialization), whose parsing was most of every build.
+PRELUDE = """#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+namespace torch { using at::Tensor; }
+"""
+
 
 @functools.lru_cache(maxsize=1)
 def cpu_kind_tag() -> str:
@@ -81,8 +90,9 @@ def load_cpu_extension(name: str, source: str, extra_cflags: list[str], extra_ld
             if os.path.exists(stale):
                 logger.warning("Removing %s: a stale torch build lock (its holder died mid-load).", stale)
                 os.unlink(stale)
-            mod = load_inline(name=name, cpp_sources=source, functions=None, extra_cflags=extra_cflags,
-                              extra_ldflags=extra_ldflags, build_directory=build_dir, verbose=False)
+            mod = load_inline(name=name, cpp_sources=PRELUDE + source, functions=None, extra_cflags=extra_cflags,
+                              extra_ldflags=extra_ldflags, build_directory=build_dir, verbose=False,
+                              no_implicit_headers=True)
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
     took = time.monotonic() - t0

@@ -33,7 +33,6 @@ from .cpu_kv_dequant import DEQUANT_SOURCE
 from .kv_quant import INV_QMAX
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>

@@ -23,7 +23,6 @@ import torch
 from .cpu_build import LazyExtension
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>

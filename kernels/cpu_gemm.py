@@ -32,7 +32,6 @@ from .cpu_build import LazyExtension
 PANEL = 16  # output columns per panel: one 512-bit vector of fp32
 
 _SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 

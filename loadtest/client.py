@@ -9,8 +9,11 @@ TTFT is to the first chunk that carries text or tokens; ITL is the gap between
 consecutive such chunks (a chunk may hold several tokens when the server batches
 deltas, exactly as in vLLM's tool). Output tokens come from the final ``usage`` chunk
 (``stream_options.include_usage``), falling back to counting chunks. A cancellation
-closes the stream after ``cancel_after`` chunks: the server sees the disconnect and
-must abort the request and free its KV blocks.
+closes the stream after ``cancel_after`` tokens: the server sees the disconnect and
+must abort the request and free its KV blocks. A request that is cut asks for
+``return_token_ids`` (vLLM's field), so a chunk that holds several tokens counts them all:
+counted in chunks, a loaded server that batches deltas would reach ``max_tokens`` first
+and the cancellation would never happen.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def completion_payload(spec: RequestSpec, model: str, extra: dict | None = None)
         body["seed"] = 0
     if spec.cache_salt is not None:
         body["cache_salt"] = spec.cache_salt
+    if spec.cancel_after is not None or spec.stop_after is not None:
+        body["return_token_ids"] = True  # the cut counts tokens (module doc)
     body.update(extra or {})
     return body
 
@@ -70,7 +75,7 @@ async def send_completion(client: httpx.AsyncClient, base_url: str, spec: Reques
                           extra_body: dict | None = None, timeout: float = 600.0,
                           live: dict[str, int] | None = None, max_retries: int = 0) -> RequestResult:
     """Send ``spec``; never raises for server or network errors (they land in ``error``).
-    ``live[request_id]`` (if given) tracks chunks received so far on choice 0. A 429
+    ``live[request_id]`` (if given) tracks tokens received so far on choice 0. A 429
     (overloaded) is retried up to ``max_retries`` times after the server's Retry-After (or
     0.5 s, doubling), as the OpenAI SDK does; latencies count from the first attempt."""
     start = time.perf_counter()
@@ -125,7 +130,7 @@ async def _send_once(client, base_url, spec, model, extra_body, timeout, live, s
                     idx = int(choice.get("index", 0))
                     now = time.perf_counter()
                     if idx < len(chunks):
-                        chunks[idx] += 1
+                        chunks[idx] += len(choice.get("token_ids") or ()) or 1
                     if idx == 0:
                         if live is not None:
                             live[spec.request_id] = chunks[0]

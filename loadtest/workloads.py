@@ -37,9 +37,9 @@ class RequestSpec:
     max_tokens: int
     n: int = 1
     ignore_eos: bool = True
-    # Cancel (close the stream) after this many chunks: the server must abort and free KV.
+    # Cancel (close the stream) after this many tokens: the server must abort and free KV.
     cancel_after: int | None = None
-    # Client-side stop after this many chunks, counted as a success: emulates a stop
+    # Client-side stop after this many tokens, counted as a success: emulates a stop
     # condition the server cannot see in advance (max_tokens asked large, output short).
     stop_after: int | None = None
     parent: int | None = None  # index of the request that must finish first (multi-turn)

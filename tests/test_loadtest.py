@@ -125,6 +125,35 @@ def test_metrics_have_vllm_names_and_exact_values():
         parse_goodput(["latency:5"])
 
 
+def test_a_cut_counts_tokens_when_the_server_batches_deltas():
+    """A loaded server sends several tokens per chunk; a cancellation at half of max_tokens
+    must still happen (counted in chunks it never would: 12 tokens arrive in 4 chunks)."""
+    import asyncio
+
+    import httpx
+
+    from pagedserve.loadtest.client import send_completion
+    from pagedserve.loadtest.workloads import RequestSpec
+
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        chunks = [{"choices": [{"index": 0, "text": "abc", "token_ids": [i, i + 1, i + 2]}]} for i in range(0, 12, 3)]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def go(spec):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await send_completion(client, "http://server", spec, "m")
+
+    cut = asyncio.run(go(RequestSpec("c", [5, 6], 2, 12, cancel_after=6)))
+    assert sent[-1]["return_token_ids"] is True
+    assert cut.cancelled and not cut.success and cut.output_len == 6
+    whole = asyncio.run(go(RequestSpec("w", [5, 6], 2, 12)))
+    assert "return_token_ids" not in sent[-1] and whole.success and whole.output_len == 12
+
+
 def test_scraper_reads_pagedserve_exposition_and_vllm_names():
     from pagedserve.cluster.front.metrics import ServeMetrics, StatsAggregator
 
