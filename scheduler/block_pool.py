@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pagedserve.scheduler.kv_cache_utils import BlockKey
+from pagedserve.scheduler.kv_events import KVEventLog
 
 
 class KVCacheBlock:
@@ -107,6 +108,8 @@ class BlockPool:
         # uncached; only the first copy is indexed.
         self.cached_block_hash_to_block: dict[BlockKey, KVCacheBlock] = {}
         self._next_node_id = 1  # 0 is the trie root (kv_cache_utils.ROOT_NODE_ID)
+        # Set by a replica whose prefixes a router follows (kv_events.py); None: no events.
+        self.kv_events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,6 +139,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if self.cached_block_hash_to_block.get(block.block_key) is block:
             del self.cached_block_hash_to_block[block.block_key]
+            if self.kv_events is not None:
+                self.kv_events.removed(block.block_hash)
         # Children keyed under this node id become unreachable; node ids are never
         # reused, so they can only miss, never match a different prefix.
         block.block_key = None
@@ -177,6 +182,8 @@ class BlockPool:
         block.node_id = self._next_node_id
         self._next_node_id += 1
         self.cached_block_hash_to_block[key] = block
+        if self.kv_events is not None:
+            self.kv_events.stored(block_hash)
         return block.node_id
 
     def reset_prefix_cache(self) -> bool:
@@ -188,4 +195,6 @@ class BlockPool:
             block.block_hash = None
             block.node_id = 0
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True

@@ -1,0 +1,100 @@
+"""KV events (scheduler/kv_events.py): a subscriber that applies a replica's batches holds
+exactly the prefixes the replica's cache holds, and matches a prompt's leading blocks as
+the replica's own lookup does. Block size 4, as in test_kv_cache_manager."""
+
+import random
+
+from pagedserve.scheduler import CacheConfig, KVCacheManager, Request, SamplingParams
+from pagedserve.scheduler.kv_cache_utils import extend_block_hashes
+from pagedserve.scheduler.kv_events import REMOVED, STORED, KVEventBatch, KVEventLog, KVView
+
+
+def manager(num_blocks=8) -> KVCacheManager:
+    kv = KVCacheManager(CacheConfig(num_blocks=num_blocks, block_size=4, watermark=0.0), max_model_len=64)
+    kv.block_pool.kv_events = KVEventLog()
+    return kv
+
+
+def req(rid, tokens, salt=None, tenant=None) -> Request:
+    r = Request(rid, tokens, SamplingParams(max_tokens=4), cache_salt=salt)
+    r.cache_tenant = tenant
+    return r
+
+
+def compute(kv: KVCacheManager, r: Request, n: int) -> None:
+    assert kv.allocate_slots(r, n) is not None
+    r.num_computed_tokens += n
+    kv.cache_full_blocks(r)
+
+
+def cached_hashes(kv: KVCacheManager) -> set[int]:
+    return {b.block_hash for b in kv.block_pool.cached_block_hash_to_block.values()}
+
+
+def test_stores_and_evictions_arrive_in_order_and_a_reset_clears():
+    kv = manager(num_blocks=4)
+    log = kv.block_pool.kv_events
+    assert log.take() is None  # nothing happened
+    a = req("a", list(range(9)))
+    compute(kv, a, 9)  # blocks 0, 1 full and cached, 2 partial
+    batch = log.take()
+    assert batch.seq == 1 and not batch.cleared
+    assert batch.events == [(STORED, a.block_hashes[0]), (STORED, a.block_hashes[1])]
+    kv.free(a)
+    b = req("b", list(range(100, 116)))
+    compute(kv, b, 16)  # takes all 4 blocks: a's two cached blocks are evicted
+    batch = log.take()
+    assert batch.seq == 2
+    removed = [h for kind, h in batch.events if kind == REMOVED]
+    stored = [h for kind, h in batch.events if kind == STORED]
+    assert sorted(removed) == sorted(a.block_hashes[:2]) and stored == b.block_hashes[:4]
+    kv.free(b)
+    assert kv.block_pool.reset_prefix_cache()
+    batch = log.take()
+    assert batch.seq == 3 and batch.cleared and batch.events == []
+
+
+def test_a_subscriber_follows_a_random_workload_exactly_and_resyncs_after_a_gap():
+    rng = random.Random(0)
+    kv = manager(num_blocks=12)
+    log = kv.block_pool.kv_events
+    view = KVView()
+    assert not view.apply(KVEventBatch(seq=1))  # no snapshot yet: every batch is a gap
+    view.reset(log.snapshot(kv.block_pool))
+    live: list[Request] = []
+    prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
+    for i in range(200):
+        if live and (len(live) > 2 or rng.random() < 0.4):
+            kv.free(live.pop(rng.randrange(len(live))))
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+            r = req(f"r{i}", tokens, salt=rng.choice([None, "s"]))
+            hit, n = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, len(tokens) - n, hit, n) is None:
+                continue
+            r.num_computed_tokens = len(tokens)
+            kv.cache_full_blocks(r)
+            live.append(r)
+        batch = log.take()
+        if batch is not None and i % 37 != 5:  # every 37th batch is lost on the way
+            if not view.apply(batch):
+                view.reset(log.snapshot(kv.block_pool))  # the gap is seen at the next batch
+        if view.seq == log.seq:
+            assert view.hashes == cached_hashes(kv), i
+            # The view matches a prompt's leading blocks as the replica's lookup does.
+            probe = req("p", rng.choice(prefixes) + [1, 2, 3, 4, 5], salt=rng.choice([None, "s"]))
+            full = (len(probe.all_token_ids) - 1) // 4
+            assert view.matched_blocks(extend_block_hashes(probe, 4)[:full]) * 4 == kv.get_computed_blocks(probe)[1]
+
+
+def test_a_tenant_never_matches_another_tenants_prefix():
+    kv = manager()
+    compute(kv, req("a", list(range(12)), tenant="acme"), 12)
+    view = KVView()
+    view.reset(kv.block_pool.kv_events.snapshot(kv.block_pool))
+    same = extend_block_hashes(req("x", list(range(12)), tenant="acme"), 4)
+    other = extend_block_hashes(req("y", list(range(12)), tenant="globex"), 4)
+    untenanted = extend_block_hashes(req("z", list(range(12))), 4)
+    assert view.matched_blocks(same) == 3
+    assert view.matched_blocks(other) == 0 and view.matched_blocks(untenanted) == 0
+
