@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
         return item.nodeid.split("::")[0]
 
     ray_files = {file_of(i) for i in items if "ray_session" in getattr(i, "fixturenames", ())}
-    for item in items:
+    for item in items if config.pluginmanager.hasplugin("xdist") else ():
         item.add_marker(pytest.mark.xdist_group("ray" if file_of(item) in ray_files else file_of(item)))
     items.sort(key=lambda item: file_of(item) not in ray_files)
 
