@@ -4,6 +4,8 @@ the replica's own lookup does. Block size 4, as in test_kv_cache_manager."""
 
 import random
 
+import pytest
+
 from pagedserve.scheduler import CacheConfig, KVCacheManager, Request, SamplingParams
 from pagedserve.scheduler.kv_cache_utils import extend_block_hashes
 from pagedserve.scheduler.kv_events import REMOVED, STORED, KVEventBatch, KVEventLog, KVView
@@ -98,3 +100,70 @@ def test_a_tenant_never_matches_another_tenants_prefix():
     assert view.matched_blocks(same) == 3
     assert view.matched_blocks(other) == 0 and view.matched_blocks(untenanted) == 0
 
+
+
+def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
+    """The wire (cluster/wire/kv_events.py), real sockets on 127.0.0.1: a subscriber that
+    joins mid-run gets a snapshot, and one whose batch was lost resubscribes and gets one."""
+    import time
+
+    from pagedserve.cluster.wire.kv_events import KVEventPublisher, KVEventSubscriber, decode, encode_batch
+
+    kv = manager(num_blocks=12)
+    log = kv.block_pool.kv_events
+    pub = KVEventPublisher("127.0.0.1")
+    subs = [KVEventSubscriber(pub.address)]
+    rng = random.Random(1)
+    live: list[Request] = []
+
+    def step(i):
+        if live and rng.random() < 0.4:
+            kv.free(live.pop(0))
+        else:
+            r = req(f"r{i}", [rng.randrange(20) for _ in range(rng.randrange(4, 14))])
+            hit, n = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, len(r.all_token_ids) - n, hit, n) is not None:
+                r.num_computed_tokens = len(r.all_token_ids)
+                kv.cache_full_blocks(r)
+                live.append(r)
+
+    def settle():
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            pub.pump(log, kv.block_pool, waiting_tokens=7)
+            for s in subs:
+                s.poll()
+            if all(s.view.seq == log.seq and s.view.hashes == cached_hashes(kv) for s in subs):
+                return
+            time.sleep(0.01)
+        raise AssertionError([(s.view.seq, log.seq) for s in subs])
+
+    try:
+        for i in range(30):
+            step(i)
+            pub.pump(log, kv.block_pool, waiting_tokens=7)
+        settle()  # the first subscriber's snapshot came at a pump after it joined
+        subs.append(KVEventSubscriber(pub.address))  # a late joiner
+        for i in range(30, 60):
+            step(i)
+            pub.pump(log, kv.block_pool, waiting_tokens=7)
+            for s in subs:
+                s.poll()
+        settle()
+        step(60)
+        while log.take() is None:  # a batch that never arrives
+            step(61)
+        for i in range(62, 70):
+            step(i)
+            pub.pump(log, kv.block_pool, waiting_tokens=7)
+        settle()
+        assert subs[0].waiting_tokens == 7
+    finally:
+        for s in subs:
+            s.close()
+        pub.close()
+    # A message that is not the replica's is refused before it touches a view.
+    with pytest.raises(ValueError):
+        decode(b"\x00" * 5)
+    with pytest.raises(ValueError):
+        decode(encode_batch(KVEventBatch(1, False, [(STORED, 5)]), 0)[:-1])
