@@ -154,7 +154,9 @@ class EngineDeployment:
         sink = None if stats is None else (lambda rid, snap: stats.report.remote(rid, snap))
         if all_cores:  # the only engine replica: its ranks may use the node's cores
             engine_config = cpu_threads(engine_config)
-        self.core = AsyncEngine(engine_config, stats_sink=sink, replica_id=replica_id)
+        # Several replicas: publish the prefix cache's changes for KV-aware routing.
+        self.core = AsyncEngine(engine_config, stats_sink=sink, replica_id=replica_id,
+                                kv_events_host=None if all_cores else bind_host())
         # The fronts' line to this process: they learn at once when it or its node dies.
         self._lifeline = Lifeline(bind_host())
         self.core.lifeline_address = self._lifeline.address
@@ -176,6 +178,11 @@ class EngineDeployment:
 
     def info(self) -> dict:
         return self.core.info()
+
+    def record_routing_stats(self) -> dict:
+        """What Serve hands the fronts' routers as this replica's ``routing_stats``: where
+        it publishes its prefix cache's changes (None with one replica)."""
+        return {"kv_events": self.core.kv_events_address}
 
     def stats(self) -> dict:
         return self.core.stats()

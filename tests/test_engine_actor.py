@@ -131,3 +131,45 @@ def test_bad_request_is_400_and_cancel_frees_blocks(model):
     asyncio.run(scenario())
     assert not core.engine.has_unfinished_requests()
     core.shutdown()
+
+
+def test_a_replica_publishes_its_cached_prefixes_to_a_subscriber(model):
+    """With kv_events_host (several replicas can run), the replica publishes its prefix
+    cache's changes each step; a router's subscriber then holds exactly the cache's hashes
+    and matches a later prompt's leading blocks as the replica's lookup does."""
+    import time
+
+    from pagedserve.cluster.wire.kv_events import KVEventSubscriber
+    from pagedserve.scheduler.kv_cache_utils import ROOT_HASH, hash_block_tokens
+
+    core = AsyncEngine(EngineConfig(model=model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+                                    max_num_seqs=2), kv_events_host="127.0.0.1")
+    assert core.kv_events_address.startswith("tcp://127.0.0.1:")
+    assert core.info()["kv_events"] == core.kv_events_address
+    single = _engine(model)
+    assert single.kv_events_address is None  # one replica: nothing published
+    single.shutdown()
+    sub = KVEventSubscriber(core.kv_events_address)
+    prompt = list(range(10, 50))  # 40 tokens: 2 full blocks of 16
+
+    async def scenario():
+        async for _ in generate(core, "a", prompt, _greedy(4)):
+            pass
+        pool = core.engine.scheduler.kv_cache_manager.block_pool
+        cached = {b.block_hash for b in pool.cached_block_hash_to_block.values()}
+        deadline = time.monotonic() + 10
+        while sub.view.hashes != cached:  # the snapshot comes at an idle heartbeat at the latest
+            assert time.monotonic() < deadline, (sub.view.seq, pool.kv_events.seq)
+            sub.poll()
+            await asyncio.sleep(0.05)
+        return cached
+
+    try:
+        cached = asyncio.run(scenario())
+    finally:
+        sub.close()
+        core.shutdown()
+    h0 = hash_block_tokens(ROOT_HASH, tuple(prompt[:16]), None)
+    h1 = hash_block_tokens(h0, tuple(prompt[16:32]), None)
+    assert {h0, h1} <= cached
+    assert sub.view.matched_blocks([h0, h1, hash_block_tokens(h1, (1,) * 16, None)]) == 2

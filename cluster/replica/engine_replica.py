@@ -86,7 +86,7 @@ WORKER_PING_TIMEOUT_S = 5.0
 
 class AsyncEngine:
     def __init__(self, engine_config: EngineConfig, stats_sink=None,
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, kv_events_host: str | None = None) -> None:
         from pagedserve.cluster.engine.llm_engine import LLMEngine
         from pagedserve.cluster.executors import executor_class_for
 
@@ -121,6 +121,17 @@ class AsyncEngine:
         self._stats: dict = stats_snapshot(self.engine.get_stats())
         self._last_push = 0.0
         self._last_pushed: dict | None = None
+        # The prefix cache's changes for the fronts' routers (cluster/wire/kv_events.py),
+        # where more than one replica can run: published from the engine thread each step.
+        self._kv_pub = None
+        pool = self.engine.scheduler.kv_cache_manager.block_pool
+        if kv_events_host is not None and pool.enable_caching:
+            from pagedserve.cluster.wire.kv_events import KVEventPublisher
+            from pagedserve.scheduler.kv_events import KVEventLog
+
+            pool.kv_events = KVEventLog()
+            self._kv_pub = KVEventPublisher(kv_events_host)
+        self.kv_events_address = self._kv_pub.address if self._kv_pub is not None else None
         self._init_status()
 
     # ---------------------------------------------------------------- info
@@ -132,7 +143,8 @@ class AsyncEngine:
                     replica_id=self.replica_id, kv_sizing=getattr(e, "kv_sizing", None),
                     model=e.config.model, model_root=e.model_root,
                     vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
-                    chat_template_tools=renders_tools(e.tokenizer))
+                    chat_template_tools=renders_tools(e.tokenizer),
+                    kv_events=self.kv_events_address)
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
@@ -181,6 +193,11 @@ class AsyncEngine:
             self._last_step_end = now
         else:
             self._last_step_end = time.monotonic()
+        if self._kv_pub is not None:
+            sched = engine.scheduler
+            waiting = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+            self._kv_pub.pump(sched.kv_cache_manager.block_pool.kv_events, sched.kv_cache_manager.block_pool,
+                              waiting)
         return outputs, self._with_view(stats_snapshot(engine.get_stats())), statuses
 
     def _with_token_text(self, out: RequestOutput):
@@ -376,6 +393,8 @@ class AsyncEngine:
     def shutdown(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
+        if self._kv_pub is not None:
+            self._thread.submit(self._kv_pub.close)  # the engine thread owns the socket
         self._tok.shutdown()
         self._router.close()
         if self._dead is not None:
