@@ -13,7 +13,7 @@ import pagedserve  # noqa: F401,E402
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Work units for pytest-xdist's ``--dist loadgroup`` (``./dev test`` runs two workers):
+    """Work units for pytest-xdist's ``--dist loadgroup`` (``./dev test -n 2 --dist loadgroup``):
     every test file with a test on this session's Ray (the ``ray_session`` fixture, directly
     or through ``serve_url``) joins one unit, so one worker starts Ray and Serve once for
     all of them; every other test file is a unit of its own, so a module's fixtures are
