@@ -130,7 +130,7 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
     def settle():
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            pub.pump(log, kv.block_pool, waiting_tokens=7)
+            pub.pump(kv.block_pool, lambda: 7)
             for s in subs:
                 s.poll()
             if all(s.view.seq == log.seq and s.view.hashes == cached_hashes(kv) for s in subs):
@@ -141,12 +141,12 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
     try:
         for i in range(30):
             step(i)
-            pub.pump(log, kv.block_pool, waiting_tokens=7)
+            pub.pump(kv.block_pool, lambda: 7)
         settle()  # the first subscriber's snapshot came at a pump after it joined
         subs.append(KVEventSubscriber(pub.address))  # a late joiner
         for i in range(30, 60):
             step(i)
-            pub.pump(log, kv.block_pool, waiting_tokens=7)
+            pub.pump(kv.block_pool, lambda: 7)
             for s in subs:
                 s.poll()
         settle()
@@ -155,7 +155,7 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
             step(61)
         for i in range(62, 70):
             step(i)
-            pub.pump(log, kv.block_pool, waiting_tokens=7)
+            pub.pump(kv.block_pool, lambda: 7)
         settle()
         assert subs[0].waiting_tokens == 7
     finally:

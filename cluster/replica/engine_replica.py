@@ -195,9 +195,8 @@ class AsyncEngine:
             self._last_step_end = time.monotonic()
         if self._kv_pub is not None:
             sched = engine.scheduler
-            waiting = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-            self._kv_pub.pump(sched.kv_cache_manager.block_pool.kv_events, sched.kv_cache_manager.block_pool,
-                              waiting)
+            self._kv_pub.pump(sched.kv_cache_manager.block_pool,
+                              lambda: sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting))
         return outputs, self._with_view(stats_snapshot(engine.get_stats())), statuses
 
     def _with_token_text(self, out: RequestOutput):

@@ -18,6 +18,7 @@ which costs cache hits, not correctness.
 from __future__ import annotations
 
 import struct
+from typing import Callable
 
 import zmq
 
@@ -66,12 +67,14 @@ class KVEventPublisher:
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
 
-    def pump(self, log, block_pool, waiting_tokens: int) -> None:
-        """After a step (or on an idle heartbeat): publish the batch since the last pump,
-        then a snapshot if anyone (re)subscribed since."""
+    def pump(self, block_pool, waiting_tokens: Callable[[], int]) -> None:
+        """After a step (or on an idle heartbeat): publish the batch of
+        ``block_pool.kv_events`` since the last pump, then a snapshot if anyone
+        (re)subscribed since. ``waiting_tokens()`` is called only when something is sent."""
+        log = block_pool.kv_events
         batch = log.take()
         if batch is not None:
-            self._send(encode_batch(batch, waiting_tokens))
+            self._send(encode_batch(batch, waiting_tokens()))
         wanted = False
         while True:
             try:
@@ -80,7 +83,7 @@ class KVEventPublisher:
                 break
             wanted |= msg[:1] == b"\x01"  # a subscription (b"\x00": one left)
         if wanted:
-            self._send(encode_snapshot(log.snapshot(block_pool), waiting_tokens))
+            self._send(encode_snapshot(log.snapshot(block_pool), waiting_tokens()))
 
     def _send(self, payload: bytes) -> None:
         try:
