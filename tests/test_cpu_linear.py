@@ -133,6 +133,7 @@ def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
     from pagedserve.worker.random_models import make_test_model
 
     monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         chosen = apply_cpu_linear_backend(_model(make_test_model("llama-mha", tmp_path)))
     assert chosen in ("aten", "onednn", "panel")
@@ -140,6 +141,34 @@ def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
     assert msg.startswith(f"CPU linear backend: {chosen} (probe: aten M=1 ") and "; onednn M=1 " in msg
     assert "onednn/aten time" in msg
     assert ("; panel M=1 " in msg and "panel/aten time" in msg) == cpu_gemm.available()
+
+
+def test_the_probe_runs_once_per_machine_kind_and_model_shape(tmp_path, monkeypatch):
+    from pagedserve.worker.layers import cpu_backend
+    from pagedserve.worker.random_models import make_test_model
+
+    monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    probes = []
+    real = cpu_backend.probe_linear_backends
+    monkeypatch.setattr(cpu_backend, "probe_linear_backends", lambda *a, **k: probes.append(1) or real(*a, **k))
+    model = _model(make_test_model("llama-mha", tmp_path / "a"))
+    first = cpu_backend.choose_cpu_linear_backend(model)
+    assert len(probes) == 1 and (tmp_path / "cache" / "cpu-linear-v1.json").exists()
+    assert cpu_backend.choose_cpu_linear_backend(_model(make_test_model("llama-mha", tmp_path / "b"))) == first
+    assert len(probes) == 1  # the same shapes on the same machine: read back, same choice, same timings
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        cpu_backend.choose_cpu_linear_backend(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(probes) == 2  # another thread count times differently: probed anew
+    cpu_backend.choose_cpu_linear_backend(_model(make_test_model("qwen2-tied", tmp_path / "c")))
+    assert len(probes) == 3  # other weight shapes
+    (tmp_path / "cache" / "cpu-linear-v1.json").write_text("{not json")
+    cpu_backend.choose_cpu_linear_backend(model)
+    assert len(probes) == 4  # a damaged file is probed over, not an error
 
 
 @needs_panel

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -79,6 +80,17 @@ class Worker:
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
+        builds = []
+        if self.device.type == "cpu" and os.environ.get("PAGEDSERVE_CPU_EXT", "1") != "0":
+            # Build (first time on a machine kind, slow) or load the C++ kernels now, while the
+            # engine starts, not inside the first request's forward pass: side by side (each
+            # build is its own compiler process) and beside the weight load.
+            from pagedserve.kernels import cpu_decode_attention, cpu_fused, cpu_gemm
+
+            builds = [threading.Thread(target=ready, name="cpu-ext-build", daemon=True)
+                      for ready in (cpu_gemm.available, cpu_decode_attention.available, cpu_fused.available)]
+            for t in builds:
+                t.start()
         self.model_config = ModelConfig.from_pretrained(
             self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
         backend = self.config.attention_backend
@@ -87,16 +99,12 @@ class Worker:
 
             backend = resolve_attention_backend("auto", self.device)
         model = load_model(self.model_config, self.device, attention_backend=backend)
+        for t in builds:
+            t.join()  # before the linear probe, which must not time a machine busy compiling
         if self.device.type == "cpu":
             from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
 
             self.cpu_linear_backend = apply_cpu_linear_backend(model)
-            # Build (first time on a machine, slow) or load the C++ kernels now, while the
-            # engine starts, not inside the first request's forward pass.
-            from pagedserve.kernels import cpu_decode_attention, cpu_fused
-
-            cpu_decode_attention.available()
-            cpu_fused.available()
         budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
                                   device=self.device, seed=self.config.seed, max_num_seqs=self.config.max_num_seqs,

@@ -9,7 +9,11 @@
     PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
 
 The probe is short and its result is logged with the timings, so a
-figure in BENCHMARKS.md can be traced to the kernel that produced it. A packed backend
+figure in BENCHMARKS.md can be traced to the kernel that produced it. Its timings are kept in
+$PAGEDSERVE_CACHE/cpu-linear-v1.json, keyed by everything that decides them (the CPU model and
+its vector units, torch's version and thread count, the dtype and the probed weights' shapes):
+the next start of the same model on the same kind of machine reads them instead of probing
+again. Delete the file to probe anew. A packed backend
 needs a 5% margin over aten to win (its mean time ratio <= 0.95): a probe on a busy
 machine is noisy, and near-ties go to plain F.linear, the path transformers itself runs.
 The panel weights are allocated in transparent huge pages (worker/cpu_memory.py;
@@ -18,8 +22,11 @@ The panel weights are allocated in transparent huge pages (worker/cpu_memory.py;
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import tempfile
 
 import torch
 from torch import nn
@@ -27,6 +34,7 @@ from torch import nn
 from pagedserve.kernels.cpu_linear import (BACKENDS, onednn_available, panel_available, probe_linear_backends,
                                            relative_time)
 from pagedserve.worker import cpu_memory
+from pagedserve.worker.demo import cache_root
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import PackableLinear
 
@@ -70,10 +78,58 @@ def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) ->
         total += m.weight.numel() * m.weight.element_size()
         if total >= _PROBE_BYTES:
             break
-    timings = probe_linear_backends(weights, alloc=_huge_page_alloc)
+    timings = _cached_probe(weights)
     ratios = {name: relative_time(timings, name) for name in timings if name != "aten"}
     best = min(ratios, key=ratios.__getitem__)
     return (best if ratios[best] <= _MARGIN else "aten"), timings
+
+
+_PROBE_CACHE = "cpu-linear-v1.json"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _probe_key(weights: list[torch.Tensor]) -> str:
+    """What the timings depend on; a different machine kind, torch or model shape probes anew."""
+    parts = [_cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
+             str(weights[0].dtype), str(onednn_available()), str(panel_available(weights[0].dtype)),
+             ";".join("x".join(map(str, w.shape)) for w in weights)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _cached_probe(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
+    path = os.path.join(cache_root(), _PROBE_CACHE)
+    key = _probe_key(weights)
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        entries = {}
+    if isinstance(entries, dict) and isinstance(entries.get(key), dict):
+        logger.info("CPU linear probe read from %s", path)
+        return {name: {int(m): float(t) for m, t in per_m.items()} for name, per_m in entries[key].items()}
+    timings = probe_linear_backends(weights, alloc=_huge_page_alloc)
+    entries = entries if isinstance(entries, dict) else {}
+    entries[key] = timings
+    try:  # atomic: replicas starting together each write a whole file
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cpu-linear-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("CPU linear probe not cached (%s)", e)
+    return timings
 
 
 def apply_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> str:
