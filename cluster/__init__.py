@@ -6,7 +6,9 @@ one sub-package per process or layer, in the order a request walks them
     front/      the HTTP front (Ray Serve ingress): routes, schemas, OpenAI formatting,
                 tool parsing, the door (shedding, live requests), /metrics
     replica/    the engine replica (the scheduler actor): step loop thread, admission,
-                tokenizer pool, health, live view
+                health, live view
+    text/       a prompt's text to token ids (chat template, tokenizer pool), in the
+                replica and, with several replicas, in the front for its router
     engine/     the engine loop itself (LLMEngine, step containment, detokenizer), ray-free
     executors/  how the loop reaches its workers: in-process, or a TP group of Ray worker
                 actors with the ZMQ plan broadcast
@@ -19,6 +21,6 @@ one sub-package per process or layer, in the order a request walks them
     ray_utils.py  Ray on loopback, placement groups, Serve's quirks
 
 Only front/, replica/, executors/, app.py and ray_utils.py import ray. The front and the
-replica meet only through wire/; the engine loop and the executors never import each
+replica meet only through wire/ (and share text/); the engine loop and the executors never import each
 other.
 """

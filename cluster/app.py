@@ -21,10 +21,11 @@ from ray import serve
 
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.front.metrics import StatsAggregator
-from pagedserve.cluster.front.routing import ROUTER_PATH
+from pagedserve.cluster.front.routing import ROUTERS
 from pagedserve.cluster.ray_utils import (ON_HEAD_NODE, PLACEMENT_STRATEGIES, bind_host, check_group_fits,
                                           serve_grpc_on_node_ip, tp_bundles)
 from pagedserve.cluster.wire.lifeline import Lifeline
+from pagedserve.cluster.wire.request import GenerateRequest
 from pagedserve.config import EngineConfig
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, plan_auto
 
@@ -46,7 +47,10 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     placement_group_strategy="STRICT_PACK",
     # How long a replica being removed (scale-down, update) may take to finish its
     # streams; None: long enough for a max_model_len stream at GRACE_TOKENS_PER_S.
-    graceful_shutdown_timeout_s=None)
+    graceful_shutdown_timeout_s=None,
+    # How the front picks an engine replica (cluster/front/routing.py ROUTERS): "kv", "prefix"
+    # or "pow2"; None: "kv" where more than one replica can run, else "pow2".
+    request_router=None)
 # The slowest decode a draining stream is given time for (tokens/s, one stream): a
 # replica leaving waits only as long as its streams still need; this bounds a stuck one.
 GRACE_TOKENS_PER_S = 10.0
@@ -163,13 +167,11 @@ class EngineDeployment:
         info = self.core.info()
         logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
 
-    async def generate(self, request_id, prompt, params, priority=0, cache_salt=None,
-                       messages=None, add_generation_prompt=True, tenant=None, tools=None, *,
-                       output_route):
+    async def generate(self, req: GenerateRequest, *, output_route):
         """The request's lifeline (AsyncEngine.generate): its Admission, then its end or
         failure; the outputs take the ingress's channel (cluster/wire/output_channel.py)."""
-        async for item in self.core.generate(request_id, prompt, params, priority, cache_salt,
-                                             messages, add_generation_prompt, tenant, tools,
+        async for item in self.core.generate(req.request_id, req.prompt, req.params, req.priority, req.cache_salt,
+                                             req.messages, req.add_generation_prompt, req.tenant, req.tools,
                                              output_route=output_route):
             yield item
 
@@ -186,6 +188,11 @@ class EngineDeployment:
 
     def stats(self) -> dict:
         return self.core.stats()
+
+    def tokenizer(self):
+        """The engine's HF tokenizer object, for a front that tokenizes for its router
+        (cluster/front/prompt_tokens.py)."""
+        return self.core.engine.tokenizer
 
     async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
                        add_generation_prompt=True, tools=None) -> list[int]:
@@ -232,6 +239,27 @@ def serve_options(serve_opts: dict[str, Any]) -> dict[str, Any]:
     return {**SERVE_OPTION_DEFAULTS, **{k: v for k, v in serve_opts.items() if v is not None}}
 
 
+def request_router(o: dict[str, Any]) -> str:
+    """The --request-router choice of these (resolved) serve options."""
+    name = o["request_router"] or ("kv" if int(o["max_replicas"]) > 1 else "pow2")
+    if name not in ROUTERS:
+        raise ValueError(f"request_router must be one of {sorted(ROUTERS)}, got {name!r}.")
+    return name
+
+
+def router_config(engine_config: EngineConfig, o: dict[str, Any]) -> dict:
+    """Serve's request_router_config for the engine deployment. Every router routes around
+    the replicas the front saw die (routing.py); the KV router also gets what names a block
+    as the replicas name it, and the replicas' event addresses within a second of their start."""
+    name = request_router(o)
+    cfg: dict[str, Any] = dict(request_router_class=ROUTERS[name])
+    if name == "kv":
+        cfg["request_router_kwargs"] = dict(block_size=engine_config.block_size,
+                                            isolate_tenants=engine_config.isolate_tenant_prefix_cache)
+        cfg["request_routing_stats_period_s"] = 1.0
+    return cfg
+
+
 def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) -> dict:
     o = serve_options(serve_opts)
     tp = engine_config.tensor_parallel_size
@@ -242,8 +270,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
                                 graceful_shutdown_timeout_s=float(grace),
                                 graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
-                                # The front routes around replicas it saw die (routing.py).
-                                request_router_config=dict(request_router_class=ROUTER_PATH),
+                                request_router_config=router_config(engine_config, o),
                                 # Serve replaces a replica after 3 failed checks in a row: a
                                 # dead worker costs ~3 periods before the new replica starts.
                                 health_check_period_s=2, health_check_timeout_s=15)
@@ -302,7 +329,8 @@ def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: 
     ingress_config = IngressConfig.from_options(
         serve_opts.pop("api_key", None), serve_opts.pop("max_request_body_bytes", None),
         api_keys={k: v.tenant for k, v in keys.items()},
-        allow_tenant_header=serve_opts.pop("allow_tenant_header", False))
+        allow_tenant_header=serve_opts.pop("allow_tenant_header", False),
+        tokenize_for_router=request_router(serve_options(serve_opts)) == "kv")
     on_head = {"num_cpus": 0, "resources": dict(ON_HEAD_NODE)}
     engine_opts = engine_deployment_options(engine_config, **serve_opts)
     if ray.is_initialized() and "placement_group_bundles" in engine_opts:  # refused now, not pending for good

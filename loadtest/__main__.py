@@ -96,7 +96,7 @@ def bench(args) -> dict:
 # --help with the first line of each one's docstring (read, not imported: no torch, no ray).
 BENCHMARKS = ("loadtest.bench_offline", "loadtest.bench_vs_vllm", "loadtest.bench_scheduler",
               "loadtest.bench_dispatch", "loadtest.bench_frontend", "loadtest.bench_door", "loadtest.bench_structured",
-              "loadtest.bench_kv_quant", "loadtest.bench_kv_dtype", "loadtest.bench_thrash",
+              "loadtest.bench_kv_quant", "loadtest.bench_kv_dtype", "loadtest.bench_thrash", "loadtest.bench_routing",
               "kernels.bench_cpu_attention", "loadtest.gpu_check", "loadtest.cluster_check")
 
 

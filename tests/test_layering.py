@@ -8,7 +8,8 @@ interpreter (this test process may already have imported torch or ray for other 
     cluster/    the only place that imports ray; one sub-package per process or layer:
                 cli -> {front, replica} -> engine, replica -> executors; the front and
                 the replica meet only through wire/, the engine loop and the executors
-                never import each other; wire/ imports nothing of cluster/ but itself
+                never import each other; wire/ imports nothing of cluster/ but itself;
+                text/ (tokenization) is shared by the front and the replica, imports none
     loadtest/   anything of pagedserve, but ray only through cluster/
     nothing imports loadtest/ or tests/
 """
@@ -25,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("scheduler", "kernels", "worker", "cluster", "loadtest")
-CLUSTER_PARTS = ("cli", "front", "replica", "engine", "executors", "wire")
+CLUSTER_PARTS = ("cli", "front", "replica", "engine", "executors", "text", "wire")
 CLUSTER_FILES = ("app.py", "llm.py", "ray_utils.py")  # composition roots and Ray's helpers
 
 
@@ -81,6 +82,8 @@ FORBIDDEN = {
     "cluster.executors": {"cluster.front", "cluster.replica", "cluster.engine", "cluster.cli", "loadtest", "tests"},
     "cluster.wire": {"ray", "cluster.front", "cluster.replica", "cluster.engine", "cluster.executors",
                      "cluster.cli", "loadtest", "tests"},
+    "cluster.text": {"ray", "cluster.front", "cluster.replica", "cluster.engine", "cluster.executors",
+                     "cluster.cli", "cluster.wire", "loadtest", "tests"},
     "cluster.cli": {"loadtest", "tests"},
     "loadtest": {"ray", "tests"},  # drives cluster/'s own helpers, never ray directly
 }

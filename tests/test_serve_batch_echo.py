@@ -184,7 +184,7 @@ def test_truncate_prompt_tokens(openai_app):
 def test_chat_echo_continue_final_message_and_prompt_logprobs(openai_app, client, serve_model):
     from transformers import AutoTokenizer
 
-    from pagedserve.cluster.replica.tokenizer_pool import render_chat
+    from pagedserve.cluster.text.tokenizer_pool import render_chat
 
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
     body = {"messages": msgs, "max_tokens": 5, "temperature": 0, "ignore_eos": True,

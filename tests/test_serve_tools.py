@@ -20,10 +20,10 @@ import openai
 import pytest
 
 from pagedserve.cluster.front.schemas import ChatCompletionRequest
-from pagedserve.cluster.replica.chat_template import renders_tools
+from pagedserve.cluster.text.chat_template import renders_tools
 from pagedserve.cluster.front.tool_choice import tool_plan
 from pagedserve.cluster.front.tool_parsers import parse
-from pagedserve.cluster.replica.tokenizer_pool import render_chat
+from pagedserve.cluster.text.tokenizer_pool import render_chat
 
 # Bounded schemas (enums, booleans): a random model under the grammar ends them quickly.
 from _tools_data import ALARM, ASK, NAMED, SCHEMAS, TOOLS, WEATHER  # noqa: F401  (shared with test_tool_parsers)

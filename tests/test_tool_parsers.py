@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 from _tools_data import ASK, NAMED, SCHEMAS, TOOLS
 from pagedserve.cluster.front.schemas import ChatCompletionRequest
-from pagedserve.cluster.replica.tokenizer_pool import render_chat
+from pagedserve.cluster.text.tokenizer_pool import render_chat
 from pagedserve.cluster.front.tool_choice import ToolPlan, tool_plan
-from pagedserve.cluster.replica.chat_template import adapt_messages, renders_tools
+from pagedserve.cluster.text.chat_template import adapt_messages, renders_tools
 from pagedserve.cluster.front.tool_parsers import ToolStream, parse, parse_hermes
 
 

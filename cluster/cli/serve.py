@@ -59,6 +59,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="one engine replica's placement group (the replica and its TP workers): "
                         "STRICT_PACK keeps it on one node (default; refused with the numbers when no "
                         "node fits it); PACK lets it span nodes (tensor parallelism over the network)")
+    s.add_argument("--request-router", default=None, choices=["kv", "prefix", "pow2"],
+                   help="how the front picks an engine replica: kv (the replica that holds the most of "
+                        "the prompt's prefix-cache blocks, by its KV events, weighed against load), prefix "
+                        "(Ray Serve LLM's PrefixCacheAffinityRouter, needs pyarrow), pow2 (Serve's "
+                        "power of two choices). Default: kv with more than one replica, else pow2")
     s.add_argument("--graceful-shutdown-timeout-s", type=float, default=None,
                    help="how long a replica being removed (scale-down, update) may take to finish its "
                         "streams (default: a max_model_len stream at 10 tokens/s, at least 30 s)")
@@ -81,7 +86,8 @@ def _serve_options(args: argparse.Namespace, max_replicas: int) -> dict:
                 api_key=args.api_key, max_request_body_bytes=args.max_request_body_bytes,
                 api_keys_file=args.api_keys_file, allow_tenant_header=args.allow_tenant_header,
                 placement_group_strategy=args.placement_group_strategy,
-                graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s)
+                graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+                request_router=args.request_router)
 
 
 def _raise_interrupt(signum, frame):

@@ -58,18 +58,21 @@ class IngressConfig:
     # {key: tenant} from --api-keys-file (tenants.py); any of them is a valid key too.
     api_keys: dict[str, str] | None = None
     allow_tenant_header: bool = False  # x-tenant names the tenant of an unmapped key
+    # The router needs token ids (the KV router): the front tokenizes (prompt_tokens.py).
+    tokenize_for_router: bool = False
 
     @classmethod
     def from_options(cls, api_key: str | None = None, max_request_body_bytes: int | None = None,
-                     api_keys: dict[str, str] | None = None,
-                     allow_tenant_header: bool = False) -> "IngressConfig":
+                     api_keys: dict[str, str] | None = None, allow_tenant_header: bool = False,
+                     tokenize_for_router: bool = False) -> "IngressConfig":
         """``api_key`` falls back to $PAGEDSERVE_API_KEY of the process that builds the app
         (the CLI, or ``serve run``), so a key need not be written into a config file."""
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if max_request_body_bytes is not None and max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}.")
         return cls(api_key=key or None, max_request_body_bytes=max_request_body_bytes,
-                   api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header))
+                   api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header),
+                   tokenize_for_router=bool(tokenize_for_router))
 
 
 class EdgeGuard:

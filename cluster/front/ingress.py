@@ -49,6 +49,7 @@ from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressCon
 from pagedserve.cluster.front.metrics import ServeMetrics
 from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission
 from pagedserve.cluster.front.lost_replicas import mark_lost
+from pagedserve.cluster.front.prompt_tokens import PromptTokens
 from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response, combined, prompt_logprobs_json
 from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -59,6 +60,7 @@ from pagedserve.cluster.ray_utils import bind_host, serve_grpc_on_node_ip
 from pagedserve.cluster.wire.failures import ReplicaLost
 from pagedserve.cluster.wire.lifeline import LifelineWatch
 from pagedserve.cluster.wire.output_channel import OutputChannel
+from pagedserve.cluster.wire.request import GenerateRequest
 from pagedserve.cluster.wire.stream import Accumulated
 
 
@@ -269,6 +271,8 @@ class OpenAIIngress:
         self._lifelines: dict[str, LifelineWatch | None] = {}  # replica id -> its watch; None: dead
         self._loss: asyncio.Future | None = None  # done when a replica is lost; then renewed
         self._bind_checked = 0.0  # when the channel's address was last chosen (BIND_RECHECK_S)
+        # The KV router scores replicas on token ids: the prompt is tokenized here, once.
+        self._tokens = PromptTokens(engine, self._max_model_len) if self.config.tokenize_for_router else None
         activate(EdgeGuard(self.config, self._max_model_len))
 
     async def _max_model_len(self) -> int:
@@ -294,6 +298,15 @@ class OpenAIIngress:
         ``template``: what the chat template appends (ChatCompletionRequest.template_mode);
         ``arrival``: when this front took the request (its TTFT starts there). A request
         whose replica is lost before it has sent anything is tried on another (Resumable)."""
+        if self._tokens is not None:
+            try:
+                ids = await self._tokens.encode(prompt, messages, template, tools,
+                                                params.truncate_prompt_tokens is not None)
+            except ValueError as e:
+                return None, error(400, str(e))
+            if ids is not None:
+                prompt, messages = ids, None
+
         async def again(retry: bool = False):
             for attempt in range(MAX_ATTEMPTS):
                 try:
@@ -339,9 +352,8 @@ class OpenAIIngress:
             self._bind_checked = now
             asyncio.ensure_future(self._recheck_bind())  # a GCS call: never on this loop
         sub = self._channel.open(rid, arrival, self._first_output)
-        stream = self.engine.options(stream=True).generate.remote(
-            rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools=tools,
-            output_route=self._channel.route)
+        req = GenerateRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools)
+        stream = self.engine.options(stream=True).generate.remote(req, output_route=self._channel.route)
         try:
             adm = await admission(rid, stream, lambda: self._loss)
         except BaseException as e:

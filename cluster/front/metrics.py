@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from pagedserve.cluster.front import route_counts
 from pagedserve.cluster.wire.stats import COUNTER_KEYS, GAUGE_KEYS, TENANT_KEYS
 from pagedserve.scheduler.stats import WAITING_REASONS
 
@@ -96,6 +97,10 @@ class StatsAggregator:
         out["kv_cache_usage"] = (out["num_used_blocks"] / out["num_blocks"]) if out["num_blocks"] else 0.0
         out["num_replicas"] = len(snaps)
         out["replica_ids"] = sorted(self._latest)
+        # Each live replica's own prefix-cache counters: whether routing keeps prefixes
+        # where their blocks are shows here, not in the sums.
+        out["replica_prefix_cache"] = {rid: (s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0))
+                                       for rid, (_, s) in sorted(self._latest.items())}
         return out
 
 
@@ -162,6 +167,17 @@ class _EngineCollector:
                       m["prefix_cache_hits"])
         yield counter("prompt_tokens", "Prefill tokens processed.", m["num_prompt_tokens"])
         yield counter("generation_tokens", "Tokens generated.", m["num_generation_tokens"])
+        per = (CounterMetricFamily(PREFIX + "replica_prefix_cache_queries",
+                                   "Prompt tokens looked up in one replica's prefix cache.",
+                                   labels=["model_name", "replica"]),
+               CounterMetricFamily(PREFIX + "replica_prefix_cache_hits",
+                                   "Prompt tokens found in one replica's prefix cache.",
+                                   labels=["model_name", "replica"]))
+        for rid, values in m.get("replica_prefix_cache", {}).items():
+            for fam, v in zip(per, values):
+                fam.add_metric([self.model_name, rid], v)
+        yield from per
+        yield from _router_families(self.model_name)
         yield from self._vllm_families()
 
     def _vllm_families(self):
@@ -186,6 +202,24 @@ class _EngineCollector:
             c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
             c.add_metric(labels, m[key])
             yield c
+
+
+def _router_families(model_name: str):
+    """What this front's KV router decided (routing.py, route_counts.py)."""
+    r = route_counts.snapshot()
+    routed = CounterMetricFamily(PREFIX + "router_requests", "Requests the KV router sent to a replica, by "
+                                 "what decided: the prompt's cached prefix, or load.",
+                                 labels=["model_name", "decision"])
+    for decision, n in sorted(r["routed"].items()):
+        routed.add_metric([model_name, decision], n)
+    yield routed
+    for name, doc, key in (("router_prompt_tokens", "Prompt tokens of the requests the KV router routed.",
+                            "prompt_tokens"),
+                           ("router_matched_tokens", "Of those, the tokens the chosen replica held cached, "
+                            "as its KV events said.", "matched_tokens")):
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric([model_name], r[key])
+        yield c
 
 
 def _tenant_families(model_name: str, tenants: dict[str, dict[str, float]]):

@@ -8,9 +8,16 @@ Serve's router learns that a replica is gone from the controller, which learns i
 the GCS, which on a lost node waits for several missed raylet health checks in a row.
 Until then new requests would be routed to the dead replica and wait there.
 
+With more than one replica the default is KVPrefixRouter: Serve's replica list minus the
+lost, ranked by kv_routing.py's policy on each replica's prefix cache as its KV events
+describe it (cluster/wire/kv_events.py). ``--request-router`` picks it ("kv"), Ray Serve
+LLM's PrefixCacheAffinityRouter ("prefix", the peer: a prefix tree of prompt text built
+from its own routing history), or Serve's default ("pow2").
+
 The router runs in the process that holds the engine handle (the ingress replica), on
-Serve's router event loop. Serve pickles this module by value into that process, so it
-keeps no state of its own.
+Serve's router event loop. Serve pickles this module by value into that process, so what
+others must see (lost replicas, the decision counts of /metrics) lives in modules
+imported by reference: lost_replicas.py, route_counts.py.
 """
 
 from __future__ import annotations
@@ -19,9 +26,16 @@ import time
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-from pagedserve.cluster.front import lost_replicas
+from pagedserve.cluster.front import lost_replicas, route_counts
+from pagedserve.cluster.front.kv_routing import KVRoutingPolicy, ReplicaLoad, rank
 
-ROUTER_PATH = "pagedserve.cluster.front.routing.LiveReplicaRouter"
+SENT_TTL_S = 5.0  # a sent prompt's blocks count as there until its replica's events say so
+MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
+ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
+    "kv": "pagedserve.cluster.front.routing.KVPrefixRouter",
+    "prefix": "pagedserve.cluster.front.text_prefix_router.TextPrefixRouter",
+    "pow2": "pagedserve.cluster.front.routing.LiveReplicaRouter",
+}
 
 
 class LiveReplicaRouter(PowerOfTwoChoicesRequestRouter):
@@ -40,7 +54,7 @@ class LiveReplicaRouter(PowerOfTwoChoicesRequestRouter):
         # request went, so the front knows which admissions a lost replica took with it.
         replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
         if pending_request.metadata.call_method == "generate" and pending_request.args:
-            lost_replicas.routed(str(pending_request.args[0]), replica.replica_id.unique_id)
+            lost_replicas.routed(pending_request.args[0].request_id, replica.replica_id.unique_id)
         return replica
 
     def drop_lost(self) -> None:
@@ -48,3 +62,101 @@ class LiveReplicaRouter(PowerOfTwoChoicesRequestRouter):
         for replica_id in list(self.curr_replicas):
             if lost_replicas.is_lost(replica_id.unique_id, now):
                 self.on_replica_actor_died(replica_id)
+
+
+def _generate_request(pending_request):
+    """The GenerateRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
+    if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
+        return None
+    return pending_request.args[0]
+
+
+class KVPrefixRouter(LiveReplicaRouter):
+    """The replica holding most of the prompt's blocks, unless load says otherwise
+    (kv_routing.py). A request without token ids (the front's tokenizer not loaded yet, a
+    call that is not ``generate``) and a replica list with no views yet take Serve's
+    power of two choices."""
+
+    def initialize_state(self, block_size: int = 16, isolate_tenants: bool = True, decode_tokens: int = 64,
+                         balance_abs: int = 4, balance_rel: float = 1.5, **kwargs) -> None:
+        super().initialize_state(**kwargs)
+        self._policy = KVRoutingPolicy(block_size, isolate_tenants, decode_tokens, balance_abs, balance_rel)
+        self._subs: dict = {}  # replica unique id -> KVEventSubscriber
+        # replica unique id -> {block hash: until when}: the blocks of prompts just sent
+        # there, which its events report only once it has prefilled them. A burst of one
+        # new prefix then follows its first request instead of being prefilled everywhere.
+        self._sent: dict[str, dict[int, float]] = {}
+
+    def update_replicas(self, replicas) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for uid in [u for u in self._subs if u not in live]:
+            self._subs.pop(uid).close()  # gone: a replica that comes back has a new id, an empty view
+        for uid in [u for u in self._sent if u not in live]:
+            del self._sent[uid]
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        sub = self._subs.pop(replica_id.unique_id, None)
+        if sub is not None:
+            sub.close()
+        self._sent.pop(replica_id.unique_id, None)
+
+    def _subscriber(self, replica):
+        """This replica's view, subscribed on first use (its address comes in its
+        routing_stats, which Serve refreshes every request_routing_stats_period_s)."""
+        uid = replica.replica_id.unique_id
+        sub = self._subs.get(uid)
+        if sub is None:
+            address = (replica.routing_stats or {}).get("kv_events")
+            if not address:
+                return None
+            from pagedserve.cluster.wire.kv_events import KVEventSubscriber
+
+            sub = self._subs[uid] = KVEventSubscriber(address)
+        sub.poll()
+        return sub
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        req = _generate_request(pending_request)
+        ids = getattr(req, "token_ids", None)
+        if not ids or not candidate_replicas:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
+        loads, seen, now = {}, False, time.monotonic()
+        for r in candidate_replicas:
+            sub = self._subscriber(r)
+            seen |= sub is not None
+            in_flight = self._replica_queue_len_cache.get(r.replica_id) or 0
+            if sub is None:
+                loads[r] = ReplicaLoad(0, 0, in_flight)
+                continue
+            held, sent, matched = sub.view.hashes, self._sent.get(r.replica_id.unique_id, {}), 0
+            for h in hashes:  # leading blocks cached there, or on their way (just sent)
+                if h not in held and sent.get(h, 0.0) < now:
+                    break
+                matched += 1
+            loads[r] = ReplicaLoad(matched, sub.waiting_tokens, in_flight, len(held))
+        if not seen:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        order, by = rank(self._policy, len(ids), loads)
+        route_counts.count(by, loads[order[0]].matched_blocks * self._policy.block_size, len(ids))
+        return [[r] for r in order]
+
+    def on_request_routed(self, pending_request, replica_id, result) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        req = _generate_request(pending_request)
+        ids = getattr(req, "token_ids", None)
+        if not ids:
+            return
+        now = time.monotonic()
+        sent = self._sent.setdefault(replica_id.unique_id, {})
+        if len(sent) > MAX_SENT_BLOCKS:
+            for h in [h for h, until in sent.items() if until < now]:
+                del sent[h]
+            if len(sent) > MAX_SENT_BLOCKS:
+                sent.clear()
+        until = now + SENT_TTL_S
+        for h in self._policy.block_hashes(ids, req.cache_salt, req.tenant):
+            sent[h] = until
+

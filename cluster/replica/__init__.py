@@ -3,10 +3,8 @@
     engine_replica.py   AsyncEngine: the step loop on its own thread, generate() streams,
                         health, request status
     admission.py        shed load before it becomes queueing delay (429s)
-    tokenizer_pool.py   tokenize and render the chat template off the engine thread
-    chat_template.py    what the template sees of a conversation's tools
     live_view.py        the block map and step timeline of /dashboard
 
-Imports: cluster.engine, cluster.executors (to pick one), cluster.wire, scheduler/,
+Imports: cluster.engine, cluster.executors (to pick one), cluster.text, cluster.wire, scheduler/,
 pagedserve.config; never the front or the CLI.
 """

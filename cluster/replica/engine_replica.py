@@ -12,7 +12,7 @@ Every engine call (add_request, abort_request, step, get_stats) runs in ONE work
 so the engine needs no locks and the event loop never blocks on a step. Calls submitted
 while a step runs are applied in order right after it: an abort frees its blocks before
 the next plan is made, i.e. within one step. Tokenization runs in a pool of its own
-(cluster/replica/tokenizer_pool.py), so no prompt ever waits behind a step or delays one.
+(cluster/text/tokenizer_pool.py), so no prompt ever waits behind a step or delays one.
 
 ``generate`` is an async generator (a Serve streaming method). Its first item is an
 ``Admission``: accepted (with the replica id) or an error with an HTTP status (400 bad
@@ -50,9 +50,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pagedserve.cluster.engine.detokenizer import token_texts
 from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.replica.admission import DrainMeter, admit, drain_seconds, retry_after
-from pagedserve.cluster.replica.chat_template import renders_tools
+from pagedserve.cluster.text.chat_template import renders_tools
 from pagedserve.cluster.replica.live_view import VIEW_INTERVAL_S, StepTimeline, replica_view
-from pagedserve.cluster.replica.tokenizer_pool import TokenizerPool
+from pagedserve.cluster.text.tokenizer_pool import TokenizerPool
 from pagedserve.cluster.wire.failures import EngineDeadError, ExecutorDeadError, RequestFailed
 from pagedserve.cluster.wire.output_channel import DONE, OutputRouter
 from pagedserve.cluster.wire.outputs import RequestOutput

@@ -39,7 +39,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from pagedserve.cluster.replica.chat_template import adapt_messages, renders_tools
+from pagedserve.cluster.text.chat_template import adapt_messages, renders_tools
 
 logger = logging.getLogger("pagedserve")
 

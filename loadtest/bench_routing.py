@@ -1,0 +1,295 @@
+"""Routing across engine replicas: the KV router against Ray Serve LLM's and Serve's own (issue 30).
+
+Each router gets a server of its own (``pagedserve serve --min-replicas 2 --request-router
+R``) and the same workloads, in one run:
+
+    shared_prefix  requests that each start with one of P prefixes of L tokens (more than
+                   one replica's cache holds), then S fresh tokens; O tokens out
+    multi_turn     N chat sessions of T turns; each turn sends the whole history
+    random         prompts that share nothing: the fallback must not lose
+
+    routers   kv      the replica holding most of the prompt's blocks (cluster/front/routing.py)
+              prefix  Ray Serve LLM's PrefixCacheAffinityRouter (a prefix tree of prompt text)
+              pow2    Serve's power of two choices
+
+Reported per router and workload: TTFT mean / p50 / p99 (client side, streamed), output
+tok/s, the prefix hit rate (the replicas' own counters: cached prompt tokens over prompt
+tokens looked up, during the workload), each replica's share of the requests; and the kv
+router's ratios against both peers. ``single_replica_hit_rate``: one replica alone on the
+shared workloads, the hit rate a router should keep. The prompts are text (every router
+reads text; the KV router's front tokenizes it once), made of words that are one token
+each in the model's vocabulary, so lengths are close to the token counts asked for.
+
+    python -m pagedserve.loadtest.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
+        [--routers kv prefix pow2] [--num-prefixes 8 --prefix-len 512 --suffix-len 32 --output-len 16]
+        [--sessions 8 --turns 4] [--concurrency 8] [--num-gpu-blocks N]
+
+The last line printed is one JSON object: ``{"shared_prefix": {"kv": {...}, "prefix":
+{...}, "pow2": {...}}, "multi_turn": {...}, "random": {...}, "single_replica_hit_rate":
+{"shared_prefix": h, "multi_turn": h}}``; each router's object has ``ttft_mean_s``,
+``ttft_p50_s``, ``ttft_p99_s``, ``output_tok_s``, ``hit_rate``, ``max_replica_share``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+
+import httpx
+
+from pagedserve.loadtest.client import RequestSpec, send_completion
+from pagedserve.loadtest.metrics import percentile
+from pagedserve.loadtest.servers import pagedserve_server
+
+WORKLOADS = ("shared_prefix", "multi_turn", "random")
+ROUTERS = ("kv", "prefix", "pow2")
+
+
+# ---------------------------------------------------------------- prompts
+def one_token_words(model: str, limit: int = 3000) -> list[str]:
+    """Lower-case words that the model's tokenizer spells as one token after a space."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.worker.model_source import resolve_model
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(model).path, local_files_only=True)
+    words = sorted({t[1:] for t in tok.get_vocab() if t.startswith("\u0120") and t[1:].isalpha()
+                    and t[1:].islower() and len(t) >= 4})
+    words = [w for w in words[:limit * 2] if len(tok.encode(" " + w, add_special_tokens=False)) == 1][:limit]
+    if len(words) < 100:
+        raise SystemExit(f"{model}: too few one-token words in its vocabulary for text prompts")
+    return words
+
+
+class Text:
+    def __init__(self, words: list[str], seed: int) -> None:
+        self.words, self.rng = words, random.Random(seed)
+
+    def __call__(self, n: int) -> str:
+        return " ".join(self.rng.choice(self.words) for _ in range(n))
+
+
+# ---------------------------------------------------------------- one request
+class Result:
+    def __init__(self, ttft: float, tokens: int, replica: str, ok: bool, text: str = "") -> None:
+        self.ttft, self.tokens, self.replica, self.ok, self.text = ttft, tokens, replica, ok, text
+
+
+async def chat(client: httpx.AsyncClient, base: str, model: str, messages: list[dict], max_tokens: int) -> Result:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, tokens, parts = 0.0, 0, []
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+        replica = resp.headers.get("x-pagedserve-replica", "")
+        if resp.status_code != 200:
+            await resp.aread()
+            return Result(0.0, 0, replica, False)
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if msg.get("usage"):
+                tokens = msg["usage"]["completion_tokens"]
+            for c in msg.get("choices") or ():
+                piece = (c.get("delta") or {}).get("content")
+                if piece:
+                    if not ttft:
+                        ttft = time.perf_counter() - t0
+                    parts.append(piece)
+    return Result(ttft, tokens, replica, tokens > 0, "".join(parts))
+
+
+async def complete(client: httpx.AsyncClient, base: str, model: str, rid: str, prompt: str, out: int) -> Result:
+    spec = RequestSpec(rid, prompt, len(prompt.split()), out)
+    r = await send_completion(client, base, spec, model)
+    return Result(r.ttft, r.output_len, r.replica, r.success)
+
+
+# ---------------------------------------------------------------- workloads
+async def run_shared_prefix(base, model, words, a, seed) -> list[Result]:
+    text = Text(words, seed)
+    prefixes = [text(a.prefix_len) for _ in range(a.num_prefixes)]
+    rng = random.Random(seed + 1)
+    prompts = [rng.choice(prefixes) + " " + text(a.suffix_len) for _ in range(a.num_requests)]
+    return await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
+
+
+async def run_random(base, model, words, a, seed) -> list[Result]:
+    text = Text(words, seed)
+    prompts = [text(a.random_len) for _ in range(a.random_requests)]
+    return await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
+
+
+async def _closed_loop(base, model, prompts, out, concurrency) -> list[Result]:
+    queue = list(enumerate(prompts))
+    results: list[Result] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def worker():
+            while queue:
+                i, p = queue.pop(0)
+                results.append(await complete(client, base, model, f"r{i}", p, out))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+async def run_multi_turn(base, model, words, a, seed) -> list[Result]:
+    text = Text(words, seed)
+    results: list[Result] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def session(s: int):
+            messages = [{"role": "system", "content": text(a.system_len)}]
+            for _ in range(a.turns):
+                messages.append({"role": "user", "content": text(a.user_len)})
+                r = await chat(client, base, model, messages, a.turn_output_len)
+                results.append(r)
+                messages.append({"role": "assistant", "content": r.text})
+
+        await asyncio.gather(*(session(s) for s in range(a.sessions)))
+    return results
+
+
+RUNNERS = {"shared_prefix": run_shared_prefix, "multi_turn": run_multi_turn, "random": run_random}
+
+
+# ---------------------------------------------------------------- server side
+def scrape(base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=30).text):
+        for s in fam.samples:
+            label = s.labels.get("decision") or s.labels.get("replica")
+            out[s.name + (f"|{label}" if label else "")] = s.value
+    return out
+
+
+def wait_ready(base: str, model: str, replicas: int, router: str, timeout: float = 180.0) -> None:
+    """Every replica up; for the KV router, its view in use (the front's tokenizer loaded,
+    the replicas' event addresses known)."""
+    deadline = time.monotonic() + timeout
+    n = 0
+    while time.monotonic() < deadline:
+        m = scrape(base)
+        decided = m.get("pagedserve:router_requests_total|prefix", 0) + m.get("pagedserve:router_requests_total|load", 0)
+        if m.get("pagedserve:num_replicas", 0) >= replicas and (router != "kv" or decided > 0):
+            return
+        httpx.post(f"{base}/v1/completions", timeout=120,
+                   json={"model": model, "prompt": f"warm up {n}", "max_tokens": 1})
+        n += 1
+        time.sleep(0.5)
+    raise TimeoutError(f"{router}: {replicas} replicas not ready in {timeout:.0f} s")
+
+
+def summarize(results: list[Result], wall: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok]
+    shares = Counter(r.replica for r in ok)
+    queries = after.get("pagedserve:prefix_cache_queries_total", 0) - before.get("pagedserve:prefix_cache_queries_total", 0)
+    hits = after.get("pagedserve:prefix_cache_hits_total", 0) - before.get("pagedserve:prefix_cache_hits_total", 0)
+    return dict(requests=len(results), failed=len(results) - len(ok),
+                ttft_mean_s=statistics.fmean(ttfts) if ttfts else None,
+                ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
+                ttft_p99_s=percentile(ttfts, 99) if ttfts else None,
+                output_tok_s=sum(r.tokens for r in ok) / wall, wall_s=wall,
+                hit_rate=hits / queries if queries else 0.0,
+                max_replica_share=max(shares.values()) / len(ok) if ok else 1.0,
+                replica_shares=sorted(shares.values(), reverse=True))
+
+
+def run_server(a, router: str | None, replicas: int, workloads: list[str], words: list[str]) -> dict:
+    server = pagedserve_server(a.model, min_replicas=replicas, request_router=router, max_model_len=a.max_model_len,
+                               max_num_seqs=a.max_num_seqs, num_gpu_blocks_override=a.num_gpu_blocks,
+                               enable_prefix_caching=True, log_dir=a.log_dir)
+    out = {}
+    with server:
+        base = server.base_url
+        model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        wait_ready(base, model, replicas, router or "pow2")
+        for i, w in enumerate(workloads):
+            before = scrape(base)
+            t0 = time.perf_counter()
+            results = asyncio.run(RUNNERS[w](base, model, words, a, a.seed + 1000 * i))
+            wall = time.perf_counter() - t0
+            time.sleep(1.5)  # the replicas' last stats push
+            out[w] = summarize(results, wall, before, scrape(base))
+            s = out[w]
+            print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
+                  f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
+                  f"shares {s['replica_shares']}  failed {s['failed']}", flush=True)
+    return out
+
+
+def default_blocks(a) -> int:
+    """Room for about 60% of the shared prefixes plus the running requests' own blocks: more
+    prefixes than one replica holds, all of them in two."""
+    prefix_blocks = math.ceil(a.prefix_len / 16)
+    return math.ceil(0.6 * a.num_prefixes * prefix_blocks) + a.concurrency * math.ceil(
+        (a.suffix_len + a.output_len) / 16) + 16
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="default: the built-in default model (SmolLM2-135M-Instruct)")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=64, help="shared_prefix requests")
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-len", type=int, default=256, help="multi_turn: each session's own system prompt")
+    p.add_argument("--user-len", type=int, default=32)
+    p.add_argument("--turn-output-len", type=int, default=32)
+    p.add_argument("--random-requests", type=int, default=32)
+    p.add_argument("--random-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks per replica (default: about 60%% of the shared prefixes + the running requests)")
+    p.add_argument("--no-single", action="store_true", help="skip the one-replica hit-rate baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None)
+    a = p.parse_args(argv)
+    a.num_gpu_blocks = a.num_gpu_blocks or default_blocks(a)
+    words = one_token_words(a.model)
+    print(f"bench_routing: {a.replicas} replicas x {a.num_gpu_blocks} KV blocks; workloads {a.workloads}; "
+          f"routers {a.routers}", flush=True)
+    per_router = {r: run_server(a, r, a.replicas, a.workloads, words) for r in a.routers}
+    report: dict = {w: {r: per_router[r][w] for r in a.routers} for w in a.workloads}
+    shared = [w for w in a.workloads if w != "random"]
+    if not a.no_single and shared:
+        single = run_server(a, None, 1, shared, words)
+        report["single_replica_hit_rate"] = {w: single[w]["hit_rate"] for w in shared}
+    if "kv" in a.routers:
+        for w in a.workloads:
+            kv = report[w]["kv"]
+            for peer in (r for r in a.routers if r != "kv"):
+                o = report[w][peer]
+                if not (kv["ttft_mean_s"] and o["ttft_mean_s"] and o["output_tok_s"]):
+                    continue  # a run with no successful request: its rows say failed
+                kv[f"ttft_mean_vs_{peer}"] = o["ttft_mean_s"] / kv["ttft_mean_s"]
+                kv[f"tok_s_vs_{peer}"] = kv["output_tok_s"] / o["output_tok_s"]
+                print(f"  {w:14s} kv vs {peer:6s}: TTFT mean {kv[f'ttft_mean_vs_{peer}']:.2f}x lower, "
+                      f"output tok/s {kv[f'tok_s_vs_{peer}']:.2f}x", flush=True)
+            if w in report.get("single_replica_hit_rate", {}):
+                h1 = report["single_replica_hit_rate"][w]
+                print(f"  {w:14s} kv hit rate {kv['hit_rate']:.2f} vs one replica alone {h1:.2f}", flush=True)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The KV router's policy (cluster/front/kv_routing.py) on real scheduler state: the block
+hashes it computes from a prompt are the ones the replica's prefix cache stores (salts and
+tenant isolation included), so a view fed by the replica's KV events matches exactly what
+the replica would reuse; the cost ranks the holder first, load overrides it past the
+balance guard, and another tenant's identical prompt matches nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from _sched_helpers import make_scheduler, step
+from pagedserve.cluster.front.kv_routing import BY_LOAD, BY_PREFIX, KVRoutingPolicy, ReplicaLoad, rank
+from pagedserve.scheduler import Request, SamplingParams
+from pagedserve.scheduler.kv_events import KVEventLog, KVView
+
+BS = 4
+
+
+def replica(isolate=True):
+    """A scheduler whose prefix cache reports to a view, as a replica's does to a router."""
+    sched = make_scheduler(num_blocks=32, block_size=BS, budget=256, max_model_len=128)
+    sched.scheduler_config.isolate_tenant_prefix_cache = isolate
+    sched.kv_cache_manager.block_pool.kv_events = KVEventLog()
+    return sched
+
+
+def serve(sched, rid, prompt, salt=None, tenant=None) -> Request:
+    req = Request(rid, list(prompt), SamplingParams(max_tokens=1), cache_salt=salt, tenant=tenant)
+    sched.add_request(req)
+    while rid in sched.requests and not sched.requests[rid].is_finished:
+        step(sched)
+    return req
+
+
+def view_of(sched) -> KVView:
+    view = KVView()
+    view.reset(sched.kv_cache_manager.block_pool.kv_events.snapshot(sched.kv_cache_manager.block_pool))
+    return view
+
+
+@pytest.mark.parametrize("salt,tenant,isolate", [(None, None, True), ("s1", None, True), (None, "acme", True),
+                                                 ("s1", "acme", True), (None, "acme", False),
+                                                 (None, "default", True)])
+def test_the_router_names_blocks_as_the_replica_caches_them(salt, tenant, isolate):
+    sched = replica(isolate)
+    prompt = list(range(1, 23))  # 5 full blocks and 2 tokens
+    req = serve(sched, "a", prompt, salt, tenant)
+    policy = KVRoutingPolicy(block_size=BS, isolate_tenants=isolate)
+    hashes = policy.block_hashes(prompt, salt, tenant)
+    assert hashes == req.block_hashes[:5]
+    assert view_of(sched).matched_blocks(hashes) == 5
+
+
+def test_another_tenant_never_matches_a_tenants_prefix():
+    sched = replica(isolate=True)
+    prompt = list(range(1, 40))
+    serve(sched, "a", prompt, tenant="acme")
+    view, policy = view_of(sched), KVRoutingPolicy(block_size=BS, isolate_tenants=True)
+    assert view.matched_blocks(policy.block_hashes(prompt, None, "acme")) == 9
+    for other in ("globex", "default", None):
+        assert view.matched_blocks(policy.block_hashes(prompt, None, other)) == 0, other
+    # A cache_salt cannot reproduce another tenant's blocks either.
+    assert view.matched_blocks(policy.block_hashes(prompt, "acme", None)) == 0
+    # Ranked: the tenant's replica is not preferred for another tenant's same prompt.
+    loads = {"holder": ReplicaLoad(view.matched_blocks(policy.block_hashes(prompt, None, "globex")), 0, 1),
+             "idle": ReplicaLoad(0, 0, 0)}
+    assert rank(policy, len(prompt), loads) == (["idle", "holder"], BY_LOAD)
+
+
+def test_the_holder_wins_until_load_outweighs_its_prefix():
+    policy = KVRoutingPolicy(block_size=16, decode_tokens=64, balance_abs=4, balance_rel=1.5)
+    # 512-token prompt, 30 blocks cached on "a": 480 tokens saved.
+    a, b = ReplicaLoad(30, 0, 2), ReplicaLoad(0, 0, 0)
+    assert rank(policy, 512, {"a": a, "b": b}) == (["a", "b"], BY_PREFIX)
+    # Waiting prefill on the holder counts against it token for token.
+    assert rank(policy, 512, {"a": ReplicaLoad(30, 400, 2), "b": b})[0] == ["b", "a"]
+    # Past the balance guard (5 apart, and more than 1.5x), load alone decides.
+    assert rank(policy, 512, {"a": ReplicaLoad(30, 0, 6), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
+    # No replica holds anything: the least loaded, and it was load that decided.
+    assert rank(policy, 512, {"a": ReplicaLoad(0, 0, 3), "b": ReplicaLoad(0, 10, 1)}) == (["b", "a"], BY_LOAD)
+
+
+def test_no_shared_prefix_spreads_requests_evenly():
+    """Random prompts: each request goes to the replica with the least work, so two replicas
+    take turns as requests arrive and end."""
+    policy = KVRoutingPolicy(block_size=16)
+    flights = {"a": 0, "b": 0}
+    counts = {"a": 0, "b": 0}
+    for i in range(100):
+        loads = {k: ReplicaLoad(0, 0, n) for k, n in flights.items()}
+        best = rank(policy, 200, loads)[0][0]
+        counts[best] += 1
+        flights[best] += 1
+        if i % 3 == 2:  # requests end now and then
+            for k in flights:
+                flights[k] = max(0, flights[k] - 1)
+    assert max(counts.values()) <= 60
+
+
+def test_among_equals_a_new_prefix_goes_to_the_emptier_cache():
+    policy = KVRoutingPolicy(block_size=16)
+    loads = {"full": ReplicaLoad(0, 0, 0, cached_blocks=200), "empty": ReplicaLoad(0, 0, 0, cached_blocks=3)}
+    assert rank(policy, 300, loads)[0] == ["empty", "full"]
