@@ -78,20 +78,35 @@ class Text:
 
 # ---------------------------------------------------------------- one request
 class Result:
-    def __init__(self, ttft: float, tokens: int, replica: str, ok: bool, text: str = "") -> None:
-        self.ttft, self.tokens, self.replica, self.ok, self.text = ttft, tokens, replica, ok, text
+    def __init__(self, ttft: float, tokens: int, replica: str, ok: bool, text: str = "", error: str = "") -> None:
+        self.ttft, self.tokens, self.replica, self.ok, self.text, self.error = ttft, tokens, replica, ok, text, error
+
+
+# A 429 (a replica's KV admission: its waiting prompts would not fit) is retried after the
+# server's Retry-After, as the OpenAI SDK does; TTFT counts from the first attempt.
+MAX_RETRIES = 8
 
 
 async def chat(client: httpx.AsyncClient, base: str, model: str, messages: list[dict], max_tokens: int) -> Result:
+    t0 = time.perf_counter()
+    for attempt in range(MAX_RETRIES + 1):
+        r, retry_after = await _chat_once(client, base, model, messages, max_tokens, t0)
+        if retry_after is None or attempt == MAX_RETRIES:
+            return r
+        await asyncio.sleep(retry_after)
+    return r
+
+
+async def _chat_once(client, base, model, messages, max_tokens, t0) -> tuple[Result, float | None]:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
     ttft, tokens, parts = 0.0, 0, []
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
         replica = resp.headers.get("x-pagedserve-replica", "")
         if resp.status_code != 200:
-            await resp.aread()
-            return Result(0.0, 0, replica, False)
+            text = (await resp.aread()).decode(errors="replace")
+            retry = float(resp.headers.get("retry-after") or 0.5) if resp.status_code == 429 else None
+            return Result(0.0, 0, replica, False, error=f"HTTP {resp.status_code}: {text[:200]}"), retry
         async for line in resp.aiter_lines():
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
@@ -104,13 +119,13 @@ async def chat(client: httpx.AsyncClient, base: str, model: str, messages: list[
                     if not ttft:
                         ttft = time.perf_counter() - t0
                     parts.append(piece)
-    return Result(ttft, tokens, replica, tokens > 0, "".join(parts))
+    return Result(ttft, tokens, replica, tokens > 0, "".join(parts)), None
 
 
 async def complete(client: httpx.AsyncClient, base: str, model: str, rid: str, prompt: str, out: int) -> Result:
     spec = RequestSpec(rid, prompt, len(prompt.split()), out)
-    r = await send_completion(client, base, spec, model)
-    return Result(r.ttft, r.output_len, r.replica, r.success)
+    r = await send_completion(client, base, spec, model, max_retries=MAX_RETRIES)
+    return Result(r.ttft, r.output_len, r.replica, r.success, error=r.error)
 
 
 # ---------------------------------------------------------------- workloads
@@ -172,19 +187,18 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
-def wait_ready(base: str, model: str, replicas: int, router: str, timeout: float = 180.0) -> None:
-    """Every replica up; for the KV router, its view in use (the front's tokenizer loaded,
-    the replicas' event addresses known)."""
+def wait_ready(base: str, model: str, replicas: int, router: str, words: list[str], timeout: float = 180.0) -> None:
+    """Every replica up and reporting (a replica reports once it has served a request: the
+    warm-up prompts share nothing, so every router spreads them); for the KV router, its
+    view in use (the front's tokenizer loaded, the replicas' event addresses known)."""
     deadline = time.monotonic() + timeout
-    n = 0
+    text = Text(words, seed=-1)
     while time.monotonic() < deadline:
         m = scrape(base)
         decided = m.get("pagedserve:router_requests_total|prefix", 0) + m.get("pagedserve:router_requests_total|load", 0)
         if m.get("pagedserve:num_replicas", 0) >= replicas and (router != "kv" or decided > 0):
             return
-        httpx.post(f"{base}/v1/completions", timeout=120,
-                   json={"model": model, "prompt": f"warm up {n}", "max_tokens": 1})
-        n += 1
+        httpx.post(f"{base}/v1/completions", timeout=120, json={"model": model, "prompt": text(8), "max_tokens": 1})
         time.sleep(0.5)
     raise TimeoutError(f"{router}: {replicas} replicas not ready in {timeout:.0f} s")
 
@@ -202,7 +216,8 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict) -> 
                 output_tok_s=sum(r.tokens for r in ok) / wall, wall_s=wall,
                 hit_rate=hits / queries if queries else 0.0,
                 max_replica_share=max(shares.values()) / len(ok) if ok else 1.0,
-                replica_shares=sorted(shares.values(), reverse=True))
+                replica_shares=sorted(shares.values(), reverse=True),
+                errors=sorted(Counter(r.error[:80] for r in results if not r.ok).items()))
 
 
 def run_server(a, router: str | None, replicas: int, workloads: list[str], words: list[str]) -> dict:
@@ -213,7 +228,7 @@ def run_server(a, router: str | None, replicas: int, workloads: list[str], words
     with server:
         base = server.base_url
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
-        wait_ready(base, model, replicas, router or "pow2")
+        wait_ready(base, model, replicas, router or "pow2", words)
         for i, w in enumerate(workloads):
             before = scrape(base)
             t0 = time.perf_counter()
@@ -224,7 +239,7 @@ def run_server(a, router: str | None, replicas: int, workloads: list[str], words
             s = out[w]
             print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
                   f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
-                  f"shares {s['replica_shares']}  failed {s['failed']}", flush=True)
+                  f"shares {s['replica_shares']}  failed {s['failed']} {s['errors'] or ''}", flush=True)
     return out
 
 

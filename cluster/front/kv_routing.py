@@ -10,7 +10,7 @@
 The cheapest replica comes first, the rest after it in cost order (Serve tries them in
 turn when one is full); among equals, the one whose cache holds fewer blocks (a new
 prefix goes where it evicts least, as Ray Serve LLM's router sends an unmatched prompt to
-its smallest tenant). The prefix term keeps a prefix where its blocks are, the waiting
+its smallest tenant), then chance (idle replicas with empty caches take turns). The prefix term keeps a prefix where its blocks are, the waiting
 term keeps a burst of new prefixes from piling onto one replica, and the in-flight term
 stands for the decode work each running request adds to every step. When the replicas' in-flight counts
 grow apart by more than ``balance_abs`` requests and by a factor over ``balance_rel`` (SGLang's
@@ -24,7 +24,9 @@ another tenant's blocks here either.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from typing import Callable
 
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
 from pagedserve.scheduler.kv_cache_utils import ROOT_HASH, hash_block_tokens, hash_cache_salt
@@ -60,19 +62,21 @@ class ReplicaLoad:
     cached_blocks: int = 0  # blocks its prefix cache holds
 
 
-def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict) -> tuple[list, str]:
+def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
+         tiebreak: Callable[[], float] = random.random) -> tuple[list, str]:
     """(replica keys, best first; BY_PREFIX or BY_LOAD: what decided the first).
     ``loads``: key -> ReplicaLoad, at least one."""
     flights = [x.in_flight for x in loads.values()]
     low, high = min(flights), max(flights)
     if high - low > policy.balance_abs and high > policy.balance_rel * low:
-        order = sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].waiting_tokens, loads[k].cached_blocks))
+        order = sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].waiting_tokens, loads[k].cached_blocks,
+                                             tiebreak()))
         return order, BY_LOAD
 
     def cost(k):
         x = loads[k]
         fresh = max(0, prompt_len - x.matched_blocks * policy.block_size)
-        return fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight, x.cached_blocks
+        return fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight, x.cached_blocks, tiebreak()
 
     order = sorted(loads, key=cost)
     best = loads[order[0]].matched_blocks

@@ -17,6 +17,7 @@ import logging
 from pagedserve.cluster.text.tokenizer_pool import TokenizerPool
 
 logger = logging.getLogger("pagedserve")
+LOAD_TIMEOUT_S = 30.0  # a call that hangs is given up, and tried again on a later request
 
 
 class PromptTokens:
@@ -33,10 +34,10 @@ class PromptTokens:
 
     async def _load(self) -> None:
         try:
-            tokenizer = await self._engine.tokenizer.remote()
+            tokenizer = await asyncio.wait_for(self._engine.tokenizer.remote(), LOAD_TIMEOUT_S)
             self._pool = TokenizerPool(tokenizer, await self._max_model_len())
             logger.info("the front tokenizes prompts for its router (%s)", type(tokenizer).__name__)
-        except Exception:  # the replicas tokenize; tried again on a later request
+        except Exception:  # (TimeoutError included) the replicas tokenize; tried again later
             logger.warning("no tokenizer at the front yet; prompts go as text", exc_info=True)
 
     async def encode(self, prompt, messages, add_generation_prompt, tools, truncating: bool) -> list[int] | None:

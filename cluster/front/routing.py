@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from pagedserve.cluster.front import lost_replicas, route_counts
 from pagedserve.cluster.front.kv_routing import KVRoutingPolicy, ReplicaLoad, rank
@@ -38,8 +39,8 @@ ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
 }
 
 
-class LiveReplicaRouter(PowerOfTwoChoicesRequestRouter):
-    """Serve's default router over the replicas not marked lost."""
+class _SkipsLostReplicas:
+    """Serve's replica list minus the replicas this front saw die (lost_replicas.py)."""
 
     def initialize_state(self, **kwargs) -> None:
         super().initialize_state(**kwargs)
@@ -64,6 +65,10 @@ class LiveReplicaRouter(PowerOfTwoChoicesRequestRouter):
                 self.on_replica_actor_died(replica_id)
 
 
+class LiveReplicaRouter(_SkipsLostReplicas, PowerOfTwoChoicesRequestRouter):
+    """Serve's default router (power of two choices) over the replicas not marked lost."""
+
+
 def _generate_request(pending_request):
     """The GenerateRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
     if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
@@ -71,11 +76,14 @@ def _generate_request(pending_request):
     return pending_request.args[0]
 
 
-class KVPrefixRouter(LiveReplicaRouter):
+class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestRouter):
     """The replica holding most of the prompt's blocks, unless load says otherwise
     (kv_routing.py). A request without token ids (the front's tokenizer not loaded yet, a
     call that is not ``generate``) and a replica list with no views yet take Serve's
-    power of two choices."""
+    power of two choices. Not FIFO as Serve's default is: there the replica a routing
+    task found goes to the oldest pending request, which in a burst hands one prompt's
+    holder to another prompt; here it goes to the request it was scored for (as in Ray
+    Serve LLM's router, whose mixins these are)."""
 
     def initialize_state(self, block_size: int = 16, isolate_tenants: bool = True, decode_tokens: int = 64,
                          balance_abs: int = 4, balance_rel: float = 1.5, **kwargs) -> None:
@@ -121,7 +129,7 @@ class KVPrefixRouter(LiveReplicaRouter):
         req = _generate_request(pending_request)
         ids = getattr(req, "token_ids", None)
         if not ids or not candidate_replicas:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
         loads, seen, now = {}, False, time.monotonic()
         for r in candidate_replicas:
@@ -138,7 +146,7 @@ class KVPrefixRouter(LiveReplicaRouter):
                 matched += 1
             loads[r] = ReplicaLoad(matched, sub.waiting_tokens, in_flight, len(held))
         if not seen:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
         route_counts.count(by, loads[order[0]].matched_blocks * self._policy.block_size, len(ids))
         return [[r] for r in order]
