@@ -278,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
+    if a.model is None:
+        from pagedserve.worker.model_source import DEFAULT_MODEL_NAME
+
+        a.model = DEFAULT_MODEL_NAME
     a.num_gpu_blocks = a.num_gpu_blocks or default_blocks(a)
     words = one_token_words(a.model)
     print(f"bench_routing: {a.replicas} replicas x {a.num_gpu_blocks} KV blocks; workloads {a.workloads}; "

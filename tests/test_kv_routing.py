@@ -101,3 +101,19 @@ def test_among_equals_a_new_prefix_goes_to_the_emptier_cache():
     policy = KVRoutingPolicy(block_size=16)
     loads = {"full": ReplicaLoad(0, 0, 0, cached_blocks=200), "empty": ReplicaLoad(0, 0, 0, cached_blocks=3)}
     assert rank(policy, 300, loads)[0] == ["empty", "full"]
+
+
+def test_a_replica_reports_its_waiting_prefill_net_of_its_cache():
+    """The backlog a replica publishes counts only what its waiting prompts must still
+    prefill: prompts whose prefix it holds weigh little, so they do not push the next
+    request of that prefix to a replica without it."""
+    from pagedserve.cluster.replica.engine_replica import waiting_prefill
+
+    sched = replica()
+    prefix = list(range(1, 33))  # 8 blocks of 4
+    serve(sched, "a", prefix + [90, 91])
+    for i in range(3):
+        sched.add_request(Request(f"w{i}", prefix + [100 + i] * 6, SamplingParams(max_tokens=1)))
+    sched.add_request(Request("cold", list(range(200, 220)), SamplingParams(max_tokens=1)))
+    # each of the three: 38 tokens, 32 cached -> 6; the cold one: all 20
+    assert waiting_prefill(sched) == 3 * 6 + 20

@@ -84,6 +84,21 @@ STEP_STALL_S = 120.0
 WORKER_PING_TIMEOUT_S = 5.0
 
 
+def waiting_prefill(sched) -> int:
+    """The prefill tokens the waiting queue still needs, net of what the prefix cache holds
+    for each prompt now: the backlog the front's KV router weighs (cluster/front/kv_routing.py).
+    Gross, a queue of prompts that share a cached prefix looked like a long backlog and
+    sent the next request of that prefix to a replica that had to prefill all of it."""
+    kv = sched.kv_cache_manager
+    total = 0
+    for r in sched.waiting:
+        todo = r.num_tokens - r.num_computed_tokens
+        if r.num_computed_tokens == 0:
+            todo -= kv.get_computed_blocks(r)[1]
+        total += todo
+    return total
+
+
 class AsyncEngine:
     def __init__(self, engine_config: EngineConfig, stats_sink=None,
                  replica_id: str | None = None, kv_events_host: str | None = None) -> None:
@@ -195,8 +210,7 @@ class AsyncEngine:
             self._last_step_end = time.monotonic()
         if self._kv_pub is not None:
             sched = engine.scheduler
-            self._kv_pub.pump(sched.kv_cache_manager.block_pool,
-                              lambda: sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting))
+            self._kv_pub.pump(sched.kv_cache_manager.block_pool, lambda: waiting_prefill(sched))
         return outputs, self._with_view(stats_snapshot(engine.get_stats())), statuses
 
     def _with_token_text(self, out: RequestOutput):
