@@ -189,11 +189,6 @@ class EngineDeployment:
     def stats(self) -> dict:
         return self.core.stats()
 
-    def tokenizer(self):
-        """The engine's HF tokenizer object, for a front that tokenizes for its router
-        (cluster/front/prompt_tokens.py)."""
-        return self.core.engine.tokenizer
-
     async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
                        add_generation_prompt=True, tools=None) -> list[int]:
         return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,

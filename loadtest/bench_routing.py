@@ -80,6 +80,7 @@ class Text:
 class Result:
     def __init__(self, ttft: float, tokens: int, replica: str, ok: bool, text: str = "", error: str = "") -> None:
         self.ttft, self.tokens, self.replica, self.ok, self.text, self.error = ttft, tokens, replica, ok, text, error
+        self.index, self.group = 0, None  # the request's place in its workload; its prefix or session
 
 
 # A 429 (a replica's KV admission: its waiting prompts would not fit) is retried after the
@@ -133,8 +134,12 @@ async def run_shared_prefix(base, model, words, a, seed) -> list[Result]:
     text = Text(words, seed)
     prefixes = [text(a.prefix_len) for _ in range(a.num_prefixes)]
     rng = random.Random(seed + 1)
-    prompts = [rng.choice(prefixes) + " " + text(a.suffix_len) for _ in range(a.num_requests)]
-    return await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
+    picks = [rng.randrange(len(prefixes)) for _ in range(a.num_requests)]
+    prompts = [prefixes[i] + " " + text(a.suffix_len) for i in picks]
+    results = await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
+    for r in results:
+        r.group = picks[r.index]
+    return results
 
 
 async def run_random(base, model, words, a, seed) -> list[Result]:
@@ -150,7 +155,9 @@ async def _closed_loop(base, model, prompts, out, concurrency) -> list[Result]:
         async def worker():
             while queue:
                 i, p = queue.pop(0)
-                results.append(await complete(client, base, model, f"r{i}", p, out))
+                r = await complete(client, base, model, f"r{i}", p, out)
+                r.index = i
+                results.append(r)
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
@@ -165,6 +172,7 @@ async def run_multi_turn(base, model, words, a, seed) -> list[Result]:
             for _ in range(a.turns):
                 messages.append({"role": "user", "content": text(a.user_len)})
                 r = await chat(client, base, model, messages, a.turn_output_len)
+                r.group = s
                 results.append(r)
                 messages.append({"role": "assistant", "content": r.text})
 
@@ -217,6 +225,10 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict) -> 
                 hit_rate=hits / queries if queries else 0.0,
                 max_replica_share=max(shares.values()) / len(ok) if ok else 1.0,
                 replica_shares=sorted(shares.values(), reverse=True),
+                # how many replicas each prefix (session) was served by: 1.0 is perfect affinity
+                replicas_per_group=(statistics.fmean(len({r.replica for r in ok if r.group == g})
+                                                     for g in {r.group for r in ok}) if ok and ok[0].group is not None
+                                    else None),
                 errors=sorted(Counter(r.error[:80] for r in results if not r.ok).items()))
 
 
@@ -239,7 +251,8 @@ def run_server(a, router: str | None, replicas: int, workloads: list[str], words
             s = out[w]
             print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
                   f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
-                  f"shares {s['replica_shares']}  failed {s['failed']} {s['errors'] or ''}", flush=True)
+                  f"shares {s['replica_shares']}  replicas/group {s['replicas_per_group']}  failed {s['failed']} "
+                  f"{s['errors'] or ''}", flush=True)
     return out
 
 

@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from pagedserve.cluster.text.tokenizer_pool import load_tokenizer
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
@@ -71,12 +72,6 @@ class _Group:
     @property
     def finished(self) -> bool:
         return self.num_finished == len(self.samples)
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 class LLMEngine:

@@ -272,7 +272,7 @@ class OpenAIIngress:
         self._loss: asyncio.Future | None = None  # done when a replica is lost; then renewed
         self._bind_checked = 0.0  # when the channel's address was last chosen (BIND_RECHECK_S)
         # The KV router scores replicas on token ids: the prompt is tokenized here, once.
-        self._tokens = PromptTokens(engine, self._max_model_len) if self.config.tokenize_for_router else None
+        self._tokens = PromptTokens(self.info) if self.config.tokenize_for_router else None
         activate(EdgeGuard(self.config, self._max_model_len))
 
     async def _max_model_len(self) -> int:

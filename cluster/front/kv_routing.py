@@ -38,9 +38,9 @@ BY_PREFIX, BY_LOAD = "prefix", "load"
 class KVRoutingPolicy:
     block_size: int = 16
     isolate_tenants: bool = True  # the replicas' isolate_tenant_prefix_cache
-    decode_tokens: int = 64  # what one request in flight weighs, in prompt tokens to prefill
-    balance_abs: int = 4  # in-flight requests apart before load alone decides...
-    balance_rel: float = 1.5  # ...and this many times the least loaded replica's count
+    decode_tokens: int = 16  # what one request in flight weighs, in prompt tokens to prefill
+    balance_abs: int = 8  # in-flight requests apart before load alone decides...
+    balance_rel: float = 2.0  # ...and this many times the least loaded replica's count
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None, tenant: str | None) -> list[int]:
         """The content hashes of the prompt's full blocks, as the replica computes them

@@ -3,10 +3,10 @@ token ids (the KV router, routing.py): a chat is rendered and a prompt tokenized
 the front's tokenizer pool (cluster/text/tokenizer_pool.py), and the replica gets the ids
 (cluster/wire/request.py), so no prompt is tokenized twice.
 
-The tokenizer comes from a replica over Ray, once (the HF tokenizer object pickles as its
-own files' content), so the front's node needs no copy of the model. Until it has come,
-or if it cannot come, prompts go to the replicas as text, which tokenize them as with
-one replica, and the router routes them by load.
+The tokenizer is loaded from where the replicas loaded theirs (the path in their info():
+the model's directory, or the GGUF's converted one in $PAGEDSERVE_CACHE), on a thread, once.
+Until it is loaded, or where the front's node has no such files, prompts go to the replicas
+as text, which tokenize them as with one replica, and the router routes them by load.
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pagedserve.cluster.text.tokenizer_pool import TokenizerPool
+from pagedserve.cluster.text.tokenizer_pool import TokenizerPool, load_tokenizer
 
 logger = logging.getLogger("pagedserve")
-LOAD_TIMEOUT_S = 30.0  # a call that hangs is given up, and tried again on a later request
 
 
 class PromptTokens:
-    def __init__(self, engine, max_model_len) -> None:
-        """``engine``: the engine deployment's handle; ``max_model_len``: an async callable."""
-        self._engine = engine
-        self._max_model_len = max_model_len
+    def __init__(self, info) -> None:
+        """``info``: an async callable, the replicas' info() (cluster/replica/engine_replica.py)."""
+        self._info = info
         self._pool: TokenizerPool | None = None
         self._loading: asyncio.Task | None = None
 
@@ -34,11 +32,12 @@ class PromptTokens:
 
     async def _load(self) -> None:
         try:
-            tokenizer = await asyncio.wait_for(self._engine.tokenizer.remote(), LOAD_TIMEOUT_S)
-            self._pool = TokenizerPool(tokenizer, await self._max_model_len())
-            logger.info("the front tokenizes prompts for its router (%s)", type(tokenizer).__name__)
-        except Exception:  # (TimeoutError included) the replicas tokenize; tried again later
-            logger.warning("no tokenizer at the front yet; prompts go as text", exc_info=True)
+            info = await self._info()
+            tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer"])
+            self._pool = TokenizerPool(tokenizer, info["max_model_len"])
+            logger.info("the front tokenizes prompts for its router (%s)", info["tokenizer"])
+        except Exception:  # the replicas tokenize; tried again on a later request
+            logger.warning("no tokenizer at the front; prompts go as text", exc_info=True)
 
     async def encode(self, prompt, messages, add_generation_prompt, tools, truncating: bool) -> list[int] | None:
         """The prompt's token ids, or None: already ids, or no tokenizer here yet. Raises

@@ -85,10 +85,12 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
     holder to another prompt; here it goes to the request it was scored for (as in Ray
     Serve LLM's router, whose mixins these are)."""
 
-    def initialize_state(self, block_size: int = 16, isolate_tenants: bool = True, decode_tokens: int = 64,
-                         balance_abs: int = 4, balance_rel: float = 1.5, **kwargs) -> None:
+    def initialize_state(self, block_size: int = 16, isolate_tenants: bool = True, **kwargs) -> None:
+        # request_router_kwargs: the replicas' block size and isolation, and any of the
+        # policy's weights (decode_tokens, balance_abs, balance_rel: kv_routing.py)
+        tuning = {k: kwargs.pop(k) for k in ("decode_tokens", "balance_abs", "balance_rel") if k in kwargs}
         super().initialize_state(**kwargs)
-        self._policy = KVRoutingPolicy(block_size, isolate_tenants, decode_tokens, balance_abs, balance_rel)
+        self._policy = KVRoutingPolicy(block_size, isolate_tenants, **tuning)
         self._subs: dict = {}  # replica unique id -> KVEventSubscriber
         # replica unique id -> {block hash: until when}: the blocks of prompts just sent
         # there, which its events report only once it has prefilled them. A burst of one

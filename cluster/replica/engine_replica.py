@@ -156,7 +156,7 @@ class AsyncEngine:
                     num_gpu_blocks=e.num_gpu_blocks, block_size=self.config.block_size,
                     tensor_parallel_size=self.config.tensor_parallel_size,
                     replica_id=self.replica_id, kv_sizing=getattr(e, "kv_sizing", None),
-                    model=e.config.model, model_root=e.model_root,
+                    model=e.config.model, model_root=e.model_root, tokenizer=e.config.tokenizer or e.config.model,
                     vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
                     chat_template_tools=renders_tools(e.tokenizer),
                     kv_events=self.kv_events_address)

@@ -49,6 +49,13 @@ COMPOSITION_SLACK = 4
 _SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Replace"}
 
 
+def load_tokenizer(path: str):
+    """The HF tokenizer of a model directory (or a tokenizer's own), from local files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool | str = True,
                 tools: list[dict] | None = None) -> str:
     """The model's chat template, or a plain "role: content" transcript when the
