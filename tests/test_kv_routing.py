@@ -72,8 +72,9 @@ def test_the_holder_wins_until_load_outweighs_its_prefix():
     # 512-token prompt, 30 blocks cached on "a": 480 tokens saved.
     a, b = ReplicaLoad(30, 0, 2), ReplicaLoad(0, 0, 0)
     assert rank(policy, 512, {"a": a, "b": b}) == (["a", "b"], BY_PREFIX)
-    # Waiting prefill on the holder counts against it token for token.
-    assert rank(policy, 512, {"a": ReplicaLoad(30, 400, 2), "b": b})[0] == ["b", "a"]
+    # Waiting prefill on the holder counts against it; a miss elsewhere counts double.
+    assert rank(policy, 512, {"a": ReplicaLoad(30, 400, 2), "b": b})[0] == ["a", "b"]
+    assert rank(policy, 512, {"a": ReplicaLoad(30, 1000, 2), "b": b})[0] == ["b", "a"]
     # Past the balance guard (5 apart, and more than 1.5x), load alone decides.
     assert rank(policy, 512, {"a": ReplicaLoad(30, 0, 6), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
     # No replica holds anything: the least loaded, and it was load that decided.

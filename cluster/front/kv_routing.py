@@ -3,9 +3,15 @@
 
     the prompt's token ids ─▶ chained block hashes (as the replica's prefix cache names them)
     each replica's view (cluster/wire/kv_events.py) ─▶ leading blocks it holds
-    cost(replica) = prompt tokens it would still prefill
-                  + prefill tokens already waiting there    (its last KV event message)
-                  + decode_tokens x requests in flight there (Serve's queue-length cache)
+    cost(replica) = miss_weight x prompt tokens it would still prefill
+                  + prefill tokens already waiting there     (its last KV event message)
+                  + decode_tokens x requests in flight there  (Serve's queue-length cache)
+
+A token to prefill weighs more than a token waiting (``miss_weight``): a miss costs its
+prefill now and, later, the blocks it evicts there for a prefix that another replica
+holds already; waiting tokens only delay. Without it, the second request of a new prefix,
+sent while the first still waited on its replica, went to the other replica (as many
+tokens to prefill there as waited here) and the prefix was cached twice.
 
 The cheapest replica comes first, the rest after it in cost order (Serve tries them in
 turn when one is full); among equals, the one whose cache holds fewer blocks (a new
@@ -38,6 +44,7 @@ BY_PREFIX, BY_LOAD = "prefix", "load"
 class KVRoutingPolicy:
     block_size: int = 16
     isolate_tenants: bool = True  # the replicas' isolate_tenant_prefix_cache
+    miss_weight: float = 2.0  # a prompt token to prefill, against one waiting there
     decode_tokens: int = 16  # what one request in flight weighs, in prompt tokens to prefill
     balance_abs: int = 8  # in-flight requests apart before load alone decides...
     balance_rel: float = 2.0  # ...and this many times the least loaded replica's count
@@ -76,7 +83,8 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
     def cost(k):
         x = loads[k]
         fresh = max(0, prompt_len - x.matched_blocks * policy.block_size)
-        return fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight, x.cached_blocks, tiebreak()
+        return (policy.miss_weight * fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight,
+                x.cached_blocks, tiebreak())
 
     order = sorted(loads, key=cost)
     best = loads[order[0]].matched_blocks
