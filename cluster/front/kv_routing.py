@@ -13,6 +13,14 @@ holds already; waiting tokens only delay. Without it, the second request of a ne
 sent while the first still waited on its replica, went to the other replica (as many
 tokens to prefill there as waited here) and the prefix was cached twice.
 
+A prompt that no replica holds any block of (a new prefix) goes to the replica with the
+fewest prefixes that made it their home lately (``owned``: distinct first blocks routed
+there in the last minute) plus requests in flight, ties by cost: prefixes spread over the
+replicas' caches, as
+Ray Serve LLM's router sends an unmatched prompt to its smallest tenant. By cost alone a
+burst of new prefixes followed whichever replica was idle at that moment, and one replica
+became the home of more prefixes than its cache holds.
+
 The cheapest replica comes first, the rest after it in cost order (Serve tries them in
 turn when one is full); among equals, the one whose cache holds fewer blocks (a new
 prefix goes where it evicts least, as Ray Serve LLM's router sends an unmatched prompt to
@@ -67,6 +75,7 @@ class ReplicaLoad:
     waiting_tokens: int  # prefill tokens waiting there
     in_flight: int  # requests routed there and not yet ended
     cached_blocks: int = 0  # blocks its prefix cache holds
+    owned: int = 0  # prefixes that made it their home lately (distinct first blocks routed there)
 
 
 def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
@@ -86,6 +95,8 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
         return (policy.miss_weight * fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight,
                 x.cached_blocks, tiebreak())
 
+    if all(x.matched_blocks == 0 for x in loads.values()):  # a new prefix: the emptiest home
+        return sorted(loads, key=lambda k: (loads[k].owned + loads[k].in_flight, cost(k))), BY_LOAD
     order = sorted(loads, key=cost)
     best = loads[order[0]].matched_blocks
     # Decided by the prefix when the winner holds more of it than some other replica.

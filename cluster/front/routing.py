@@ -32,6 +32,8 @@ from pagedserve.cluster.front.kv_routing import KVRoutingPolicy, ReplicaLoad, ra
 
 SENT_TTL_S = 5.0  # a sent prompt's blocks count as there until its replica's events say so
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
+HOME_TTL_S = 60.0  # a prefix last routed this long ago no longer counts as a replica's
+MAX_HOMES = 4096  # per replica: what each request's count of homes walks at most
 ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
     "kv": "pagedserve.cluster.front.routing.KVPrefixRouter",
     "prefix": "pagedserve.cluster.front.text_prefix_router.TextPrefixRouter",
@@ -97,14 +99,18 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         # there, which its events report only once it has prefilled them. A burst of one
         # new prefix then follows its first request instead of being prefilled everywhere.
         self._sent: dict[str, dict[int, float]] = {}
+        # replica unique id -> {first block hash: when last routed there}: the prefixes
+        # that call it home (kv_routing.py places a new prefix with the fewest).
+        self._homes: dict[str, dict[int, float]] = {}
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         for uid in [u for u in self._subs if u not in live]:
             self._subs.pop(uid).close()  # gone: a replica that comes back has a new id, an empty view
-        for uid in [u for u in self._sent if u not in live]:
-            del self._sent[uid]
+        for table in (self._sent, self._homes):
+            for uid in [u for u in table if u not in live]:
+                del table[uid]
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
@@ -112,6 +118,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if sub is not None:
             sub.close()
         self._sent.pop(replica_id.unique_id, None)
+        self._homes.pop(replica_id.unique_id, None)
 
     def _subscriber(self, replica):
         """This replica's view, subscribed on first use (its address comes in its
@@ -139,15 +146,17 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             sub = self._subscriber(r)
             seen |= sub is not None
             in_flight = self._replica_queue_len_cache.get(r.replica_id) or 0
+            homes = self._homes.get(r.replica_id.unique_id, {})
+            owned = sum(1 for t in homes.values() if t > now - HOME_TTL_S)
             if sub is None:
-                loads[r] = ReplicaLoad(0, 0, in_flight)
+                loads[r] = ReplicaLoad(0, 0, in_flight, owned=owned)
                 continue
             held, sent, matched = sub.view.hashes, self._sent.get(r.replica_id.unique_id, {}), 0
             for h in hashes:  # leading blocks cached there, or on their way (just sent)
                 if h not in held and sent.get(h, 0.0) < now:
                     break
                 matched += 1
-            loads[r] = ReplicaLoad(matched, sub.waiting_tokens, in_flight, len(held))
+            loads[r] = ReplicaLoad(matched, sub.waiting_tokens, in_flight, len(held), owned)
         if not seen:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
@@ -168,6 +177,15 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             if len(sent) > MAX_SENT_BLOCKS:
                 sent.clear()
         until = now + SENT_TTL_S
-        for h in self._policy.block_hashes(ids, req.cache_salt, req.tenant):
+        hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
+        for h in hashes:
             sent[h] = until
+        if hashes:
+            homes = self._homes.setdefault(replica_id.unique_id, {})
+            if len(homes) > MAX_HOMES:
+                for h in [h for h, t in homes.items() if t < now - HOME_TTL_S]:
+                    del homes[h]
+                if len(homes) > MAX_HOMES:
+                    homes.clear()
+            homes[hashes[0]] = now
 
