@@ -22,7 +22,7 @@ each in the model's vocabulary, so lengths are close to the token counts asked f
 
     python -m pagedserve.loadtest.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
         [--routers kv prefix pow2] [--num-prefixes 8 --prefix-len 512 --suffix-len 32 --output-len 16]
-        [--sessions 8 --turns 4] [--concurrency 8] [--num-gpu-blocks N]
+        [--sessions 10 --turns 4] [--concurrency 8] [--num-gpu-blocks N]
 
 The last line printed is one JSON object: ``{"shared_prefix": {"kv": {...}, "prefix":
 {...}, "pow2": {...}}, "multi_turn": {...}, "random": {...}, "single_replica_hit_rate":
@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=64, help="shared_prefix requests")
-    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--sessions", type=int, default=10,
+                   help="their histories at the last turn exceed one replica's cache, as the prefixes do")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-len", type=int, default=256, help="multi_turn: each session's own system prompt")
     p.add_argument("--user-len", type=int, default=32)

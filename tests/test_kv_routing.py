@@ -122,8 +122,11 @@ def test_a_replica_reports_its_waiting_prefill_net_of_its_cache():
 
 def test_a_new_prefix_goes_to_the_replica_that_is_home_to_fewer():
     policy = KVRoutingPolicy(block_size=16)
-    loads = {"crowded": ReplicaLoad(0, 0, 1, owned=5), "roomy": ReplicaLoad(0, 300, 2, owned=2)}
+    loads = {"crowded": ReplicaLoad(0, 0, 2, owned=5), "roomy": ReplicaLoad(0, 300, 2, owned=2)}
     assert rank(policy, 544, loads) == (["roomy", "crowded"], BY_LOAD)
+    # load first: a prompt seen once needs nothing else
+    loads["roomy"] = ReplicaLoad(0, 300, 3, owned=2)
+    assert rank(policy, 544, loads) == (["crowded", "roomy"], BY_LOAD)
     # held somewhere: the holder, whatever the homes
     loads["crowded"] = ReplicaLoad(32, 0, 1, owned=5)
     assert rank(policy, 544, loads) == (["crowded", "roomy"], BY_PREFIX)

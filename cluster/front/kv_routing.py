@@ -14,9 +14,10 @@ sent while the first still waited on its replica, went to the other replica (as 
 tokens to prefill there as waited here) and the prefix was cached twice.
 
 A prompt that no replica holds any block of (a new prefix) goes to the replica with the
-fewest prefixes that made it their home lately (``owned``: distinct first blocks routed
-there in the last minute) plus requests in flight, ties by cost: prefixes spread over the
-replicas' caches, as
+fewest requests in flight, then the fewest prefixes that made it their home lately
+(``owned``: distinct first blocks routed there in the last minute), then by cost: load
+first (a prompt seen once needs nothing else), and among equals the prefixes spread over
+the replicas' caches, as
 Ray Serve LLM's router sends an unmatched prompt to its smallest tenant. By cost alone a
 burst of new prefixes followed whichever replica was idle at that moment, and one replica
 became the home of more prefixes than its cache holds.
@@ -96,7 +97,7 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
                 x.cached_blocks, tiebreak())
 
     if all(x.matched_blocks == 0 for x in loads.values()):  # a new prefix: the emptiest home
-        return sorted(loads, key=lambda k: (loads[k].owned + loads[k].in_flight, cost(k))), BY_LOAD
+        return sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].owned, cost(k))), BY_LOAD
     order = sorted(loads, key=cost)
     best = loads[order[0]].matched_blocks
     # Decided by the prefix when the winner holds more of it than some other replica.

@@ -28,12 +28,13 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from pagedserve.cluster.front import lost_replicas, route_counts
-from pagedserve.cluster.front.kv_routing import KVRoutingPolicy, ReplicaLoad, rank
+from pagedserve.cluster.front.kv_routing import BY_LOAD, KVRoutingPolicy, ReplicaLoad, rank
 
 SENT_TTL_S = 5.0  # a sent prompt's blocks count as there until its replica's events say so
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
 HOME_TTL_S = 60.0  # a prefix last routed this long ago no longer counts as a replica's
 MAX_HOMES = 4096  # per replica: what each request's count of homes walks at most
+MAX_SCORED = 10_000  # scored requests not yet routed (a cancelled one never is)
 ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
     "kv": "pagedserve.cluster.front.routing.KVPrefixRouter",
     "prefix": "pagedserve.cluster.front.text_prefix_router.TextPrefixRouter",
@@ -102,6 +103,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         # replica unique id -> {first block hash: when last routed there}: the prefixes
         # that call it home (kv_routing.py places a new prefix with the fewest).
         self._homes: dict[str, dict[int, float]] = {}
+        self._scored: dict[str, tuple] = {}  # internal request id -> (first choice, decision, matched)
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
@@ -160,7 +162,12 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if not seen:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
-        route_counts.count(by, loads[order[0]].matched_blocks * self._policy.block_size, len(ids))
+        # Counted once the request is routed (this may run again on a backoff), for the
+        # replica it took: the first choice, or a later one when that was full.
+        if len(self._scored) > MAX_SCORED:
+            self._scored.clear()
+        self._scored[pending_request.metadata.internal_request_id] = (
+            order[0].replica_id.unique_id, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()})
         return [[r] for r in order]
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
@@ -169,6 +176,11 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         ids = getattr(req, "token_ids", None)
         if not ids:
             return
+        scored = self._scored.pop(pending_request.metadata.internal_request_id, None)
+        if scored is not None:
+            first, by, matched = scored
+            route_counts.count(by if replica_id.unique_id == first else BY_LOAD,
+                               matched.get(replica_id.unique_id, 0) * self._policy.block_size, len(ids))
         now = time.monotonic()
         sent = self._sent.setdefault(replica_id.unique_id, {})
         if len(sent) > MAX_SENT_BLOCKS:
