@@ -217,6 +217,8 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict) -> 
     shares = Counter(r.replica for r in ok)
     queries = after.get("pagedserve:prefix_cache_queries_total", 0) - before.get("pagedserve:prefix_cache_queries_total", 0)
     hits = after.get("pagedserve:prefix_cache_hits_total", 0) - before.get("pagedserve:prefix_cache_hits_total", 0)
+    routed = {d: after.get(f"pagedserve:router_requests_total|{d}", 0) - before.get(f"pagedserve:router_requests_total|{d}", 0)
+              for d in ("prefix", "load")}
     return dict(requests=len(results), failed=len(results) - len(ok),
                 ttft_mean_s=statistics.fmean(ttfts) if ttfts else None,
                 ttft_p50_s=percentile(ttfts, 50) if ttfts else None,
@@ -229,7 +231,8 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict) -> 
                 replicas_per_group=(statistics.fmean(len({r.replica for r in ok if r.group == g})
                                                      for g in {r.group for r in ok}) if ok and ok[0].group is not None
                                     else None),
-                errors=sorted(Counter(r.error[:80] for r in results if not r.ok).items()))
+                errors=sorted(Counter(r.error[:80] for r in results if not r.ok).items()),
+                routed_by=routed)  # the KV router's decisions (0 for the others)
 
 
 def run_server(a, router: str | None, replicas: int, workloads: list[str], words: list[str]) -> dict:
@@ -251,7 +254,8 @@ def run_server(a, router: str | None, replicas: int, workloads: list[str], words
             s = out[w]
             print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
                   f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
-                  f"shares {s['replica_shares']}  replicas/group {s['replicas_per_group']}  failed {s['failed']} "
+                  f"shares {s['replica_shares']}  replicas/group {s['replicas_per_group']}  "
+                  f"routed by {s['routed_by']}  failed {s['failed']} "
                   f"{s['errors'] or ''}", flush=True)
     return out
 

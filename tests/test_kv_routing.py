@@ -72,9 +72,13 @@ def test_the_holder_wins_until_load_outweighs_its_prefix():
     # 512-token prompt, 30 blocks cached on "a": 480 tokens saved.
     a, b = ReplicaLoad(30, 0, 2), ReplicaLoad(0, 0, 0)
     assert rank(policy, 512, {"a": a, "b": b}) == (["a", "b"], BY_PREFIX)
-    # Waiting prefill on the holder counts against it; a miss elsewhere counts double.
-    assert rank(policy, 512, {"a": ReplicaLoad(30, 400, 2), "b": b})[0] == ["a", "b"]
-    assert rank(policy, 512, {"a": ReplicaLoad(30, 1000, 2), "b": b})[0] == ["b", "a"]
+    # A busy holder keeps its prefix (affinity first): its queue does not send the prefix
+    # to be cached a second time elsewhere...
+    assert rank(policy, 512, {"a": ReplicaLoad(30, 2000, 4), "b": b}) == (["a", "b"], BY_PREFIX)
+    # ...and between two holders of the same blocks, cost decides.
+    assert rank(policy, 512, {"a": ReplicaLoad(30, 2000, 2), "b": ReplicaLoad(30, 0, 2)})[0] == ["b", "a"]
+    # Under the cache threshold (here a quarter of the prompt cached): a new prefix, by load.
+    assert rank(policy, 512, {"a": ReplicaLoad(8, 0, 3), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
     # Past the balance guard (5 apart, and more than 1.5x), load alone decides.
     assert rank(policy, 512, {"a": ReplicaLoad(30, 0, 6), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
     # No replica holds anything: the least loaded, and it was load that decided.

@@ -3,34 +3,26 @@
 
     the prompt's token ids ─▶ chained block hashes (as the replica's prefix cache names them)
     each replica's view (cluster/wire/kv_events.py) ─▶ leading blocks it holds
-    cost(replica) = miss_weight x prompt tokens it would still prefill
-                  + prefill tokens already waiting there     (its last KV event message)
-                  + decode_tokens x requests in flight there  (Serve's queue-length cache)
+    in-flight counts apart past the balance guard ─▶ least loaded first            (BY_LOAD)
+    at least cache_threshold of the prompt cached somewhere ─▶ most blocks first  (BY_PREFIX)
+    otherwise (a new prefix) ─▶ fewest in flight, then home to the fewest prefixes (BY_LOAD)
+    ties: cost(replica) = miss_weight x prompt tokens it would still prefill
+                        + prefill tokens already waiting there    (its last KV event message)
+                        + decode_tokens x requests in flight there (Serve's queue-length cache)
+          then the emptier cache, then chance
 
-A token to prefill weighs more than a token waiting (``miss_weight``): a miss costs its
-prefill now and, later, the blocks it evicts there for a prefix that another replica
-holds already; waiting tokens only delay. Without it, the second request of a new prefix,
-sent while the first still waited on its replica, went to the other replica (as many
-tokens to prefill there as waited here) and the prefix was cached twice.
+Affinity first, as SGLang's cache-aware router does (its cache threshold and balance
+guard): a prompt mostly cached on one replica goes there unless the replicas' in-flight
+counts grow apart by more than ``balance_abs`` requests and by a factor over
+``balance_rel``. Weighing the holder's queue against the other replica's prefill instead
+sent a prefix's requests to the other replica whenever the holder was busy: the prefix was
+then cached twice, evicting others, and under load most prefixes lived on both replicas.
 
-A prompt that no replica holds any block of (a new prefix) goes to the replica with the
-fewest requests in flight, then the fewest prefixes that made it their home lately
-(``owned``: distinct first blocks routed there in the last minute), then by cost: load
-first (a prompt seen once needs nothing else), and among equals the prefixes spread over
-the replicas' caches, as
-Ray Serve LLM's router sends an unmatched prompt to its smallest tenant. By cost alone a
-burst of new prefixes followed whichever replica was idle at that moment, and one replica
-became the home of more prefixes than its cache holds.
-
-The cheapest replica comes first, the rest after it in cost order (Serve tries them in
-turn when one is full); among equals, the one whose cache holds fewer blocks (a new
-prefix goes where it evicts least, as Ray Serve LLM's router sends an unmatched prompt to
-its smallest tenant), then chance (idle replicas with empty caches take turns). The prefix term keeps a prefix where its blocks are, the waiting
-term keeps a burst of new prefixes from piling onto one replica, and the in-flight term
-stands for the decode work each running request adds to every step. When the replicas' in-flight counts
-grow apart by more than ``balance_abs`` requests and by a factor over ``balance_rel`` (SGLang's
-cache-aware router's guard), cost is ignored and the least loaded replica comes first: a
-hot prefix must not pin its traffic to one replica while another idles.
+A new prefix goes by load, then to the replica that became home to the fewest prefixes
+lately (``owned``: distinct first blocks routed there in the last minute), as Ray Serve
+LLM's router sends an unmatched prompt to its smallest tenant: a burst of new prefixes
+spreads over both caches instead of following whichever replica was idle. Serve tries the
+replicas in the order given when the first is full.
 
 Block 0's salt is the replica's: the request's cache_salt and, when tenants' caches are
 isolated, its tenant (scheduler/kv_cache_utils.hash_cache_salt), so a prompt never matches
@@ -57,6 +49,7 @@ class KVRoutingPolicy:
     decode_tokens: int = 16  # what one request in flight weighs, in prompt tokens to prefill
     balance_abs: int = 8  # in-flight requests apart before load alone decides...
     balance_rel: float = 2.0  # ...and this many times the least loaded replica's count
+    cache_threshold: float = 0.5  # of the prompt cached somewhere: affinity decides (SGLang's default)
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None, tenant: str | None) -> list[int]:
         """The content hashes of the prompt's full blocks, as the replica computes them
@@ -96,10 +89,13 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
         return (policy.miss_weight * fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight,
                 x.cached_blocks, tiebreak())
 
-    if all(x.matched_blocks == 0 for x in loads.values()):  # a new prefix: the emptiest home
-        return sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].owned, cost(k))), BY_LOAD
-    order = sorted(loads, key=cost)
-    best = loads[order[0]].matched_blocks
-    # Decided by the prefix when the winner holds more of it than some other replica.
-    by = BY_PREFIX if any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
-    return order, by
+    best = max(x.matched_blocks for x in loads.values())
+    if best * policy.block_size >= policy.cache_threshold * prompt_len:
+        # Most of the prompt is cached somewhere: the replica holding the most of it, by
+        # cost among equals. Load decides only past the balance guard above.
+        order = sorted(loads, key=lambda k: (-loads[k].matched_blocks, cost(k)))
+        by = BY_PREFIX if any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
+        return order, by
+    # A new prefix (or little of one cached): load first, then the replica home to the
+    # fewest prefixes lately, then cost.
+    return sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].owned, cost(k))), BY_LOAD
