@@ -77,8 +77,11 @@ def test_the_holder_wins_until_load_outweighs_its_prefix():
     assert rank(policy, 512, {"a": ReplicaLoad(30, 2000, 4), "b": b}) == (["a", "b"], BY_PREFIX)
     # ...and between two holders of the same blocks, cost decides.
     assert rank(policy, 512, {"a": ReplicaLoad(30, 2000, 2), "b": ReplicaLoad(30, 0, 2)})[0] == ["b", "a"]
-    # Under the cache threshold (here a quarter of the prompt cached): a new prefix, by load.
-    assert rank(policy, 512, {"a": ReplicaLoad(8, 0, 3), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
+    # Under the cache threshold (a quarter of the prompt cached, a conversation whose tail
+    # was evicted): cost, where the cached quarter still counts...
+    assert rank(policy, 512, {"a": ReplicaLoad(8, 0, 3), "b": ReplicaLoad(0, 0, 1)}) == (["a", "b"], BY_PREFIX)
+    # ...against a queue there
+    assert rank(policy, 512, {"a": ReplicaLoad(8, 900, 3), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
     # Past the balance guard (5 apart, and more than 1.5x), load alone decides.
     assert rank(policy, 512, {"a": ReplicaLoad(30, 0, 6), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
     # No replica holds anything: the least loaded, and it was load that decided.

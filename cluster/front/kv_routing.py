@@ -5,11 +5,13 @@
     each replica's view (cluster/wire/kv_events.py) ─▶ leading blocks it holds
     in-flight counts apart past the balance guard ─▶ least loaded first            (BY_LOAD)
     at least cache_threshold of the prompt cached somewhere ─▶ most blocks first  (BY_PREFIX)
-    otherwise (a new prefix) ─▶ fewest in flight, then home to the fewest prefixes (BY_LOAD)
-    ties: cost(replica) = miss_weight x prompt tokens it would still prefill
-                        + prefill tokens already waiting there    (its last KV event message)
-                        + decode_tokens x requests in flight there (Serve's queue-length cache)
-          then the emptier cache, then chance
+    less of it cached somewhere ─▶ by cost
+    none of it cached anywhere (a new prefix) ─▶ fewest in flight, then home to the fewest
+                                                 prefixes (BY_LOAD)
+    cost(replica) = miss_weight x prompt tokens it would still prefill
+                  + prefill tokens already waiting there    (its last KV event message)
+                  + decode_tokens x requests in flight there (Serve's queue-length cache)
+    ties: the emptier cache, then chance
 
 Affinity first, as SGLang's cache-aware router does (its cache threshold and balance
 guard): a prompt mostly cached on one replica goes there unless the replicas' in-flight
@@ -96,6 +98,12 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
         order = sorted(loads, key=lambda k: (-loads[k].matched_blocks, cost(k)))
         by = BY_PREFIX if any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
         return order, by
-    # A new prefix (or little of one cached): load first, then the replica home to the
-    # fewest prefixes lately, then cost.
+    if best:
+        # Some of it cached (a conversation whose tail was evicted, a short shared head):
+        # cost, where those blocks still count for their prefill.
+        order = sorted(loads, key=cost)
+        by = BY_PREFIX if loads[order[0]].matched_blocks == best and any(
+            loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
+        return order, by
+    # A new prefix: load first, then the replica home to the fewest prefixes lately, then cost.
     return sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].owned, cost(k))), BY_LOAD
