@@ -90,9 +90,9 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
 
     def initialize_state(self, block_size: int = 16, isolate_tenants: bool = True, **kwargs) -> None:
         # request_router_kwargs: the replicas' block size and isolation, and any of the
-        # policy's weights (miss_weight, decode_tokens, balance_abs, balance_rel: kv_routing.py)
-        tuning = {k: kwargs.pop(k) for k in ("miss_weight", "decode_tokens", "balance_abs", "balance_rel")
-                  if k in kwargs}
+        # policy's weights (kv_routing.KVRoutingPolicy: miss_weight, decode_tokens, ...)
+        tuning = {k: kwargs.pop(k) for k in ("miss_weight", "decode_tokens", "balance_abs", "balance_rel",
+                                             "cache_threshold") if k in kwargs}
         super().initialize_state(**kwargs)
         self._policy = KVRoutingPolicy(block_size, isolate_tenants, **tuning)
         self._subs: dict = {}  # replica unique id -> KVEventSubscriber
