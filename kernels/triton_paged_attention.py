@@ -180,14 +180,16 @@ if triton is not None:
             v_off = blk * stride_v_blk + in_blk * stride_v_tok + kv_head * stride_v_head
             v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :],
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
-            pv = p
             if KV_QUANT:
-                v = v.to(q.dtype)
-                pv = p * _load_scale(v_scale_ptr, sc_row, k_ok, INV_QMAX)[None, :]
+                # Dequantize V's rows, then the dot. Scaling P instead put p x scale in the
+                # dot's dtype: with e5m2 (1 / QMAX = 2^-15.8) those products fell into fp16's
+                # subnormals and lost their digits.
+                v_sc = _load_scale(v_scale_ptr, sc_row, k_ok, INV_QMAX)
+                v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
             if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
         has_keys = l_i > 0.0
