@@ -104,3 +104,18 @@ class KVView:
                 break
             n += 1
         return n
+
+
+def waiting_prefill(sched) -> int:
+    """The prefill tokens the waiting queue still needs, net of what the prefix cache holds
+    for each prompt now: the backlog a replica publishes beside its events for the front's KV router.
+    Gross, a queue of prompts that share a cached prefix looked like a long backlog and
+    sent the next request of that prefix to a replica that had to prefill all of it."""
+    kv = sched.kv_cache_manager
+    total = 0
+    for r in sched.waiting:
+        todo = r.num_tokens - r.num_computed_tokens
+        if r.num_computed_tokens == 0:
+            todo -= kv.get_computed_blocks(r)[1]
+        total += todo
+    return total

@@ -115,7 +115,7 @@ def test_a_replica_reports_its_waiting_prefill_net_of_its_cache():
     """The backlog a replica publishes counts only what its waiting prompts must still
     prefill: prompts whose prefix it holds weigh little, so they do not push the next
     request of that prefix to a replica without it."""
-    from pagedserve.cluster.replica.engine_replica import waiting_prefill
+    from pagedserve.scheduler.kv_events import waiting_prefill
 
     sched = replica()
     prefix = list(range(1, 33))  # 8 blocks of 4

@@ -72,6 +72,17 @@ class LiveReplicaRouter(_SkipsLostReplicas, PowerOfTwoChoicesRequestRouter):
     """Serve's default router (power of two choices) over the replicas not marked lost."""
 
 
+def _bounded(table: dict, limit: int, expired_before: float) -> dict:
+    """``table`` (key -> a time) at most ``limit`` long: entries older than ``expired_before``
+    go first, then all of them (a flood of distinct prompts must not grow it for good)."""
+    if len(table) > limit:
+        for k in [k for k, t in table.items() if t < expired_before]:
+            del table[k]
+        if len(table) > limit:
+            table.clear()
+    return table
+
+
 def _generate_request(pending_request):
     """The GenerateRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
     if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
@@ -182,22 +193,11 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             route_counts.count(by if replica_id.unique_id == first else BY_LOAD,
                                matched.get(replica_id.unique_id, 0) * self._policy.block_size, len(ids))
         now = time.monotonic()
-        sent = self._sent.setdefault(replica_id.unique_id, {})
-        if len(sent) > MAX_SENT_BLOCKS:
-            for h in [h for h, until in sent.items() if until < now]:
-                del sent[h]
-            if len(sent) > MAX_SENT_BLOCKS:
-                sent.clear()
+        sent = _bounded(self._sent.setdefault(replica_id.unique_id, {}), MAX_SENT_BLOCKS, now)
         until = now + SENT_TTL_S
         hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
         for h in hashes:
             sent[h] = until
         if hashes:
-            homes = self._homes.setdefault(replica_id.unique_id, {})
-            if len(homes) > MAX_HOMES:
-                for h in [h for h, t in homes.items() if t < now - HOME_TTL_S]:
-                    del homes[h]
-                if len(homes) > MAX_HOMES:
-                    homes.clear()
-            homes[hashes[0]] = now
+            _bounded(self._homes.setdefault(replica_id.unique_id, {}), MAX_HOMES, now - HOME_TTL_S)[hashes[0]] = now
 

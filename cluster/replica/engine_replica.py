@@ -61,6 +61,7 @@ from pagedserve.cluster.wire.stream import Admission, QueueStatus
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
+from pagedserve.scheduler.kv_events import waiting_prefill
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
@@ -82,21 +83,6 @@ _STEP_EMA = 0.2
 STEP_STALL_S = 120.0
 
 WORKER_PING_TIMEOUT_S = 5.0
-
-
-def waiting_prefill(sched) -> int:
-    """The prefill tokens the waiting queue still needs, net of what the prefix cache holds
-    for each prompt now: the backlog the front's KV router weighs (cluster/front/kv_routing.py).
-    Gross, a queue of prompts that share a cached prefix looked like a long backlog and
-    sent the next request of that prefix to a replica that had to prefill all of it."""
-    kv = sched.kv_cache_manager
-    total = 0
-    for r in sched.waiting:
-        todo = r.num_tokens - r.num_computed_tokens
-        if r.num_computed_tokens == 0:
-            todo -= kv.get_computed_blocks(r)[1]
-        total += todo
-    return total
 
 
 class AsyncEngine:
