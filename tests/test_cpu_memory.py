@@ -44,10 +44,14 @@ needs_thp = pytest.mark.skipif(_thp_mode() not in ("madvise", "always"),
 @needs_thp
 def test_zeros_are_zeros_in_huge_pages():
     t = cpu_memory.zeros((512, 16, 8, 64), torch.float32, torch.device("cpu"))  # 16 MiB
-    assert t.shape == (512, 16, 8, 64) and t.dtype == torch.float32 and not t.any()
     m = _mapping_of(t)
     assert m.get("THPeligible") == "1", m
-    assert int(m["AnonHugePages"].split()[0]) >= 2048, m  # at least one 2 MB page, touched by the zeroing
+    # Nothing is committed up front: a page costs memory from its first touch.
+    assert int(m["Anonymous"].split()[0]) == 0, m
+    assert t.shape == (512, 16, 8, 64) and t.dtype == torch.float32 and not t.any()
+    t[0] = 1.0  # a block's first write faults in a whole 2 MB page
+    assert int(_mapping_of(t)["AnonHugePages"].split()[0]) >= 2048, _mapping_of(t)
+    assert t.sum() == 16 * 8 * 64
 
 
 @needs_thp
@@ -81,6 +85,7 @@ for dtype in (torch.float32, torch.bfloat16, torch.int8):
     t = cpu_memory.zeros((1024, 16, 8, 64), dtype, "cpu")
     n = t.numel() * t.element_size()
     assert t.data_ptr() % cpu_memory.HUGE_PAGE == 0 and not t.any(), dtype
+    t.fill_(1)  # every page touched, as blocks are used
     assert huge_kb(t) * 1024 == n, (dtype, huge_kb(t), n)
     ptr = t.data_ptr()
     del t
@@ -101,10 +106,12 @@ def test_off_by_environment_and_on_small_or_gpu_tensors(monkeypatch):
 @needs_thp
 def test_the_engine_kv_pool_is_in_huge_pages(tmp_path):
     from pagedserve.cluster.llm import LLM
+    from pagedserve.scheduler.sampling_params import SamplingParams
     from pagedserve.worker.random_models import make_test_model
 
     llm = LLM(model=make_test_model("llama-mha", tmp_path), max_model_len=512, num_gpu_blocks_override=1024)
     try:
+        llm.generate([[1, 2, 3] * 20], SamplingParams(max_tokens=4))  # writes its blocks: their pages fault in
         k = llm.engine.executor.worker.runner.kv_caches[0][0]
         assert k.numel() * k.element_size() >= 4 << 20  # big enough to hold a whole huge page
         m = _mapping_of(k)

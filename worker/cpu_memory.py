@@ -4,8 +4,8 @@ handing a step's large temporaries back to the kernel.
 A decode step reads every running sequence's K/V blocks: 16-token blocks in random order
 over a pool of hundreds of MB, each block spread over 4 KB pages, so the reads miss the
 TLB at every block. Most distributions set THP to "madvise": a region gets 2 MB pages
-only if it asks. The pool asks before its first touch (zeroing it then faults in huge
-pages), in a mapping of its own: from malloc's heap it could land on pages that earlier
+only if it asks. The pool asks before its first touch (each later first touch then faults
+in a huge page, zeroed by the kernel), in a mapping of its own: from malloc's heap it could land on pages that earlier
 buffers had touched (the load probe's weight copies, freed), which stay 4 KB pages whatever
 it asks; that happened to the engine's pool once the probe grew. The CPU panel GEMM's
 weights (kernels/cpu_gemm.py) are allocated the same way. In an offline calibration run
@@ -99,13 +99,16 @@ def _fresh_mapping(nbytes: int) -> torch.Tensor:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.zeros``; on CPU, from a size of one huge page up, in a fresh mapping that
-    asks for huge pages before it is first touched."""
+    asks for huge pages before it is first touched. Such a mapping is not written here: the
+    kernel hands out its pages zeroed, each at its first touch, so the cache costs memory
+    as blocks are used, not all of it (seconds of page faults) before the engine starts."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes >= HUGE_PAGE and _thp_wanted():
         t = _fresh_mapping(nbytes).view(dtype).view(shape)
-    else:
-        t = torch.empty(shape, dtype=dtype, device=device)
+        advise_huge_pages(t)
+        return t
+    t = torch.empty(shape, dtype=dtype, device=device)
     advise_huge_pages(t)
     return t.zero_()
