@@ -1,5 +1,7 @@
 """Shared fixtures. Ray and Serve start once per session, lazily (only tests that ask for
-them pay the ~6 s Ray start-up and ~10 s Serve start-up), and are shut down at the end."""
+them pay the Ray and Serve start-up), and are shut down after the last test on them: the
+Ray files run first, and an idle Ray with Serve apps still costs CPU (its controller,
+GCS, proxy and replicas poll) that the tests after them would share."""
 
 from __future__ import annotations
 
@@ -27,6 +29,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items if config.pluginmanager.hasplugin("xdist") else ():
         item.add_marker(pytest.mark.xdist_group("ray" if file_of(item) in ray_files else file_of(item)))
     items.sort(key=lambda item: file_of(item) not in ray_files)
+    on_ray = [i for i in items if file_of(i) in ray_files]
+    config._last_ray_test = on_ray[-1].nodeid if on_ray else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Ray and Serve go once the last test on them is done (see the module doc), after its
+    module's fixtures have deleted their apps."""
+    yield
+    if nextitem is not None and item.nodeid == getattr(item.config, "_last_ray_test", None):
+        _shutdown_ray()
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        return
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    except Exception:
+        pass
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -36,13 +63,7 @@ def ray_session():
 
     init_ray()
     yield ray
-    try:
-        from ray import serve
-
-        serve.shutdown()
-    except Exception:
-        pass
-    ray.shutdown()
+    _shutdown_ray()
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +85,17 @@ SERVE_ENGINE = dict(max_model_len=1024, num_gpu_blocks_override=256, max_num_seq
                     max_waiting_requests=2, dtype="float32", seed=0)
 
 
+def delete_app(name: str) -> None:
+    """A module's Serve app goes once its tests are done, without waiting for the last of
+    its replicas to stop (Serve polls that once a second): the next module deploys
+    meanwhile, and the session's serve.shutdown() waits for whatever is left."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():  # not after the last Ray test (a session-wide app's turn comes last)
+        serve.delete(name, _blocking=False)
+
+
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory):
     from pagedserve.worker.random_models import make_test_model
@@ -82,4 +114,4 @@ def openai_app(serve_url, serve_model):
     cfg = EngineConfig(model=serve_model, **SERVE_ENGINE)
     serve.run(build_app(cfg), name="openai-test", route_prefix="/")
     yield serve_url
-    serve.delete("openai-test")
+    delete_app("openai-test")

@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 from test_serve_cancel import scrape, wait_idle
 
 from pagedserve.worker import faults
@@ -52,7 +52,7 @@ def base(serve_url, serve_model):
         del os.environ[faults.ENV]
     serve.run(app, name=APP, route_prefix=PREFIX)
     yield serve_url + PREFIX
-    serve.delete(APP)
+    delete_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 from test_api_surface import _scrape
 
 MODEL = "kvq-int8"
@@ -41,7 +41,7 @@ def url(serve_url, serve_model, one_gemm):
     cfg = EngineConfig(model=serve_model, served_model_name=MODEL, **ENGINE)
     serve.run(build_app(cfg, name_prefix="kvq-"), name="kv-quant", route_prefix="/kvq")
     yield f"{serve_url}/kvq"
-    serve.delete("kv-quant")
+    delete_app("kv-quant")
 
 
 @pytest.fixture(scope="module")

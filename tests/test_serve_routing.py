@@ -17,7 +17,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 
 APP = "routing-test"
 PREFIX = "/route"
@@ -114,4 +114,4 @@ def test_kv_router_keeps_prefixes_isolates_tenants_and_drops_a_killed_replica(se
                         for i in range(8)]
             assert victim not in answered, answered
     finally:
-        serve.delete(APP)
+        delete_app(APP)

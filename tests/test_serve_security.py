@@ -19,7 +19,7 @@ import openai
 import psutil
 import pytest
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 
 KEY = "sk-test-" + "0123456789abcdef"
 PREFIX = "/secure"
@@ -36,7 +36,7 @@ def secure_app(serve_url, serve_model):
     serve.run(build_app(cfg, name_prefix="secure-", api_key=KEY), name="secure-test",
               route_prefix=PREFIX)
     yield f"{serve_url}{PREFIX}"
-    serve.delete("secure-test")
+    delete_app("secure-test")
 
 
 def _client(url: str, key: str) -> openai.OpenAI:

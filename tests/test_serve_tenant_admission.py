@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 
 MODEL = "llama-gqa2-hd64"
 ENGINE = dict(SERVE_ENGINE, max_waiting_requests=None, max_queue_delay_s=1.0)
@@ -29,7 +29,7 @@ def url(serve_url, serve_model):
     serve.run(build_app(cfg, name_prefix="tadm-", allow_tenant_header=True), name="tenant-admission",
               route_prefix="/tadm")
     yield f"{serve_url}/tadm"
-    serve.delete("tenant-admission")
+    delete_app("tenant-admission")
 
 
 def test_a_flooding_tenant_is_refused_and_another_is_served(url):

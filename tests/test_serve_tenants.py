@@ -17,7 +17,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 
 PLAIN_KEY = "sk-plain"  # the single --api-key: an unmapped key, x-tenant may name its tenant
 KEYS_YAML = "sk-gold: gold\nsk-bronze: {tenant: bronze, weight: 1.0}\n"
@@ -39,7 +39,7 @@ def url(serve_url, serve_model, tmp_path_factory):
     serve.run(build_app(cfg, name_prefix="tenants-", api_key=PLAIN_KEY, api_keys_file=str(keys),
                         allow_tenant_header=True), name="tenants-test", route_prefix="/tenants")
     yield f"{serve_url}/tenants"
-    serve.delete("tenants-test")
+    delete_app("tenants-test")
 
 
 def headers(tenant: str | None = None, key: str = PLAIN_KEY) -> dict:

@@ -181,7 +181,7 @@ def hermes_url(serve_url, serve_model, tmp_path_factory):
 
     from ray import serve
 
-    from conftest import SERVE_ENGINE
+    from conftest import SERVE_ENGINE, delete_app
     from pagedserve.cluster.app import build_app
     from pagedserve.config import EngineConfig
 
@@ -192,7 +192,7 @@ def hermes_url(serve_url, serve_model, tmp_path_factory):
     cfg = EngineConfig(model=str(model), **dict(SERVE_ENGINE, num_gpu_blocks_override=64))
     serve.run(build_app(cfg, name_prefix="hermes-"), name="hermes-test", route_prefix="/hermes")
     yield f"{serve_url}/hermes"
-    serve.delete("hermes-test")
+    delete_app("hermes-test")
 
 
 def test_auto_with_a_template_that_renders_tools(hermes_url):

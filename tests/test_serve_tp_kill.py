@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SERVE_ENGINE
+from conftest import SERVE_ENGINE, delete_app
 
 APP, PREFIX = "tp-kill-test", "/tpkill"
 
@@ -58,7 +58,7 @@ def base(serve_url, serve_model):
                                              "max_waiting_requests": None})
     serve.run(build_app(cfg, name_prefix="tpkill-", engine_num_cpus=0.5), name=APP, route_prefix=PREFIX)
     yield serve_url + PREFIX, worker_pids() - before
-    serve.delete(APP)
+    delete_app(APP)
 
 
 async def _stream(ac: httpx.AsyncClient, url: str, started: asyncio.Event) -> tuple[list[str], float]:

@@ -268,6 +268,7 @@ def real_app(serve_url):
     """The default model behind Serve at /real (20 concurrent sequences: one n=20 request)."""
     from ray import serve
 
+    from conftest import delete_app
     from pagedserve.cluster.app import build_app
     from pagedserve.config import EngineConfig
 
@@ -275,7 +276,7 @@ def real_app(serve_url):
                        max_num_seqs=20, seed=0)
     serve.run(build_app(cfg, name_prefix="real-"), name="structured-real", route_prefix="/real")
     yield f"{serve_url}/real"
-    serve.delete("structured-real")
+    delete_app("structured-real")
 
 
 def test_real_model_json_schema_20_of_20_at_temperature_1(real_app):
