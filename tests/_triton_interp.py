@@ -2,12 +2,14 @@
 
 TRITON_INTERPRET=1 must be in the environment when ``@triton.jit`` runs (when the kernel
 modules are first imported), and pytest imports every test module into one process, so
-interpreter cases run in a child process; it prints one ``{"case": ..., "result": ...}``
-line per case.
+interpreter cases run in child processes; each prints one ``{"case": ..., "result": ...}``
+line per case (``emit``). The interpreter computes on one core: the cases are dealt
+round-robin over one child per core.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -15,15 +17,28 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SHARD_ENV = "PAGEDSERVE_INTERP_SHARD"  # "i/n": this child runs cases i, i + n, i + 2n, ...
+_case_index = itertools.count()
 
 
 def interpreter_results(script: str, timeout: int = 900) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    n = max(1, min(4, len(os.sched_getaffinity(0))))
+    children = [subprocess.Popen([sys.executable, script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=dict(os.environ, TRITON_INTERPRET="1", **{SHARD_ENV: f"{i}/{n}"}))
+                for i in range(n)]
     out = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            out[rec["case"]] = rec["result"]
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    for child in children:
+        stdout, stderr = child.communicate(timeout=timeout)
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                rec = json.loads(line)
+                out[rec["case"]] = rec["result"]
+        assert child.returncode == 0, stderr[-4000:]
     return out
+
+
+def emit(case: str, run) -> None:
+    """In a child: ``{"case": case, "result": run()}``, if the case is this child's."""
+    shard, n = (int(x) for x in os.environ.get(SHARD_ENV, "0/1").split("/"))
+    if next(_case_index) % n == shard:
+        print(json.dumps({"case": case, "result": run()}), flush=True)

@@ -13,7 +13,7 @@ def test_bench_vs_vllm_quick_prints_the_summary(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PAGEDSERVE_CACHE"] = os.environ.get("PAGEDSERVE_CACHE", str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.bench_vs_vllm", "--quick", "--no-vllm",
-                           "--hf-prompts", "4"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+                           "--hf-prompts", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     for key in ("cpu", "pagedserve_tok_s", "ratio_vs_hf_static", "b1_tok_s", "b1_bound_tok_s",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from _triton_interp import interpreter_results
+from _triton_interp import emit, interpreter_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,9 +155,9 @@ def _child_main() -> None:
         triton_cache_write._write_kv_cache_kernel))
     print(json.dumps({"case": "interpreted", "result": interpreted}), flush=True)
     for name in ATTENTION_CASES:
-        print(json.dumps({"case": name, "result": _run_attention_case(name)}), flush=True)
-    print(json.dumps({"case": "cache_write", "result": _run_cache_write_case()}), flush=True)
-    print(json.dumps({"case": "wrapper_errors", "result": _run_wrapper_errors()}), flush=True)
+        emit(name, lambda name=name: _run_attention_case(name))
+    emit("cache_write", _run_cache_write_case)
+    emit("wrapper_errors", _run_wrapper_errors)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _triton_interp import interpreter_results
+from _triton_interp import emit, interpreter_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,9 +110,9 @@ def _child_main() -> None:
     for name in CASES:
         for fmt in FORMATS:
             for qdt in ("float32", "float16"):
-                print(json.dumps({"case": f"{name}/{fmt}/{qdt}", "result": _attention(name, fmt, qdt)}), flush=True)
-    print(json.dumps({"case": "cache_write", "result": _cache_write()}), flush=True)
-    print(json.dumps({"case": "wrapper_errors", "result": _wrapper_errors()}), flush=True)
+                emit(f"{name}/{fmt}/{qdt}", lambda name=name, fmt=fmt, qdt=qdt: _attention(name, fmt, qdt))
+    emit("cache_write", _cache_write)
+    emit("wrapper_errors", _wrapper_errors)
 
 
 @pytest.fixture(scope="module")
