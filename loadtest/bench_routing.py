@@ -5,7 +5,8 @@ R``) and the same workloads, in one run:
 
     shared_prefix  requests that each start with one of P prefixes of L tokens (more than
                    one replica's cache holds), then S fresh tokens; O tokens out
-    multi_turn     N chat sessions of T turns; each turn sends the whole history
+    multi_turn     N chat sessions of T turns; each turn sends the whole history; C clients
+                   take turns from random sessions (vLLM's multi-turn benchmark)
     random         prompts that share nothing: the fallback must not lose
 
     routers   kv      the replica holding most of the prompt's blocks (cluster/front/routing.py)
@@ -22,7 +23,7 @@ each in the model's vocabulary, so lengths are close to the token counts asked f
 
     python -m pagedserve.loadtest.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
         [--routers kv prefix pow2] [--num-prefixes 8 --prefix-len 512 --suffix-len 32 --output-len 16]
-        [--sessions 10 --turns 4] [--concurrency 8] [--num-gpu-blocks N]
+        [--sessions 16 --turns 4] [--concurrency 8] [--num-gpu-blocks N]
 
 The last line printed is one JSON object: ``{"shared_prefix": {"kv": {...}, "prefix":
 {...}, "pow2": {...}}, "multi_turn": {...}, "random": {...}, "single_replica_hit_rate":
@@ -164,19 +165,37 @@ async def _closed_loop(base, model, prompts, out, concurrency) -> list[Result]:
 
 
 async def run_multi_turn(base, model, words, a, seed) -> list[Result]:
+    """``--concurrency`` clients over ``--sessions`` conversations, as vLLM's multi-turn
+    benchmark drives them: a free client takes a random conversation that is not waiting
+    for an answer and sends its next turn, the whole history. So a conversation's next turn
+    does not follow its answer at once (its user reads while other conversations go on).
+    In a closed loop where it did, the replica that had just answered was the least loaded
+    one at that instant, and power of two choices kept every conversation in place by
+    accident."""
     text = Text(words, seed)
+    rng = random.Random(seed + 2)
+    history = {s: [{"role": "system", "content": text(a.system_len)}] for s in range(a.sessions)}
+    turns_left = dict.fromkeys(history, a.turns)
+    busy: set[int] = set()
     results: list[Result] = []
     async with httpx.AsyncClient(timeout=600) as client:
-        async def session(s: int):
-            messages = [{"role": "system", "content": text(a.system_len)}]
-            for _ in range(a.turns):
-                messages.append({"role": "user", "content": text(a.user_len)})
-                r = await chat(client, base, model, messages, a.turn_output_len)
+        async def worker():
+            while any(turns_left.values()):
+                ready = [s for s, n in turns_left.items() if n and s not in busy]
+                if not ready:  # every conversation left is waiting for its answer
+                    await asyncio.sleep(0.01)
+                    continue
+                s = rng.choice(ready)
+                busy.add(s)
+                turns_left[s] -= 1
+                history[s].append({"role": "user", "content": text(a.user_len)})
+                r = await chat(client, base, model, history[s], a.turn_output_len)
                 r.group = s
                 results.append(r)
-                messages.append({"role": "assistant", "content": r.text})
+                history[s].append({"role": "assistant", "content": r.text})
+                busy.discard(s)
 
-        await asyncio.gather(*(session(s) for s in range(a.sessions)))
+        await asyncio.gather(*(worker() for _ in range(a.concurrency)))
     return results
 
 
@@ -279,12 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--num-requests", type=int, default=64, help="shared_prefix requests")
-    p.add_argument("--sessions", type=int, default=10,
-                   help="their histories at the last turn exceed one replica's cache, as the prefixes do")
+    p.add_argument("--sessions", type=int, default=16,
+                   help="their histories at the last turn exceed one replica's cache, as the prefixes do, "
+                        "and fit in two")
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=256, help="multi_turn: each session's own system prompt")
-    p.add_argument("--user-len", type=int, default=32)
-    p.add_argument("--turn-output-len", type=int, default=32)
+    p.add_argument("--system-len", type=int, default=128, help="multi_turn: each session's own system prompt")
+    p.add_argument("--user-len", type=int, default=16)
+    p.add_argument("--turn-output-len", type=int, default=16)
     p.add_argument("--random-requests", type=int, default=32)
     p.add_argument("--random-len", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=8)

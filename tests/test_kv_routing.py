@@ -137,3 +137,27 @@ def test_a_new_prefix_goes_to_the_replica_that_is_home_to_fewer():
     # held somewhere: the holder, whatever the homes
     loads["crowded"] = ReplicaLoad(32, 0, 1, owned=5)
     assert rank(policy, 544, loads) == (["crowded", "roomy"], BY_PREFIX)
+
+
+def test_sent_blocks_count_while_in_flight_then_for_a_grace_period():
+    """A prompt sent to a replica counts as there before its events say so: while its
+    request is in flight there (it may wait in a queue for seconds before its prefill
+    stores the blocks), then for SENT_TTL_S; a request routed elsewhere than first scored
+    moves its marks; a replica that goes takes its marks with it."""
+    from pagedserve.cluster.front.routing import SENT_TTL_S, _SentBlocks
+
+    sent = _SentBlocks()
+    sent.send("r1", "a", [11, 12])
+    sent.send("r2", "a", [11, 13])
+    now = 100.0
+    assert sent.view("a", now)(11) and sent.view("a", now)(12) and not sent.view("b", now)(11)
+    sent.done("r1", now)
+    later = now + SENT_TTL_S / 2
+    assert sent.view("a", later)(12)  # finished: still counted until its event can have come
+    assert not sent.view("a", now + 2 * SENT_TTL_S)(12)
+    assert sent.view("a", now + 2 * SENT_TTL_S)(11)  # r2 is still in flight with it
+    sent.send("r2", "b", [11, 13])  # routed elsewhere than scored
+    assert sent.view("b", now)(13) and not sent.view("a", now + 2 * SENT_TTL_S)(13)
+    sent.forget("b")
+    assert not sent.view("b", now)(13)
+    sent.done("never-sent", now)  # a completion the router never marked: ignored

@@ -23,6 +23,7 @@ imported by reference: lost_replicas.py, route_counts.py.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
@@ -30,8 +31,9 @@ from ray.serve._private.request_router.request_router import LocalityMixin, Mult
 from pagedserve.cluster.front import lost_replicas, route_counts
 from pagedserve.cluster.front.kv_routing import BY_LOAD, KVRoutingPolicy, ReplicaLoad, rank
 
-SENT_TTL_S = 5.0  # a sent prompt's blocks count as there until its replica's events say so
+SENT_TTL_S = 5.0  # a finished request's blocks count as there until its replica's events say so
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
+MAX_IN_FLIGHT = 10_000  # requests marked and not completed (one cancelled before dispatch never is)
 HOME_TTL_S = 60.0  # a prefix last routed this long ago no longer counts as a replica's
 MAX_HOMES = 4096  # per replica: what each request's count of homes walks at most
 MAX_SCORED = 10_000  # scored requests not yet routed (a cancelled one never is)
@@ -83,6 +85,64 @@ def _bounded(table: dict, limit: int, expired_before: float) -> dict:
     return table
 
 
+class _SentBlocks:
+    """The blocks of prompts sent to each replica that its events may not report yet. They
+    count as there while their request is in flight (queued behind others, it may wait
+    seconds before its prefill stores them), then for SENT_TTL_S more (the event is on its
+    way). A burst or a queue of one new prefix then follows its first request instead of
+    being prefilled on every replica."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Counter] = {}  # replica unique id -> block hash -> requests in flight
+        self._grace: dict[str, dict[int, float]] = {}  # replica unique id -> block hash -> until when
+        self._requests: dict[str, tuple[str, list[int]]] = {}  # request id -> (replica, its blocks)
+
+    def view(self, uid: str, now: float):
+        """``has(block hash)`` for one replica, as of ``now``."""
+        pending, grace = self._pending.get(uid) or {}, self._grace.get(uid) or {}
+        return lambda h: pending.get(h, 0) > 0 or grace.get(h, 0.0) >= now
+
+    def send(self, request_id: str, uid: str, hashes: list[int]) -> None:
+        """The request's blocks go to ``uid`` (from wherever they were marked before)."""
+        old = self._requests.pop(request_id, None)
+        if old is not None:
+            self._drop(*old)
+        if len(self._requests) >= MAX_IN_FLIGHT:  # the oldest first: insertion order
+            for rid in list(self._requests)[: MAX_IN_FLIGHT // 2]:
+                self._drop(*self._requests.pop(rid))
+        self._requests[request_id] = (uid, hashes)
+        self._pending.setdefault(uid, Counter()).update(hashes)
+
+    def done(self, request_id: str, now: float) -> None:
+        rec = self._requests.pop(request_id, None)
+        if rec is None:
+            return
+        uid, hashes = rec
+        self._drop(uid, hashes)
+        grace = _bounded(self._grace.setdefault(uid, {}), MAX_SENT_BLOCKS, now)
+        until = now + SENT_TTL_S
+        for h in hashes:
+            grace[h] = until
+
+    def forget(self, uid: str) -> None:
+        self._pending.pop(uid, None)
+        self._grace.pop(uid, None)
+
+    def replicas(self) -> set[str]:
+        return set(self._pending) | set(self._grace)
+
+    def _drop(self, uid: str, hashes: list[int]) -> None:
+        pending = self._pending.get(uid)
+        if pending is None:
+            return
+        for h in hashes:
+            left = pending.get(h, 0) - 1
+            if left > 0:
+                pending[h] = left
+            else:
+                pending.pop(h, None)
+
+
 def _generate_request(pending_request):
     """The GenerateRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
     if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
@@ -107,10 +167,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         super().initialize_state(**kwargs)
         self._policy = KVRoutingPolicy(block_size, isolate_tenants, **tuning)
         self._subs: dict = {}  # replica unique id -> KVEventSubscriber
-        # replica unique id -> {block hash: until when}: the blocks of prompts just sent
-        # there, which its events report only once it has prefilled them. A burst of one
-        # new prefix then follows its first request instead of being prefilled everywhere.
-        self._sent: dict[str, dict[int, float]] = {}
+        self._sent = _SentBlocks()  # blocks on their way to each replica
         # replica unique id -> {first block hash: when last routed there}: the prefixes
         # that call it home (kv_routing.py places a new prefix with the fewest).
         self._homes: dict[str, dict[int, float]] = {}
@@ -121,16 +178,17 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         live = {r.replica_id.unique_id for r in replicas}
         for uid in [u for u in self._subs if u not in live]:
             self._subs.pop(uid).close()  # gone: a replica that comes back has a new id, an empty view
-        for table in (self._sent, self._homes):
-            for uid in [u for u in table if u not in live]:
-                del table[uid]
+        for uid in [u for u in self._homes if u not in live]:
+            del self._homes[uid]
+        for uid in self._sent.replicas() - live:
+            self._sent.forget(uid)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
         sub = self._subs.pop(replica_id.unique_id, None)
         if sub is not None:
             sub.close()
-        self._sent.pop(replica_id.unique_id, None)
+        self._sent.forget(replica_id.unique_id)
         self._homes.pop(replica_id.unique_id, None)
 
     def _subscriber(self, replica):
@@ -164,22 +222,32 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             if sub is None:
                 loads[r] = ReplicaLoad(0, 0, in_flight, owned=owned)
                 continue
-            held, sent, matched = sub.view.hashes, self._sent.get(r.replica_id.unique_id, {}), 0
-            for h in hashes:  # leading blocks cached there, or on their way (just sent)
-                if h not in held and sent.get(h, 0.0) < now:
+            held, sent, matched = sub.view.hashes, self._sent.view(r.replica_id.unique_id, now), 0
+            for h in hashes:  # leading blocks cached there, or on their way (sent)
+                if h not in held and not sent(h):
                     break
                 matched += 1
             loads[r] = ReplicaLoad(matched, sub.waiting_tokens, in_flight, len(held), owned)
         if not seen:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
+        first = order[0].replica_id.unique_id
         # Counted once the request is routed (this may run again on a backoff), for the
         # replica it took: the first choice, or a later one when that was full.
         if len(self._scored) > MAX_SCORED:
             self._scored.clear()
         self._scored[pending_request.metadata.internal_request_id] = (
-            order[0].replica_id.unique_id, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()})
+            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()})
+        # Its blocks count as sent to the first choice now, not once Serve has routed it:
+        # the other requests of a burst are scored before that, and would otherwise send
+        # the same new prefix to both replicas. A request that lands elsewhere corrects it.
+        self._send(pending_request.metadata.internal_request_id, first, hashes, now)
         return [[r] for r in order]
+
+    def _send(self, request_id: str, uid: str, hashes: list[int], now: float) -> None:
+        self._sent.send(request_id, uid, hashes)
+        if hashes:
+            _bounded(self._homes.setdefault(uid, {}), MAX_HOMES, now - HOME_TTL_S)[hashes[0]] = now
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -192,12 +260,12 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             first, by, matched = scored
             route_counts.count(by if replica_id.unique_id == first else BY_LOAD,
                                matched.get(replica_id.unique_id, 0) * self._policy.block_size, len(ids))
-        now = time.monotonic()
-        sent = _bounded(self._sent.setdefault(replica_id.unique_id, {}), MAX_SENT_BLOCKS, now)
-        until = now + SENT_TTL_S
-        hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
-        for h in hashes:
-            sent[h] = until
-        if hashes:
-            _bounded(self._homes.setdefault(replica_id.unique_id, {}), MAX_HOMES, now - HOME_TTL_S)[hashes[0]] = now
+            if replica_id.unique_id == first:
+                return  # marked as sent there when it was scored
+        self._send(pending_request.metadata.internal_request_id, replica_id.unique_id,
+                   self._policy.block_hashes(ids, req.cache_salt, req.tenant), time.monotonic())
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._sent.done(internal_request_id, time.monotonic())
 
