@@ -1,14 +1,11 @@
-"""loadtest/: arrivals, workloads, metrics, the /metrics scraper, the report, and the
-``compare --quick`` smoke run against real pagedserve servers."""
+"""loadtest/: arrivals, workloads, metrics, the /metrics scraper and the report (the
+``compare --quick`` smoke run against real servers is in test_script_smokes.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +15,6 @@ from pagedserve.loadtest.client import RequestResult
 from pagedserve.loadtest.metrics import compute_metrics, parse_goodput, parse_prometheus, percentile, server_view
 from pagedserve.loadtest.report import find_knee, format_table, plot_latency_cdfs, plot_rate_sweep
 from pagedserve.loadtest.workloads import FIRST_ID, WORKLOADS, generate_workload
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------ arrivals
@@ -202,37 +197,6 @@ def test_knee_table_and_plots(tmp_path):
     sw = plot_rate_sweep({"pagedserve": sweep}, tmp_path / "sweep.png")
     for p in (cdf, sw):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-# ------------------------------------------------------------------ compare --quick (real servers)
-@pytest.mark.timeout(300)
-def test_compare_quick_smoke(tmp_path):
-    """compare --quick end to end on the scenarios that share the default server (one
-    server start; every other configuration costs a start of its own, and their
-    schedulers are covered in process: static batching in test_scheduler_policies,
-    contiguous KV in test_kv_cache_manager). Asserts the report's structure and that
-    every request of every run was accounted for, not the speed of this machine."""
-    out = tmp_path / "cmp"
-    scns = ["prefix-caching", "mixed-saturation", "rate-sweep"]
-    cmd = [sys.executable, "-m", "pagedserve.loadtest", "compare", "--quick", "--no-peers", "--result-dir", str(out),
-           "--scenarios", *scns]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((out / "compare.json").read_text())
-    assert report["errors"] == []
-    assert list(report["server_startup_s"]) == ["default"]
-    assert {r["scenario"] for r in report["rows"]} == set(scns)
-    for r in report["rows"]:
-        assert set(r) >= {"metric", "baseline_value", "ours_value", "ratio", "goal", "met"}
-    assert set(report["requests"]) == {"prefix-caching/prefix-on", "prefix-caching/prefix-off",
-                                       "mixed-saturation/mixed"}
-    for name, acc in report["requests"].items():
-        assert acc["completed"] + acc["cancelled"] + acc["failed"] == acc["num_requests"], name
-        assert acc["failed"] == 0, name
-    mixed = next(r for r in report["rows"] if r["metric"].startswith("requests accounted"))
-    assert mixed["met"] is True
-    assert (out / "summary.md").read_text().count("| ") > 10
-    assert (out / "latency_cdf.png").exists() and (out / "rate_sweep.png").exists()
 
 
 def test_help_lists_every_benchmark_with_one_line(capsys):
