@@ -27,13 +27,19 @@ def interpreter_results(script: str, timeout: int = 900) -> dict:
                                  text=True, env=dict(os.environ, TRITON_INTERPRET="1", **{SHARD_ENV: f"{i}/{n}"}))
                 for i in range(n)]
     out = {}
-    for child in children:
-        stdout, stderr = child.communicate(timeout=timeout)
-        for line in stdout.splitlines():
-            if line.startswith("{"):
-                rec = json.loads(line)
-                out[rec["case"]] = rec["result"]
-        assert child.returncode == 0, stderr[-4000:]
+    try:
+        for child in children:
+            stdout, stderr = child.communicate(timeout=timeout)
+            for line in stdout.splitlines():
+                if line.startswith("{"):
+                    rec = json.loads(line)
+                    out[rec["case"]] = rec["result"]
+            assert child.returncode == 0, stderr[-4000:]
+    finally:
+        for child in children:  # the others, when one failed
+            if child.poll() is None:
+                child.kill()
+                child.wait()
     return out
 
 

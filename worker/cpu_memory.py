@@ -4,13 +4,13 @@ handing a step's large temporaries back to the kernel.
 A decode step reads every running sequence's K/V blocks: 16-token blocks in random order
 over a pool of hundreds of MB, each block spread over 4 KB pages, so the reads miss the
 TLB at every block. Most distributions set THP to "madvise": a region gets 2 MB pages
-only if it asks. The pool asks before its first touch (each later first touch then faults
-in a huge page, zeroed by the kernel), in a mapping of its own: from malloc's heap it could land on pages that earlier
-buffers had touched (the load probe's weight copies, freed), which stay 4 KB pages whatever
-it asks; that happened to the engine's pool once the probe grew. The CPU panel GEMM's
-weights (kernels/cpu_gemm.py) are allocated the same way. In an offline calibration run
-it raised throughput, and most of the time saved was in the GEMMs, whose weight stream the
-KV pool's page walks had slowed, less in attention.
+only if it asks. The pool asks before its first touch (each first touch then faults in a
+huge page, zeroed by the kernel), in a mapping of its own: from malloc's heap it could land
+on pages that earlier buffers had touched (the load probe's weight copies, freed), which
+stay 4 KB pages whatever it asks; that happened to the engine's pool once the probe grew.
+The CPU panel GEMM's weights (kernels/cpu_gemm.py) are allocated the same way. In an
+offline calibration run it raised throughput, and most of the time saved was in the GEMMs,
+whose weight stream the KV pool's page walks had slowed, less in attention.
 
 ``PAGEDSERVE_KV_THP=0`` turns it off. A no-op off Linux, on GPU tensors and where the
 kernel refuses (THP "never").
