@@ -23,7 +23,7 @@ each in the model's vocabulary, so lengths are close to the token counts asked f
 
     python -m pagedserve.loadtest.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
         [--routers kv prefix pow2] [--num-prefixes 8 --prefix-len 512 --suffix-len 32 --output-len 16]
-        [--sessions 16 --turns 4] [--concurrency 8] [--num-gpu-blocks N]
+        [--sessions 16 --turns 4] [--concurrency 8] [--num-gpu-blocks N] [--repeats R]
 
 The last line printed is one JSON object: ``{"shared_prefix": {"kv": {...}, "prefix":
 {...}, "pow2": {...}}, "multi_turn": {...}, "random": {...}, "single_replica_hit_rate":
@@ -264,18 +264,35 @@ def run_server(a, router: str | None, replicas: int, workloads: list[str], words
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         wait_ready(base, model, replicas, router or "pow2", words)
         for i, w in enumerate(workloads):
-            before = scrape(base)
-            t0 = time.perf_counter()
-            results = asyncio.run(RUNNERS[w](base, model, words, a, a.seed + 1000 * i))
-            wall = time.perf_counter() - t0
-            time.sleep(1.5)  # the replicas' last stats push
-            out[w] = summarize(results, wall, before, scrape(base))
-            s = out[w]
-            print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
-                  f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
-                  f"shares {s['replica_shares']}  replicas/group {s['replicas_per_group']}  "
-                  f"routed by {s['routed_by']}  failed {s['failed']} "
-                  f"{s['errors'] or ''}", flush=True)
+            runs = []
+            for rep in range(a.repeats):  # each with prompts of its own (another seed)
+                before = scrape(base)
+                t0 = time.perf_counter()
+                results = asyncio.run(RUNNERS[w](base, model, words, a, a.seed + 1000 * i + 100 * rep))
+                wall = time.perf_counter() - t0
+                time.sleep(1.5)  # the replicas' last stats push
+                s = summarize(results, wall, before, scrape(base))
+                runs.append(s)
+                print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
+                      f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
+                      f"shares {s['replica_shares']}  replicas/group {s['replicas_per_group']}  "
+                      f"routed by {s['routed_by']}  failed {s['failed']} "
+                      f"{s['errors'] or ''}", flush=True)
+            out[w] = median_of(runs)
+    return out
+
+
+def median_of(runs: list[dict]) -> dict:
+    """One run's summary as is; several: the median of each number over them (the rest from
+    the first), and each run's TTFT mean, tok/s and hit rate under ``runs``."""
+    if len(runs) == 1:
+        return runs[0]
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        values = [r[k] for r in runs]
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values):
+            out[k] = statistics.median(values)
+    out["runs"] = [{k: r[k] for k in ("ttft_mean_s", "output_tok_s", "hit_rate")} for r in runs]
     return out
 
 
@@ -313,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV blocks per replica (default: about 60%% of the shared prefixes + the running requests)")
     p.add_argument("--no-single", action="store_true", help="skip the one-replica hit-rate baseline")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each workload per server, each on prompts of its own; the report takes medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)

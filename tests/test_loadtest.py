@@ -213,3 +213,15 @@ def test_help_lists_every_benchmark_with_one_line(capsys):
     for mod in BENCHMARKS:
         line = next(line for line in out.splitlines() if line.strip().startswith(mod + " "))
         assert len(line.split(maxsplit=1)[1]) > 20, line  # a real description, one line
+
+
+def test_bench_routing_reports_medians_over_repeats():
+    from pagedserve.loadtest.bench_routing import median_of
+
+    runs = [dict(ttft_mean_s=t, output_tok_s=o, hit_rate=h, failed=0, replica_shares=s, routed_by={"prefix": 1.0})
+            for t, o, h, s in ((1.0, 30.0, 0.7, [3, 1]), (3.0, 10.0, 0.9, [2, 2]), (2.0, 20.0, 0.8, [1, 3]))]
+    m = median_of(runs)
+    assert (m["ttft_mean_s"], m["output_tok_s"], m["hit_rate"], m["failed"]) == (2.0, 20.0, 0.8, 0)
+    assert m["replica_shares"] == [3, 1] and m["routed_by"] == {"prefix": 1.0}  # not numbers: the first run's
+    assert [r["ttft_mean_s"] for r in m["runs"]] == [1.0, 3.0, 2.0]
+    assert median_of(runs[:1]) is runs[0]
