@@ -182,7 +182,7 @@ if triton is not None:
                         mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
             if KV_QUANT:
                 # Dequantize V's rows, then the dot. Scaling P instead put p x scale in the
-                # dot's dtype: with e5m2 (1 / QMAX = 2^-15.8) those products fell into fp16's
+                # dot's dtype: with e5m2's tiny 1 / QMAX those products fell into fp16's
                 # subnormals and lost their digits.
                 v_sc = _load_scale(v_scale_ptr, sc_row, k_ok, INV_QMAX)
                 v = (v.to(tl.float32) * v_sc[:, None]).to(q.dtype)
