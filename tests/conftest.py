@@ -17,19 +17,17 @@ import pagedserve  # noqa: F401,E402
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Work units for pytest-xdist's ``--dist loadgroup`` (what ``./dev test`` runs):
+    """Work units for pytest-xdist's ``--dist loadgroup`` (``./dev test -n 2 --dist loadgroup``):
     every test file with a test on this session's Ray (the ``ray_session`` fixture, directly
-    or through ``serve_url``) or marked ``full_priority`` joins one unit, so one worker
-    starts Ray and Serve once for all of them; every other test file is a unit of its own,
-    so a module's fixtures are built once. The Ray unit goes first: it is the longest, and
-    it waits on processes much of its time, which the other worker fills with in-process
-    tests. Without xdist the marks do nothing and only the order changes (the Ray files
-    first)."""
+    or through ``serve_url``) joins one unit, so one worker starts Ray and Serve once for
+    all of them; every other test file is a unit of its own, so a module's fixtures are
+    built once. The Ray unit goes first: it is the longest, and it waits on processes much
+    of its time, which the other worker fills with in-process tests. Without xdist the
+    marks do nothing and only the order changes (the Ray files first)."""
     def file_of(item):
         return item.nodeid.split("::")[0]
 
-    ray_files = {file_of(i) for i in items if "ray_session" in getattr(i, "fixturenames", ())
-                 or i.get_closest_marker("full_priority")}
+    ray_files = {file_of(i) for i in items if "ray_session" in getattr(i, "fixturenames", ())}
     for item in items if config.pluginmanager.hasplugin("xdist") else ():
         item.add_marker(pytest.mark.xdist_group("ray" if file_of(item) in ray_files else file_of(item)))
     items.sort(key=lambda item: file_of(item) not in ray_files)

@@ -10,12 +10,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from pagedserve.cluster.cli.serving_cpu import ServingCPU, descendants, is_serving, serving_pids
 from pagedserve.worker.cpu_affinity import yield_process
-
-pytestmark = pytest.mark.full_priority  # the children must start at nice 0 to be moved down
 
 
 def test_serving_titles_and_what_is_never_moved():
