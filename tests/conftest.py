@@ -5,8 +5,6 @@ GCS, proxy and replicas poll) that the tests after them would share."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 # First, before any test module imports transformers: `python -m pytest` in the checkout puts
@@ -33,20 +31,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: file_of(item) not in ray_files)
     on_ray = [i for i in items if file_of(i) in ray_files]
     config._last_ray_test = on_ray[-1].nodeid if on_ray else None
-    config._ray_files = ray_files
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item):
-    """Under xdist, a worker that runs a test off Ray drops to nice 19 for good (with the
-    processes it starts): the Ray worker's Serve apps, whose overload and fairness tests
-    shed or judge by time, keep the cores whenever they want them, and the other worker
-    fills the time they spend waiting. The Ray unit goes first, so its worker turns only
-    once it is done."""
-    if os.environ.get("PYTEST_XDIST_WORKER") and item.nodeid.split("::")[0] not in item.config._ray_files:
-        from pagedserve.worker.cpu_affinity import yield_process
-
-        yield_process(os.getpid(), sorted(os.sched_getaffinity(0)), 19)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -77,9 +61,6 @@ def ray_session():
     from pagedserve.cluster.ray_utils import init_ray
     import ray
 
-    # Ray starts its workers at nice 15: the Serve replicas would yield to anything, the
-    # test's own client included; `pagedserve serve` starts them at 0 too (cli/serve.py).
-    os.environ.setdefault("RAY_worker_niceness", "0")
     init_ray()
     yield ray
     _shutdown_ray()
