@@ -189,13 +189,19 @@ class EngineDeployment:
     def stats(self) -> dict:
         return self.core.stats()
 
-    async def tokenize(self, prompt=None, messages=None, add_special_tokens=True,
+    async def tokenize(self, prompt=None, messages=None, add_special_tokens=None,
                        add_generation_prompt=True, tools=None) -> list[int]:
         return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,
                                         tools)
 
-    async def detokenize(self, tokens: list[int]) -> str:
-        return await self.core.detokenize(tokens)
+    async def token_strs(self, tokens: list[int]) -> list[str]:
+        return await self.core.token_strs(tokens)
+
+    def tokenizer_info(self) -> dict:
+        return self.core.tokenizer_info()
+
+    async def detokenize(self, tokens: list[int], skip_special_tokens: bool = False) -> str:
+        return await self.core.detokenize(tokens, skip_special_tokens)
 
     async def check_health(self) -> None:
         """Serve's health check: the loop is alive and every TP worker answers. Raising

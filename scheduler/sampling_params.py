@@ -94,8 +94,10 @@ class SamplingParams:
     # vLLM's prompt logprobs: top-N per prompt position (0: only the prompt's own token).
     # A request that asks computes its whole prompt: prefix-cache hits would skip rows.
     prompt_logprobs: int | None = None
-    # Keep only the last k prompt tokens (-1: max_model_len), applied after tokenizing.
+    # Keep only k prompt tokens (-1: max_model_len), applied after tokenizing: the last k
+    # ("left", cutting the start, as vLLM by default) or the first k ("right").
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +148,8 @@ class SamplingParams:
                 or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)):
             bad("truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, "
                 f"got {self.truncate_prompt_tokens!r}.")
+        if self.truncation_side not in ("left", "right"):
+            bad(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -34,7 +34,9 @@ SAMPLING = {"model", "n", "temperature", "top_p", "seed", "stop", "stream", "str
             "logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex",
             "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
             # tests/test_prompt_logprobs.py, tests/test_serve_batch_echo.py
-            "prompt_logprobs", "truncate_prompt_tokens"}
+            "prompt_logprobs", "truncate_prompt_tokens",
+            # tests/test_serve_vllm_parity.py
+            "truncation_side", "use_beam_search", "length_penalty", "add_special_tokens"}
 
 # Model class name -> the fields it implements. Register new fields here.
 IMPLEMENTED: dict[str, set[str]] = {
@@ -44,7 +46,9 @@ IMPLEMENTED: dict[str, set[str]] = {
                                          "logprobs", "top_logprobs", "add_generation_prompt",
                                          "continue_final_message", "echo",
                                          "tools", "tool_choice", "parallel_tool_calls"},
-    "ChatMessage": {"role", "content", "tool_calls", "tool_call_id", "name"},
+    "ChatMessage": {"role", "content", "tool_calls", "tool_call_id", "name",
+                    # to the chat template, as vLLM passes them (tests/test_serve_vllm_parity.py)
+                    "reasoning", "reasoning_content", "refusal"},
     "ContentPart": {"type", "text"},
     "StreamOptions": {"include_usage", "continuous_usage_stats"},
     # response_format's json_schema: the schema is always enforced (strict or not); name and
@@ -128,15 +132,27 @@ def test_registry_names_only_fields_that_exist():
         assert fields <= set(models[name].model_fields), (name, fields - set(models[name].model_fields))
 
 
-def test_unknown_fields_are_refused_by_every_request_model():
-    for root in (CompletionRequest, ChatCompletionRequest):
+OPEN = {"CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest", "ChatMessage"}
+
+
+def test_unknown_fields_are_named_known_unimplemented_ones_refused_nested_ones_refused():
+    for root in (CompletionRequest, ChatCompletionRequest, protocol.BatchChatCompletionRequest):
         for model in _walk(root):
             if model is protocol.ContentPart:  # refuses a text part's extras in a validator
                 continue
-            assert model.model_config.get("extra") == "forbid", model.__name__
+            # A body and a message take what no schema knows (named back to the client);
+            # a nested object of ours refuses it.
+            assert model.model_config.get("extra") == ("allow" if model.__name__ in OPEN else "forbid"), model
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x", "x_trace": 1}], "logit_bias_typo": {}})
+    assert body.unknown_fields() == ["logit_bias_typo", "messages[0].x_trace"]
+    for known in ("service_tier", "logprob_token_ids", "chat_template_kwargs"):
+        with pytest.raises(pydantic.ValidationError) as e:
+            CompletionRequest.model_validate({"prompt": "x", known: 1})
+        assert e.value.errors()[0]["type"] == "not_implemented" and known in e.value.errors()[0]["msg"]
     with pytest.raises(pydantic.ValidationError) as e:
-        CompletionRequest.model_validate({"prompt": "x", "logit_bias_typo": {}})
-    assert e.value.errors()[0]["loc"] == ("logit_bias_typo",)
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x", "audio": {}}]})
+    assert e.value.errors()[0]["type"] == "not_implemented"
     with pytest.raises(pydantic.ValidationError):
         ChatCompletionRequest.model_validate(
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]})
@@ -147,6 +163,24 @@ def test_unknown_fields_are_refused_by_every_request_model():
                                            "store": False, "safety_identifier": "s",
                                            "prompt_cache_key": "p"})
     assert ok.to_sampling_params() == CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params()
+    assert ok.unknown_fields() == []
+
+
+def test_every_openai_request_parameter_is_implemented_ignored_or_refused():
+    """The openai SDK's own request parameters: none may fall through as "unknown" (that
+    would accept and ignore a field a client relies on)."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    for root, sdk in ((CompletionRequest, completion_create_params.CompletionCreateParamsBase),
+                      (ChatCompletionRequest, chat_create_params.CompletionCreateParamsBase)):
+        known = set(root.model_fields) | protocol.NOT_IMPLEMENTED
+        assert set(typing.get_type_hints(sdk)) - known == set(), root.__name__
+    from openai.types.chat import ChatCompletionAssistantMessageParam
+
+    known = set(protocol.ChatMessage.model_fields) | protocol.NOT_IMPLEMENTED_IN_MESSAGES
+    assert set(typing.get_type_hints(ChatCompletionAssistantMessageParam)) - known == set()
+    assert not protocol.NOT_IMPLEMENTED & (set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields))
 
 
 def test_the_check_catches_a_planted_field():

@@ -184,15 +184,18 @@ def test_offline_llm_checks_stop_token_ids_and_resolves_logprobs_minus_one(serve
     assert llm.engine.served_model_name == str(serve_model)
 
 
-def test_unknown_fields_are_400_naming_them_and_ignored_ones_pass(openai_app, client, model_id):
-    err = _error(_post(openai_app, "/v1/completions", {"prompt": "hi", "frobnicate": 1}))
-    assert err["param"] == "frobnicate" and "unknown field" in err["message"]
-    err = _error(_post(openai_app, "/v1/chat/completions",
-                       {"messages": [{"role": "user", "content": "hi", "weight": 2}]}))
-    assert "messages.0.weight" in err["message"]
+def test_unknown_fields_are_named_back_nested_typos_400_ignored_ones_pass(openai_app, client, model_id):
+    """A field no OpenAI or vLLM schema has is accepted and named in a header (vLLM accepts
+    it too); one inside an object of ours is a typo: a 400 naming it.
+    tests/test_serve_vllm_parity.py has the rest (known but not implemented -> 400)."""
+    r = _post(openai_app, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "frobnicate": 1})
+    assert r.status_code == 200 and r.headers["x-pagedserve-ignored-fields"] == "frobnicate"
+    r = _post(openai_app, "/v1/chat/completions",
+              {"messages": [{"role": "user", "content": "hi", "weight": 2}], "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["x-pagedserve-ignored-fields"] == "messages[0].weight"
     err = _error(_post(openai_app, "/v1/completions",
                        {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "x": 1}}))
-    assert "stream_options.x" in err["message"]
+    assert "stream_options.x" in err["message"] and "unknown field" in err["message"]
     r = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=2, user="u-42", store=False, metadata={"k": "v"})
     assert r.choices[0].message.content is not None

@@ -65,3 +65,34 @@ def test_litellm_completion_stream_batch(openai_app, model_id):
     assert streamed == text
     answers = litellm.batch_completion(messages=[messages, [{"role": "user", "content": "Count."}]], **kw)
     assert len(answers) == 2 and answers[0].choices[0].message.content == text
+
+
+def test_vllm_extras_through_the_clients(openai_app, model_id):
+    """What a vLLM user sends through these clients' extra_body: beam search (langchain
+    invoke and batch, litellm), prompt logprobs (litellm); and vLLM's batched chat, which
+    no client has a call for, over httpx."""
+    import httpx
+
+    beams = langchain_openai.ChatOpenAI(base_url=f"{openai_app}/v1", api_key="unused", model=model_id,
+                                        temperature=0, max_tokens=MAX_TOKENS, max_retries=0, timeout=60, n=2,
+                                        extra_body={"use_beam_search": True, "ignore_eos": True})
+    from langchain_core.messages import HumanMessage
+
+    result = beams.generate([[HumanMessage("Say hello.")]]).generations[0]
+    assert len(result) == 2 and result[0].text != result[1].text
+    assert beams.invoke("Say hello.").content == result[0].text  # invoke: the best beam
+    assert [len(g) for g in beams.generate([[HumanMessage("Say hello.")],
+                                            [HumanMessage("Count to three.")]]).generations] == [2, 2]
+    kw = dict(model=f"openai/{model_id}", api_base=f"{openai_app}/v1", api_key="unused",
+              max_tokens=MAX_TOKENS, num_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Say hello."}]
+    beam = litellm.completion(messages=messages, n=2, extra_body={"use_beam_search": True, "ignore_eos": True}, **kw)
+    assert [c.message.content for c in beam.choices] == [g.text for g in result]
+    plp = litellm.completion(messages=messages, temperature=0, extra_body={"prompt_logprobs": 0}, **kw)
+    plp = getattr(plp, "prompt_logprobs", None) or plp.model_extra.get("prompt_logprobs")
+    assert plp[0] is None and len(plp) > 1
+    batch = httpx.post(f"{openai_app}/v1/chat/completions/batch", timeout=60, json={
+        "model": model_id, "temperature": 0, "max_tokens": MAX_TOKENS,
+        "messages": [messages, [{"role": "user", "content": "Count to three."}]]}).json()
+    alone = litellm.completion(messages=messages, temperature=0, **kw).choices[0].message.content
+    assert [c["index"] for c in batch["choices"]] == [0, 1] and batch["choices"][0]["message"]["content"] == alone

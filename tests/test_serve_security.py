@@ -66,6 +66,10 @@ def test_api_key_401_without_it_200_with_it(secure_app):
         err = resp.json()["error"]
         assert err["code"] == 401 and err["type"] == "AuthenticationError" and err["message"]
         assert resp.headers["www-authenticate"] == "Bearer"
+    # SageMaker's /invocations generates as /v1 does: it needs the key too.
+    assert httpx.post(f"{secure_app}/invocations", json={"prompt": "hi", "max_tokens": 1}).status_code == 401
+    assert httpx.post(f"{secure_app}/invocations", json={"prompt": "hi", "max_tokens": 1},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60).status_code == 200
     # A big unauthenticated body is refused from its headers (401 before 413, unread).
     big = httpx.post(f"{secure_app}/v1/completions", content=b"x" * (64 << 20),
                      headers={"content-type": "application/json"}, timeout=60)

@@ -8,10 +8,10 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
-    """The last ``truncate_prompt_tokens`` ids (-1: max_model_len), as vLLM truncates:
-    from the left, so the text nearest the completion stays. Runs before the length
-    check, so a prompt longer than the model fits once truncated (the check still
-    counts max_tokens against what is left)."""
+    """``truncate_prompt_tokens`` ids (-1: max_model_len), as vLLM truncates: from the
+    left by default, so the text nearest the completion stays; ``truncation_side``
+    "right" keeps the first ones. Runs before the length check, so a prompt longer than
+    the model fits once truncated (the check still counts max_tokens against what is left)."""
     k = params.truncate_prompt_tokens
     if k is None:
         return ids
@@ -19,7 +19,7 @@ def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) 
         k = max_model_len
     if k > max_model_len:
         raise ValueError(f"truncate_prompt_tokens ({k}) must be <= max_model_len ({max_model_len}).")
-    return ids[-k:]
+    return ids[:k] if params.truncation_side == "right" else ids[-k:]
 
 
 def sample_params(params: SamplingParams, index: int, seed: int | None) -> SamplingParams:

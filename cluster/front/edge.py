@@ -164,17 +164,24 @@ def install_error_handlers(app: FastAPI) -> None:
         # OpenAI answers 400 (not FastAPI's 422) for a malformed body.
         errors = exc.errors()
         parts = []
+        params = []
         for e in errors:
-            msg = e.get("msg", "invalid")
-            if e.get("type") == "json_invalid":
+            msg, kind, where = e.get("msg", "invalid"), e.get("type"), _loc(e)
+            if kind == "json_invalid":
                 msg = f"the body is not valid JSON ({(e.get('ctx') or {}).get('error', msg)})"
-            elif e.get("type") == "extra_forbidden":  # schemas.py: unknown fields are refused
+            elif kind == "extra_forbidden":  # an unknown field inside a nested object
                 msg = ("unknown field: this server does not implement it (deploy/README.md lists "
                        "the fields it accepts and ignores)")
-            elif e.get("type") == "value_error":  # our own validators' messages, as written
+            elif kind == "not_implemented":  # schemas.NOT_IMPLEMENTED: OpenAI's or vLLM's, not done here
+                where = ", ".join(f"{where}.{f}" if where else f for f in e["ctx"]["fields"].split(", "))
+                msg = "not implemented by this server (deploy/README.md lists what is)"
+            elif kind == "value_error":  # our own validators' messages, as written
                 msg = msg.removeprefix("Value error, ")
-            parts.append(f"{_loc(e) or 'body'}: {msg}")
-        param = _loc(errors[0]) if errors else None
+            else:  # pydantic's own check: its error type too, as vLLM's 400 carries it
+                msg = f"{msg} [type={kind}]"
+            parts.append(f"{where or 'body'}: {msg}")
+            params.append(where.split(", ")[0])
+        param = params[0] if params else None
         return error(400, "; ".join(parts) or "invalid request", param=param or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -210,9 +217,9 @@ class EdgeMiddleware:
         root, path = scope.get("root_path", ""), scope["path"]
         if root and path.startswith(root):  # under a Serve route prefix
             path = path[len(root):]
-        # As vLLM's --api-key: /v1/* only (/health, /metrics, /tokenize stay open), and
-        # never an OPTIONS preflight.
-        if path.startswith("/v1") and scope["method"] != "OPTIONS":
+        # As vLLM's --api-key: /v1/* (/health, /metrics, /tokenize stay open), and
+        # /invocations, which generates as /v1 does; never an OPTIONS preflight.
+        if (path.startswith("/v1") or path == "/invocations") and scope["method"] != "OPTIONS":
             ok, key_tenant = guard.identify(headers.get("authorization"))
             if not ok:
                 await _send(send, error(401, "invalid or missing API key: send "

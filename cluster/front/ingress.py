@@ -32,11 +32,16 @@ finished, so no prompt of a batch keeps its blocks.
 # methods that serve.ingress rewrites, or bodies turn into query parameters.
 
 import asyncio
+import json
 import logging
 import time
 from contextlib import aclosing
+from dataclasses import dataclass
+
+import pydantic
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 
@@ -51,9 +56,11 @@ from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission
 from pagedserve.cluster.front.lost_replicas import mark_lost
 from pagedserve.cluster.front.prompt_tokens import PromptTokens
 from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response, combined, prompt_logprobs_json
-from pagedserve.cluster.front.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from pagedserve.cluster.front.beam_search import create_beam_search
+from pagedserve.cluster.front.schemas import (BatchChatCompletionRequest, ChatCompletionRequest,
+                                               ChatCompletionResponse, CompletionRequest, DetokenizeRequest,
                                                DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                               TokenizeResponse, random_id)
+                                               TokenizeResponse, UsageInfo, random_id)
 from pagedserve.cluster.front.tenants import DEFAULT_TENANT
 from pagedserve.cluster.front.tool_choice import constrain_to_schema, tool_plan
 from pagedserve.cluster.ray_utils import bind_host, serve_grpc_on_node_ip
@@ -68,6 +75,10 @@ logger = logging.getLogger("pagedserve")
 REPLICA_HEADER = "x-pagedserve-replica"
 REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
 QUEUE_HEADER = "x-pagedserve-queue"  # why-waiting at admission (door.py)
+# The body's fields that no OpenAI or vLLM schema has: accepted, logged and named here
+# (schemas.NOT_IMPLEMENTED says which known ones are refused instead).
+IGNORED_HEADER = "x-pagedserve-ignored-fields"
+MAX_IGNORED_NAMED = 32  # a body of thousands of unknown keys names the first ones
 HEALTH_TIMEOUT_S = 5.0  # /health: an engine that does not answer within this is unhealthy
 # How often the front looks whether the Ray cluster has grown past one node (its output
 # channel then listens on the node's address too: ray_utils.bind_host).
@@ -77,6 +88,31 @@ BIND_RECHECK_S = 10.0
 app = FastAPI(title="pagedserve", description="OpenAI-compatible API over pagedserve engines")
 install_error_handlers(app)
 app.add_middleware(EdgeMiddleware)
+
+
+def _with_unknown_fields(response: Response, body, rid: str | None = None) -> Response:
+    """``response`` naming the fields of ``body`` that it ignored, if any (logged too)."""
+    names = body.unknown_fields()
+    if names:
+        shown = [n.encode("ascii", "backslashreplace").decode()[:100] for n in names[:MAX_IGNORED_NAMED]]
+        text = ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > len(shown) else "")
+        logger.warning("request %s: ignored field(s) no OpenAI or vLLM schema has: %s", rid or "-", text)
+        response.headers[IGNORED_HEADER] = "".join(c if c.isprintable() else "?" for c in text)
+    return response
+
+
+@dataclass(slots=True)
+class _ChatStarted:
+    """A chat request admitted by a replica, before its outputs are read."""
+
+    rid: str
+    stream: object
+    params: object
+    plan: object  # tool_choice.ToolPlan or None
+    echo: str
+    model: str
+    created: int
+    headers: dict
 
 
 def _remote_error(e: Exception) -> JSONResponse:
@@ -177,6 +213,12 @@ async def create_completion(ingress, body, rid: str, tenant):
         prompts = body.prompts()
     except ValueError as e:
         return error(400, str(e))
+    if not body.add_special_tokens:  # vLLM's: the text without BOS etc.; tokenized here
+        try:
+            prompts = [p if isinstance(p, list) else await ingress.engine.tokenize.remote(p, None, False)
+                       for p in prompts]
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            return _remote_error(e)
     model = info["served_model_name"]
     created = int(time.time())
     streams, adms = await _start_all(ingress, rid, prompts, params, body, tenant)
@@ -407,13 +449,38 @@ class OpenAIIngress:
         rid = random_id("chatcmpl" if chat else "cmpl")
         self._live.add(rid, tenant)
         try:
-            return await self._generate_as(body, chat, rid, tenant)
+            response = await self._generate_as(body, chat, rid, tenant)
         finally:
             self._live.release(rid)  # a stream keeps it until its body generator ends
+        return _with_unknown_fields(response, body, rid)
 
     async def _generate_as(self, body, chat: bool, rid: str, tenant):
+        try:
+            width = body.beam_width()
+        except ValueError as e:
+            return error(400, str(e))
+        if width is not None:  # cluster/front/beam_search.py
+            return await create_beam_search(self, body, chat, rid, tenant, width)
         if not chat:  # batches of prompts, echo: cluster/front/ingress.py
             return await create_completion(self, body, rid, tenant)
+        started = await self._chat_start(body, rid, tenant)
+        if not isinstance(started, _ChatStarted):
+            return started
+        if body.stream:
+            state = fmt.StreamState(rid, started.created, started.model, True, body.return_token_ids,
+                                    body.return_tokens_as_token_ids, body.continuous_usage, started.plan,
+                                    started.echo)
+            self._live.hold(rid)
+            return StreamingResponse(self._sse(started.stream, state, body.include_usage),
+                                     media_type="text/event-stream", headers=started.headers)
+        resp = await self._chat_collect(body, started)
+        if not isinstance(resp, ChatCompletionResponse):
+            return resp
+        return JSONResponse(resp.model_dump(exclude_none=True), headers=started.headers)
+
+    async def _chat_start(self, body, rid: str, tenant, arrival: float | None = None):
+        """Admit one chat request: _ChatStarted, or the error response. ``arrival``: when
+        the front took it (default: the live entry of ``rid``)."""
         bad = await self._check_model(body.model)
         if bad is not None:
             return bad
@@ -428,10 +495,15 @@ class OpenAIIngress:
                 constrain_to_schema(params, plan.schema)
         except ValueError as e:
             return error(400, str(e))
-        model = info["served_model_name"]
-        created = int(time.time())
-        stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template,
-                                        plan.tools if plan is not None else None, self._live.arrival(rid))
+        tools = plan.tools if plan is not None else None
+        if body.add_special_tokens:  # the tokenizer's BOS etc. on top of the template's (vLLM)
+            try:
+                prompt = await self.engine.tokenize.remote(None, messages, True, template, tools)
+            except Exception as e:  # arrives wrapped (RayTaskError)
+                return _remote_error(e)
+            messages = None
+        stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template, tools,
+                                        arrival if arrival is not None else self._live.arrival(rid))
         if stream is None:
             return adm
         # The id as GET /v1/requests/{id} takes it, before a streamed body names it.
@@ -439,12 +511,11 @@ class OpenAIIngress:
         queued = queue_header(adm.queue)
         if queued is not None:
             headers[QUEUE_HEADER] = queued
-        if body.stream:
-            state = fmt.StreamState(rid, created, model, True, body.return_token_ids,
-                                    body.return_tokens_as_token_ids, body.continuous_usage, plan, echo)
-            self._live.hold(rid)
-            return StreamingResponse(self._sse(stream, state, body.include_usage),
-                                     media_type="text/event-stream", headers=headers)
+        return _ChatStarted(rid, stream, params, plan, echo, info["served_model_name"], int(time.time()), headers)
+
+    async def _chat_collect(self, body, started: _ChatStarted):
+        """The whole answer of an admitted, unstreamed chat request, or the error response."""
+        rid, stream, params = started.rid, started.stream, started.params
         final, token_text, plp = None, {}, None
         try:
             async for out, tt in stream:
@@ -461,10 +532,59 @@ class OpenAIIngress:
             logger.exception("request %s failed", rid)
             return error(500, f"internal error while generating request {rid}; see the server log")
         self._observe(final)
-        resp = fmt.chat_response(rid, created, model, final, token_text, body.return_token_ids,
-                                 body.return_tokens_as_token_ids, plan, echo)
+        resp = fmt.chat_response(rid, started.created, started.model, final, token_text, body.return_token_ids,
+                                 body.return_tokens_as_token_ids, started.plan, started.echo)
         resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+        if body.return_token_ids:
+            resp.prompt_token_ids = list(final.prompt_token_ids)
+        return resp
+
+    async def _batch_chat(self, body, rid: str, tenant):
+        """vLLM's batched chat: each conversation an engine request of its own, admitted
+        and read concurrently; one choice each (index i), usage summed. One refused or
+        failed conversation is the answer, and the others are cancelled."""
+        if body.prompt_logprobs is not None:  # per response in vLLM's shape: one prompt only
+            return error(400, "Batch chat completions do not support `prompt_logprobs`.", param="prompt_logprobs")
+        convs = body.conversations()
+        arrival = self._live.arrival(rid)
+        tasks = [asyncio.ensure_future(self._chat_start(c, f"{rid}-{i}", tenant, arrival))
+                 for i, c in enumerate(convs)]
+        try:
+            started = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+                if t.done() and not t.cancelled() and t.exception() is None and isinstance(t.result(), _ChatStarted):
+                    t.result().stream.cancel()
+            raise
+        refused = [s for s in started if not isinstance(s, _ChatStarted)]
+        if refused:
+            for s in started:
+                if isinstance(s, _ChatStarted):
+                    s.stream.cancel()
+            return refused[0]
+        reads = [asyncio.ensure_future(self._chat_collect(c, s)) for c, s in zip(convs, started)]
+        try:
+            answers = await asyncio.gather(*reads)
+        except BaseException:
+            for t in reads:
+                t.cancel()
+            raise
+        failed = [a for a in answers if not isinstance(a, ChatCompletionResponse)]
+        if failed:
+            return failed[0]
+        choices = []
+        for i, a in enumerate(answers):
+            for c in a.choices:
+                c.index = i
+                choices.append(c)
+        usage = UsageInfo(prompt_tokens=sum(a.usage.prompt_tokens for a in answers),
+                          completion_tokens=sum(a.usage.completion_tokens for a in answers))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        resp = ChatCompletionResponse(id=rid, created=started[0].created, model=started[0].model,
+                                      choices=choices, usage=usage)
+        return JSONResponse(resp.model_dump(exclude_none=True),
+                            headers={REQUEST_ID_HEADER: rid, REPLICA_HEADER: started[0].headers[REPLICA_HEADER]})
 
     async def _sse(self, stream, state: fmt.StreamState, include_usage: bool):
         final = None
@@ -516,6 +636,36 @@ class OpenAIIngress:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         return await self._generate(body, chat=True, request=request)
 
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request):
+        tenant = getattr(request.state, "tenant", None)
+        rid = random_id("chatcmpl")
+        self._live.add(rid, tenant)
+        try:
+            response = await self._batch_chat(body, rid, tenant)
+        finally:
+            self._live.release(rid)
+        return _with_unknown_fields(response, body, rid)
+
+    @app.post("/invocations")
+    async def invocations(self, request: Request):
+        """SageMaker's entry, as vLLM serves it: a body with ``messages`` is a chat
+        completion, one with ``prompt`` a completion."""
+        try:
+            data = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            return error(400, f"the body is not valid JSON ({e})")
+        kind = (None if not isinstance(data, dict) else ChatCompletionRequest if "messages" in data
+                else CompletionRequest if "prompt" in data else None)
+        if kind is None:
+            return error(400, "Cannot find suitable handler for request. Expected one of: "
+                              "['ChatCompletionRequest', 'CompletionRequest'] (a body with `messages` or `prompt`).")
+        try:
+            body = kind.model_validate(data)
+        except pydantic.ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return await self._generate(body, chat=kind is ChatCompletionRequest, request=request)
+
     @app.get("/v1/requests/{request_id}")
     async def request_status(self, request_id: str, request: Request):
         """Where a live request stands. Only its own tenant sees it (404 for anyone else,
@@ -562,6 +712,26 @@ class OpenAIIngress:
     async def version(self):
         return JSONResponse({"version": __version__})  # vLLM's shape
 
+    @app.get("/load")
+    async def load(self):
+        """vLLM's server-load figure: the generation requests this front holds now."""
+        return JSONResponse({"server_load": len(self._live)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self):
+        try:
+            return JSONResponse(await self.engine.tokenizer_info.remote())
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            return _remote_error(e)
+
+    @app.get("/ping")
+    async def ping(self):
+        return await self.health()  # SageMaker's name for it (vLLM serves both)
+
+    @app.post("/ping")
+    async def ping_post(self):
+        return await self.health()
+
     @app.get("/health")
     async def health(self):
         # Asks an engine replica (loop alive, every TP worker answers), never cached info:
@@ -604,16 +774,18 @@ class OpenAIIngress:
             return error(400, "give exactly one of `prompt` or `messages`.")
         try:
             messages = None if body.messages is None else [m.template_dict() for m in body.messages]
+            template = body.template_mode()
         except ValueError as e:
             return error(400, str(e))
         try:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens,
-                                                    body.add_generation_prompt, tools)
+            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, template, tools)
+            strs = await self.engine.token_strs.remote(ids) if body.return_token_strs else None
         except Exception as e:  # arrives wrapped (RayTaskError)
             return _remote_error(e)
         info = await self.info()
-        return TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids)
+        resp = TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids, token_strs=strs)
+        return _with_unknown_fields(JSONResponse(resp.model_dump()), body)
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
@@ -624,7 +796,7 @@ class OpenAIIngress:
             text = await self.engine.detokenize.remote(body.tokens)
         except Exception as e:  # arrives wrapped (RayTaskError)
             return _remote_error(e)
-        return DetokenizeResponse(prompt=text)
+        return _with_unknown_fields(JSONResponse(DetokenizeResponse(prompt=text).model_dump()), body)
 
 
 logger = logging.getLogger("pagedserve")

@@ -28,10 +28,11 @@ import re
 import time
 import uuid
 from http import HTTPStatus
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_serializer, model_validator)
+from pydantic_core import PydanticCustomError
 
 from pagedserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -154,6 +155,7 @@ class ChatCompletionResponse(OpenAIBase):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsList | None = None  # vLLM: per response, not per choice
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, as vLLM
 
 
 class DeltaFunctionCall(OpenAIBase):
@@ -221,6 +223,7 @@ class TokenizeResponse(OpenAIBase):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(OpenAIBase):
@@ -300,12 +303,57 @@ TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 ACCEPTED_AND_IGNORED = frozenset({"user", "safety_identifier", "metadata", "store",
                                   "prompt_cache_key"})
 
+# Fields of OpenAI's or vLLM's request schemas that this server does not implement: a 400
+# that names them, never dropped (a client that sends one relies on it). A field that no
+# OpenAI or vLLM schema has is accepted, as vLLM accepts it: it is logged and named in the
+# response's x-pagedserve-ignored-fields header (clients send fields meant for other
+# servers, e.g. through the openai SDK's extra_body). The test of the field walk holds this
+# list to the openai SDK's own request parameters.
+NOT_IMPLEMENTED = frozenset({
+    # OpenAI chat completions
+    "audio", "function_call", "functions", "modalities", "moderation", "prediction",
+    "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "service_tier", "verbosity",
+    "web_search_options",
+    # vLLM's completions and chat completions
+    "allowed_token_ids", "bad_words", "chat_template", "chat_template_kwargs", "documents",
+    "early_stopping", "ec_transfer_params", "include_reasoning", "kv_transfer_params", "logits_processors",
+    "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
+    "repetition_detection", "request_id", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
+    "routed_experts_prompt_start", "session_id", "spaces_between_special_tokens", "stream_interval",
+    "thinking_token_budget", "watermarking",
+})
+# The same inside a chat message (OpenAI's message parameters).
+NOT_IMPLEMENTED_IN_MESSAGES = frozenset({"audio", "function_call"})
+
 
 class RequestBase(OpenAIBase):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class _IgnoredFields(RequestBase):
+class _OpenBody(RequestBase):
+    """A request body or chat message: a field OpenAI's and vLLM's schemas do not have is
+    kept aside (``unknown_fields``) for the front to log and name; one they have and this
+    server does not implement is a 400 naming it."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    _not_implemented: ClassVar[frozenset[str]] = NOT_IMPLEMENTED
+
+    @model_validator(mode="after")
+    def _refuse_the_not_implemented(self):
+        named = sorted(k for k in self.model_extra or () if k in self._not_implemented)
+        if named:
+            raise PydanticCustomError(
+                "not_implemented", "{fields}: not implemented by this server (deploy/README.md)",
+                {"fields": ", ".join(named)})
+        return self
+
+    def unknown_fields(self) -> list[str]:
+        """The fields of this body that no schema here knows (nested messages' too, as
+        ``messages[i].name``): accepted and ignored."""
+        return sorted(self.model_extra or ())
+
+
+class _IgnoredFields(_OpenBody):
     """ACCEPTED_AND_IGNORED, typed as OpenAI types them (a wrong type is still a 400)."""
 
     user: Text | None = None
@@ -413,17 +461,25 @@ class _SamplingFields(_IgnoredFields):
     guided_whitespace_pattern: Text | None = None
     prompt_logprobs: Int | None = None
     truncate_prompt_tokens: Int | None = None
+    # Which end truncate_prompt_tokens keeps: "left" (vLLM's default) cuts the start,
+    # keeping the last tokens; "right" keeps the first.
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's beam search (cluster/front/beam_search.py): n beams, scored by cumulative
+    # logprob over length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        out = {}
+        out, bad = {}, []
         for key, bias in self.logit_bias.items():
             try:
-                token = int(key)
+                out[int(key)] = bias
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}.") from None
-            out[token] = bias
+                bad.append(key)
+        if bad:  # all of them, as vLLM names them
+            raise ValueError(f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad!r}")
         return out
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
@@ -455,6 +511,31 @@ class _SamplingFields(_IgnoredFields):
                              + ", ".join(name for name, _ in found) + ".")
         return found[0][1] if found else None
 
+    # What beam search takes besides the prompt. Any other field set away from its default
+    # is a 400 naming it (vLLM's beam search drops them without a word). ``temperature`` is
+    # taken and changes nothing: the search is deterministic and draws no sample.
+    _BEAM_FIELDS: ClassVar[frozenset[str]] = frozenset({
+        "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
+        "ignore_eos", "length_penalty", "use_beam_search", "include_stop_str_in_output", "return_token_ids",
+        "skip_special_tokens", "priority", "cache_salt", "add_generation_prompt", "continue_final_message",
+        "add_special_tokens",
+    }) | ACCEPTED_AND_IGNORED
+
+    def beam_width(self) -> int | None:
+        """The beam width (``n``) with use_beam_search, else None; ValueError (a 400) for a
+        field beam search does not take."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise ValueError("length_penalty applies only with use_beam_search.")
+            return None
+        fields = type(self).model_fields
+        off = sorted(f for f in (self.model_fields_set & fields.keys()) - self._BEAM_FIELDS
+                     if getattr(self, f) != fields[f].default)
+        if off:
+            raise ValueError(f"use_beam_search does not take {', '.join(off)} (beam search keeps the "
+                             f"{self.n} most likely sequences; it does not sample).")
+        return self.n
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, v, info: ValidationInfo):
@@ -480,7 +561,8 @@ class _SamplingFields(_IgnoredFields):
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
             structured_outputs=self._structured_outputs(),
             prompt_logprobs=self._prompt_logprobs(logprobs),
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left")
 
     def _prompt_logprobs(self, logprobs: int | None) -> int | None:
         # vLLM refuses prompt logprobs on a stream (they would all come in the first chunk).
@@ -506,6 +588,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Int | None = None
     suffix: Text | None = None
+    add_special_tokens: bool = True  # BOS etc. around a text prompt (vLLM)
 
     @property
     def prompt_only(self) -> bool:
@@ -565,13 +648,20 @@ class ContentPart(RequestBase):
         return self
 
 
-class ChatMessage(RequestBase):
+class ChatMessage(_OpenBody):
+    _not_implemented: ClassVar[frozenset[str]] = NOT_IMPLEMENTED_IN_MESSAGES
+
     role: Text
     # A string, or the OpenAI content-part list.
     content: Text | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # role "assistant"
     tool_call_id: Text | None = None  # role "tool": the call this message answers
     name: Text | None = None
+    # An assistant turn's reasoning and refusal, sent back with the conversation: they go
+    # to the chat template, which renders them if it knows them (as vLLM passes them).
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
+    refusal: Text | None = None
 
     def template_dict(self) -> dict:
         """What the chat template sees (tool_choice.adapt_messages fits it to the template)."""
@@ -582,8 +672,9 @@ class ChatMessage(RequestBase):
             msg["tool_call_id"] = self.tool_call_id
         elif self.role == "tool":
             raise ValueError("a message with role 'tool' needs tool_call_id (the id of the call it answers).")
-        if self.name is not None:
-            msg["name"] = self.name
+        for key in ("name", "reasoning", "reasoning_content", "refusal"):
+            if getattr(self, key) is not None:
+                msg[key] = getattr(self, key)
         return msg
 
     def text(self) -> str:
@@ -598,6 +689,17 @@ class ChatMessage(RequestBase):
                 raise ValueError(f"unsupported content part type {part.type!r}; only 'text'.")
             parts.append(part.text or "")
         return "".join(parts)
+
+
+def _template_mode(body) -> bool | str:
+    """What render_chat appends for a body with vLLM's chat-template switches: True (the
+    generation prompt), False (nothing), or "continue" (the last message left open)."""
+    if body.continue_final_message:
+        if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+            raise ValueError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")
+        return "continue"
+    return body.add_generation_prompt
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -626,16 +728,15 @@ class ChatCompletionRequest(_SamplingFields):
     # returns that message's content ahead of the generated text.
     continue_final_message: bool = False
     echo: bool = False
+    # vLLM: False, the chat template writes BOS itself; True adds the tokenizer's too.
+    add_special_tokens: bool = False
 
     def template_mode(self) -> bool | str:
-        """What render_chat appends: True (the generation prompt), False (nothing), or
-        "continue" (the last message left open)."""
-        if self.continue_final_message:
-            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-                raise ValueError("Cannot set both `continue_final_message` and "
-                                 "`add_generation_prompt` to True.")
-            return "continue"
-        return self.add_generation_prompt
+        return _template_mode(self)
+
+    def unknown_fields(self) -> list[str]:
+        return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in enumerate(self.messages)
+                                           for k in m.unknown_fields()]
 
     def echo_text(self) -> str:
         """vLLM's chat echo: the last message's content when its role is the one that
@@ -653,15 +754,54 @@ class ChatCompletionRequest(_SamplingFields):
         return self._sampling_params(max_tokens, logprobs)
 
 
-class TokenizeRequest(RequestBase):
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's /v1/chat/completions/batch: the chat fields, with ``messages`` a list of
+    conversations, each answered by one choice (index i). As in vLLM: no streaming, no
+    tools, n = 1, no beam search."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _batch_limits(self):
+        for name, bad in (("stream", self.stream), ("tools", self.tools), ("n", self.n != 1),
+                          ("use_beam_search", self.use_beam_search)):
+            if bad:
+                raise ValueError(f"Batch chat completions do not support `{name}`"
+                                 + (": set `n` to 1." if name == "n" else "."))
+        return self
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, every other field as sent."""
+        fields = {k: getattr(self, k) for k in ChatCompletionRequest.model_fields if k != "messages"}
+        return [ChatCompletionRequest.model_construct(_fields_set=self.model_fields_set, messages=conv, **fields)
+                for conv in self.messages]
+
+    def unknown_fields(self) -> list[str]:
+        return _OpenBody.unknown_fields(self) + [f"messages[{i}][{j}].{k}" for i, conv in enumerate(self.messages)
+                                                 for j, m in enumerate(conv) for k in m.unknown_fields()]
+
+
+class TokenizeRequest(_OpenBody):
+    """vLLM's /tokenize: a prompt, or chat messages rendered as a chat request's are."""
+
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ChatTool] | None = None  # rendered as a chat request's would be (if the template does)
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, True for a prompt and False for messages (the template has them).
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False  # the tokens as the vocabulary spells them
+
+    def template_mode(self) -> bool | str:
+        return _template_mode(self)
+
+    def unknown_fields(self) -> list[str]:
+        return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in enumerate(self.messages or ())
+                                           for k in m.unknown_fields()]
 
 
-class DetokenizeRequest(RequestBase):
+class DetokenizeRequest(_OpenBody):
     model: Text | None = None
     tokens: list[TokenId]

@@ -52,6 +52,7 @@ from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.replica.admission import DrainMeter, admit, drain_seconds, retry_after
 from pagedserve.cluster.text.chat_template import renders_tools
 from pagedserve.cluster.replica.live_view import VIEW_INTERVAL_S, StepTimeline, replica_view
+from pagedserve.cluster.text.tokenizer_info import tokenizer_info
 from pagedserve.cluster.text.tokenizer_pool import TokenizerPool
 from pagedserve.cluster.wire.failures import EngineDeadError, ExecutorDeadError, RequestFailed
 from pagedserve.cluster.wire.output_channel import DONE, OutputRouter
@@ -144,22 +145,29 @@ class AsyncEngine:
                     replica_id=self.replica_id, kv_sizing=getattr(e, "kv_sizing", None),
                     model=e.config.model, model_root=e.model_root, tokenizer=e.config.tokenizer or e.config.model,
                     vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
-                    chat_template_tools=renders_tools(e.tokenizer),
+                    chat_template_tools=renders_tools(e.tokenizer), eos_token_ids=list(e.eos_token_ids),
                     kv_events=self.kv_events_address)
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                       add_special_tokens: bool | None = None, add_generation_prompt: bool | str = True,
                        tools: list[dict] | None = None) -> list[int]:
         if prompt is not None:
             self._tok.check_chars(prompt)
         return await self._tok.run(self._tok.tokenize, prompt, messages, add_special_tokens,
                                    add_generation_prompt, tools)
 
-    async def detokenize(self, tokens: list[int]) -> str:
-        return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size)
+    async def token_strs(self, tokens: list[int]) -> list[str]:
+        return await self._tok.run(self._tok.token_strs, tokens)
+
+    def tokenizer_info(self) -> dict:
+        return tokenizer_info(self.engine.tokenizer)
+
+    async def detokenize(self, tokens: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._tok.run(self._tok.detokenize, tokens, self.engine.model_config.vocab_size,
+                                   skip_special_tokens)
 
     # ---------------------------------------------------------------- loop
     async def _call(self, fn, *args):

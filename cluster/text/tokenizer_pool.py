@@ -146,20 +146,27 @@ class TokenizerPool:
         return tok.encode(prompt)
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None,
-                 add_special_tokens: bool, add_generation_prompt: bool,
+                 add_special_tokens: bool | None, add_generation_prompt: bool | str,
                  tools: list[dict] | None = None) -> list[int]:
+        """/tokenize's ids. ``add_special_tokens`` None: vLLM's defaults, True for a prompt
+        and False for messages (the chat template writes BOS itself)."""
         tok = self._tok()
         if messages is not None:
             prompt = render_chat(tok, messages, add_generation_prompt, tools)
-            add_special_tokens = False  # the template already holds BOS etc.
+        if add_special_tokens is None:
+            add_special_tokens = messages is None
         prompt = prompt or ""
         self.check_chars(prompt)
         return tok.encode(prompt, add_special_tokens=add_special_tokens)
 
-    def detokenize(self, tokens: list[int], vocab_size: int) -> str:
+    def token_strs(self, tokens: list[int]) -> list[str]:
+        """The tokens as the vocabulary spells them (vLLM's ``return_token_strs``)."""
+        return self._tok().convert_ids_to_tokens(tokens)
+
+    def detokenize(self, tokens: list[int], vocab_size: int, skip_special_tokens: bool = False) -> str:
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in tokens):
             raise ValueError(f"token ids must be integers in [0, {vocab_size}).")
-        return self._tok().decode(tokens)
+        return self._tok().decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

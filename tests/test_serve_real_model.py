@@ -1,0 +1,126 @@
+"""The default model (SmolLM2-135M-Instruct) behind Serve, through the openai SDK and
+httpx: what the tiny random test model cannot show. Structured outputs at temperature 1
+(20 of 20 samples validate against a JSON schema, streamed too), issue 13's API items,
+and vLLM's API forms (tests/test_serve_vllm_parity.py checks each in depth on the demo
+model): batched chat, beam search, prompt logprobs, /tokenize and /tokenizer_info."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+PERSON = {"type": "object", "additionalProperties": False,
+          "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "city": {"enum": ["Paris", "London", "Tokyo", "Lima"]},
+                         "likes_pizza": {"type": "boolean"}},
+          "required": ["name", "age", "city", "likes_pizza"]}
+
+
+@pytest.fixture(scope="module")
+def real_app(serve_url):
+    """The default model behind Serve at /real (20 concurrent sequences: one n=20 request)."""
+    from ray import serve
+
+    from conftest import delete_app
+    from pagedserve.cluster.app import build_app
+    from pagedserve.config import EngineConfig
+
+    cfg = EngineConfig(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
+                       max_num_seqs=20, seed=0)
+    serve.run(build_app(cfg, name_prefix="real-"), name="real-model", route_prefix="/real")
+    yield f"{serve_url}/real"
+    delete_app("real-model")
+
+
+def test_real_model_json_schema_20_of_20_at_temperature_1(real_app):
+    """The acceptance: SmolLM2-135M-Instruct through Serve and the openai SDK, n=20 (one
+    grammar, 20 matchers) at temperature 1: every sample parses and validates."""
+    client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    ask = dict(model=model, temperature=1.0, seed=0, max_tokens=48, messages=[{
+        "role": "user", "content": "Describe a fictional person as JSON with name, age, city and likes_pizza."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    r = client.chat.completions.create(n=20, **ask)
+    assert len(r.choices) == 20
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    assert len({c.message.content for c in r.choices}) > 10  # sampled, not one answer 20 times
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == r.choices[0].message.content  # seeded: sample 0 of n=20 is the n=1 answer
+
+
+def test_real_model_api_items_through_serve(real_app):
+    """Issue 13's items on the real model, through Serve and the openai SDK (the demo
+    model's tests cover each in depth): the id, a batch, echo with logprobs, prompt
+    logprobs, logit_bias, a named tool call, /version."""
+    import httpx
+
+    client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
+    [card] = client.models.list().data
+    assert card.id == card.root == "SmolLM2-135M-Instruct"  # no --model: the default's name
+    greedy = dict(model=card.id, temperature=0, max_tokens=6)
+    prompts = ["The capital of France is", "One, two,", "Water is"]
+    batch = client.completions.create(prompt=prompts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == list(range(6))
+    for i, p in enumerate(prompts):  # greedy: both samples of a prompt, and its single answer
+        alone = client.completions.create(prompt=p, **greedy).choices[0].text
+        assert batch.choices[2 * i].text == batch.choices[2 * i + 1].text == alone
+    echo = client.completions.create(prompt=prompts[0], echo=True, logprobs=1, **greedy).choices[0]
+    assert echo.text.startswith(prompts[0]) and echo.logprobs.token_logprobs[0] is None
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}],
+                                          extra_body={"prompt_logprobs": 1}, **greedy)
+    plp = chat.model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == chat.usage.prompt_tokens and all(plp[1:])
+    forced = httpx.post(f"{real_app}/v1/completions", timeout=120, json={
+        **greedy, "prompt": "Hello", "logit_bias": {"504": 100}, "return_token_ids": True}).json()
+    assert forced["choices"][0]["token_ids"] == [504] * 6
+    weather = {"type": "object", "additionalProperties": False, "required": ["city"],
+               "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}}}
+    call = client.chat.completions.create(
+        messages=[{"role": "user", "content": "What is the weather in Rome?"}], model=card.id,
+        temperature=0, max_tokens=32, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": weather}}])
+    [tc] = call.choices[0].message.tool_calls
+    assert tc.function.name == "get_weather"
+    jsonschema.validate(json.loads(tc.function.arguments), weather)
+    assert httpx.get(f"{real_app}/version").json()["version"]
+
+
+def test_real_model_vllm_forms(real_app):
+    """vLLM's forms on SmolLM2 (tests/test_serve_vllm_parity.py checks each in depth): the
+    ChatML template in /tokenizer_info and /tokenize's token strings, batched chat equal to
+    each conversation alone, beam search (width 1 is greedy), prompt logprobs on a
+    completion choice and at the top of a chat."""
+    info = httpx.get(f"{real_app}/tokenizer_info", timeout=60).json()
+    assert "<|im_start|>" in info["chat_template"] and info["tokenizer_class"]
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    tok = httpx.post(f"{real_app}/tokenize", json={"messages": msgs, "return_token_strs": True}, timeout=60).json()
+    assert "<|im_start|>" in tok["token_strs"] and len(tok["token_strs"]) == tok["count"]
+    greedy = {"temperature": 0, "max_tokens": 8}
+    convs = [msgs, [{"role": "user", "content": "Name a primary colour."}]]
+    batch = httpx.post(f"{real_app}/v1/chat/completions/batch", json={"messages": convs, **greedy}, timeout=120).json()
+    for conv, choice in zip(convs, batch["choices"]):
+        alone = httpx.post(f"{real_app}/v1/chat/completions", json={"messages": conv, **greedy}, timeout=120).json()
+        assert choice["message"]["content"] == alone["choices"][0]["message"]["content"]
+    assert "Paris" in batch["choices"][0]["message"]["content"]
+    prompt = {"prompt": "The capital of France is", "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    plain = httpx.post(f"{real_app}/v1/completions", json={**prompt, "temperature": 0}, timeout=120).json()
+    beams = {}
+    for n in (1, 3):
+        beams[n] = httpx.post(f"{real_app}/v1/completions", json={**prompt, "use_beam_search": True, "n": n},
+                              timeout=120).json()["choices"]
+    assert beams[1][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert len({tuple(c["token_ids"]) for c in beams[3]}) == 3
+    plp = httpx.post(f"{real_app}/v1/completions", json={**prompt, "temperature": 0, "prompt_logprobs": 1},
+                     timeout=120).json()["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(plain["choices"][0]["prompt_token_ids"])
+    chat = httpx.post(f"{real_app}/v1/chat/completions", json={"messages": msgs, "prompt_logprobs": 0,
+                                                               "return_token_ids": True, **greedy}, timeout=120).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
