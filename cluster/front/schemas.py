@@ -17,9 +17,13 @@ or a response encoder, where it costs more than one request:
 - a string encodes as UTF-8: JSON may carry a lone surrogate (``"\ud800"``), which the
   tokenizer cannot encode and no UTF-8 response can echo.
 
+Fields: a body or chat message accepts a field that no OpenAI or vLLM schema has (named
+back in a header, as ``unknown_fields``) and refuses one those schemas have and this server
+does not implement (``NOT_IMPLEMENTED``); the objects nested in a body refuse any unknown key.
+
 In order: the response shapes, the building blocks of the request schemas (strict scalar
-types, the base model that refuses unknown fields, the fields accepted and ignored, the
-nested objects of structured outputs and tools), then the request bodies.
+types, the base models, the fields accepted and ignored, the nested objects of structured
+outputs and tools), then the request bodies.
 """
 
 from __future__ import annotations
