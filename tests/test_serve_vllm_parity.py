@@ -13,6 +13,7 @@ SageMaker's /invocations answers as the route its body's shape names; beam searc
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -158,8 +159,21 @@ def test_beam_search_width_1_is_greedy_and_wider_beams_come_best_first(base):
     r = client.chat.completions.create(model=None, messages=CONVS[0], n=2, max_tokens=4, temperature=0.7,
                                        extra_body={"use_beam_search": True, "ignore_eos": True})
     assert len(r.choices) == 2 and r.choices[0].message.content != r.choices[1].message.content
-    for extra, name in (({"top_p": 0.5}, "top_p"), ({"stream": True}, "stream"), ({"logprobs": 1}, "logprobs"),
-                        ({"stop": ["x"]}, "stop")):
+    texts: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=None, messages=CONVS[0], n=2, max_tokens=4, stream=True,
+                                                extra_body={"use_beam_search": True, "ignore_eos": True}):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert [texts[0], texts[1]] == [c.message.content for c in r.choices]
+    # streamed as vLLM streams it: each beam whole in one chunk, then usage and [DONE]
+    streamed = _post(base, "/v1/completions", {**beam, "n": 3, "length_penalty": 0.0, "stream": True,
+                                               "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    assert [e["choices"][0]["token_ids"] for e in events if e["choices"]] == outs
+    assert events[-1]["usage"]["completion_tokens"] == 15
+    for extra, name in (({"top_p": 0.5}, "top_p"), ({"logprobs": 1}, "logprobs"), ({"stop": ["x"]}, "stop")):
         assert name in _err(_post(base, "/v1/completions", {**beam, **extra}))["message"]
     assert "length_penalty" in _err(_post(base, "/v1/completions", {"prompt": "x", "length_penalty": 2.0}))["message"]
     assert "max-logprobs" in _err(_post(base, "/v1/completions", {**beam, "n": 16}))["message"]

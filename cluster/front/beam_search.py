@@ -26,11 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
+from pagedserve.cluster.front import openai_format as fmt
 from pagedserve.cluster.front.edge import error
 from pagedserve.cluster.front.schemas import (ChatCompletionChoice, ChatCompletionResponse, ChatResponseMessage,
                                                CompletionChoice, CompletionResponse, UsageInfo)
+from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -154,23 +156,30 @@ async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width:
     except _Refused as e:
         return e.response
     created, model = int(time.time()), info["served_model_name"]
-    choices, generated = [], 0
+    choices, generated, finals = [], 0, []
     for i, (prompt, beams) in enumerate(zip(prompts, found)):
+        outputs = []
         for j, b in enumerate(beams):
             out = b.tokens[len(prompt):]
             if b.finish_reason == "stop" and not body.include_stop_str_in_output:
                 out = out[:-1]  # the EOS: neither in the text nor in the ids, as vLLM
             generated += len(out)
             text = await ingress.engine.detokenize.remote(out, body.skip_special_tokens)
+            index = j if chat else i * width + j
+            outputs.append(CompletionOutput(index, text, out, b.finish_reason, b.stop_reason,
+                                            delta_text=text, delta_token_ids=out))
             ids_out = out if body.return_token_ids else None
             if chat:
                 choices.append(ChatCompletionChoice(index=j, message=ChatResponseMessage(content=text),
                                                     finish_reason=b.finish_reason, stop_reason=b.stop_reason,
                                                     token_ids=ids_out))
             else:
-                choices.append(CompletionChoice(index=i * width + j, text=text, finish_reason=b.finish_reason,
+                choices.append(CompletionChoice(index=index, text=text, finish_reason=b.finish_reason,
                                                 stop_reason=b.stop_reason, token_ids=ids_out,
                                                 prompt_token_ids=prompt if body.return_token_ids else None))
+        finals.append(RequestOutput(rid, None, prompt, outputs, finished=True))
+    if body.stream:  # as vLLM streams it: each choice whole in one chunk, once the search ends
+        return StreamingResponse(_stream(rid, created, model, chat, body, finals), media_type="text/event-stream")
     prompt_tokens = sum(len(p) for p in prompts)
     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)
     if chat:
@@ -179,3 +188,13 @@ async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width:
     else:
         resp = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
     return JSONResponse(resp.model_dump(exclude_none=True))
+
+
+async def _stream(rid: str, created: int, model: str, chat: bool, body, finals: list):
+    state = fmt.StreamState(rid, created, model, chat, body.return_token_ids, False, body.continuous_usage)
+    for out in finals:
+        for line in state.chunks(out, {}):
+            yield line
+    if body.include_usage:
+        yield state.usage_chunk(fmt.combined(rid, finals))
+    yield fmt.SSE_DONE

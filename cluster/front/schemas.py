@@ -522,7 +522,7 @@ class _SamplingFields(_IgnoredFields):
         "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
         "ignore_eos", "length_penalty", "use_beam_search", "include_stop_str_in_output", "return_token_ids",
         "skip_special_tokens", "priority", "cache_salt", "add_generation_prompt", "continue_final_message",
-        "add_special_tokens",
+        "add_special_tokens", "stream", "stream_options",
     }) | ACCEPTED_AND_IGNORED
 
     def beam_width(self) -> int | None:
