@@ -1,11 +1,15 @@
 """The rule for the request schemas: every field a client may send is implemented, or it
 is on the short list of fields accepted and ignored (protocol.ACCEPTED_AND_IGNORED, the
-same list in deploy/README.md), and anything else is refused naming the field.
+same list in deploy/README.md), or it is a field of OpenAI's or vLLM's that this server
+refuses naming it (protocol.NOT_IMPLEMENTED). A field that no such schema has is accepted
+in a body or a message and named back to the client; inside our own nested objects it is
+refused.
 
 Adding a field to cluster/front/schemas.py means registering it below as implemented (or, if ignoring
 it cannot change what a client gets back, adding it to both ignored lists). The walk
 covers the nested models too (messages, content parts, stream_options), and the check
-is shown to fail on a planted field.
+is shown to fail on a planted field; the openai SDK's own request parameters are held to
+the three lists.
 """
 
 from __future__ import annotations
