@@ -1,8 +1,8 @@
 """Real client libraries against a real Serve server on 127.0.0.1: langchain-openai's
 ChatOpenAI and OpenAI (completions) and litellm, each with invoke/completion, stream and
 batch. They send fields of their own choosing (stream_options, n, logit_bias {}, ...):
-since an unknown or unimplemented field is a 400, these tests also pin down that what
-such clients send by default is understood. Greedy (temperature 0), so a streamed
+since a field OpenAI or vLLM has and this server does not implement is a 400, these tests
+also pin down that what such clients send by default is understood. Greedy (temperature 0), so a streamed
 answer must equal the whole one."""
 
 from __future__ import annotations
