@@ -141,10 +141,10 @@ async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width:
         finally:
             if final is None or not final.finished:
                 stream.cancel()
-        c = final.outputs[0]
-        if final.error or not c.logprobs:
-            raise RuntimeError(f"a beam step of request {rid} failed: {final.error or c.finish_reason}")
-        lp = c.logprobs[0]
+        if final is None or final.error or not final.outputs[0].logprobs:
+            why = "no output" if final is None else final.error or final.outputs[0].finish_reason
+            raise RuntimeError(f"a beam step of request {rid} failed: {why}")
+        lp = final.outputs[0].logprobs[0]
         return dict(zip(lp.token_ids, lp.logprobs))
 
     async def step(beams: list[list[int]]) -> list[dict[int, float]]:
