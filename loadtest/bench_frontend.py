@@ -9,7 +9,7 @@ time from a fixed number of concurrent clients, and each process's CPU time (uti
 from /proc) over the batch divided by the requests sent.
 
     models    GET /v1/models                      the HTTP path alone (proxy + ingress)
-    bad400    a completion with a mistyped field  refused by the ingress (a 429 costs as much)
+    bad400    a completion with a mistyped field  refused by the ingress, as a door 429 is
     tok1      a 1-token completion                + one engine call: the per-request cost
     stream64  a streamed 64-token completion      + 63 more tokens: the per-token cost
     s200x128  a streamed completion, 200 prompt   a serving workload: CPU per output token

@@ -29,7 +29,7 @@ from typing import Awaitable, Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.cluster.front import openai_format as fmt
-from pagedserve.cluster.front.edge import error
+from pagedserve.cluster.front.edge import error, remote_error
 from pagedserve.cluster.front.schemas import (ChatCompletionChoice, ChatCompletionResponse, ChatResponseMessage,
                                                CompletionChoice, CompletionResponse, UsageInfo)
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
@@ -115,11 +115,8 @@ async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width:
             asked = body.max_tokens
     except ValueError as e:
         return error(400, str(e))
-    except Exception as e:  # a replica's ValueError arrives wrapped (RayTaskError)
-        cause = getattr(e, "cause", None) or e
-        if isinstance(cause, ValueError):
-            return error(400, str(cause).splitlines()[-1])
-        raise
+    except Exception as e:  # arrives wrapped (RayTaskError)
+        return remote_error(e)
     limit = info["max_model_len"]
     for p in prompts:
         if len(p) + (asked or 1) > limit:

@@ -153,6 +153,16 @@ def error(status: int, message: str, retry_after: int | None = None,
                              headers=headers or None)
 
 
+def remote_error(e: Exception) -> JSONResponse:
+    """An exception raised by a replica method (it arrives wrapped, RayTaskError): a
+    ValueError is the user's (400); anything else is the system's: logged, 500."""
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, ValueError):
+        return error(400, str(cause).splitlines()[-1] if str(cause) else type(cause).__name__)
+    logger.error("replica call failed", exc_info=e)
+    return error(500, "internal error; see the server log")
+
+
 def _loc(e: dict) -> str:
     loc = [str(p) for p in e.get("loc", ())]
     return ".".join(loc[1:] if loc and loc[0] == "body" else loc)

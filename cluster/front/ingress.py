@@ -50,7 +50,7 @@ from pagedserve.cluster.front import openai_format as fmt
 from pagedserve.cluster.front.door import (DASHBOARD_HTML, FrontLimit, LiveRequests, ShedGate, queue_header,
                                            request_object)
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
-                                           install_error_handlers)
+                                           install_error_handlers, remote_error)
 from pagedserve.cluster.front.metrics import ServeMetrics
 from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission
 from pagedserve.cluster.front.lost_replicas import mark_lost
@@ -113,16 +113,6 @@ class _ChatStarted:
     model: str
     created: int
     headers: dict
-
-
-def _remote_error(e: Exception) -> JSONResponse:
-    """An exception raised by a replica method: a ValueError is the user's (400);
-    anything else is the system's: logged, 500."""
-    cause = getattr(e, "cause", None) or e
-    if isinstance(cause, ValueError):
-        return error(400, str(cause).splitlines()[-1] if str(cause) else type(cause).__name__)
-    logger.error("replica call failed", exc_info=e)
-    return error(500, "internal error; see the server log")
 
 
 # ---- /v1/completions: one engine request per prompt of a batch (the route is below)
@@ -218,7 +208,7 @@ async def create_completion(ingress, body, rid: str, tenant):
             prompts = [p if isinstance(p, list) else await ingress.engine.tokenize.remote(p, None, False)
                        for p in prompts]
         except Exception as e:  # arrives wrapped (RayTaskError)
-            return _remote_error(e)
+            return remote_error(e)
     model = info["served_model_name"]
     created = int(time.time())
     streams, adms = await _start_all(ingress, rid, prompts, params, body, tenant)
@@ -500,7 +490,7 @@ class OpenAIIngress:
             try:
                 prompt = await self.engine.tokenize.remote(None, messages, True, template, tools)
             except Exception as e:  # arrives wrapped (RayTaskError)
-                return _remote_error(e)
+                return remote_error(e)
             messages = None
         stream, adm = await self._start(rid, prompt, params, body, messages, tenant, template, tools,
                                         arrival if arrival is not None else self._live.arrival(rid))
@@ -722,7 +712,7 @@ class OpenAIIngress:
         try:
             return JSONResponse(await self.engine.tokenizer_info.remote())
         except Exception as e:  # arrives wrapped (RayTaskError)
-            return _remote_error(e)
+            return remote_error(e)
 
     @app.get("/ping")
     async def ping(self):
@@ -782,7 +772,7 @@ class OpenAIIngress:
             ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, template, tools)
             strs = await self.engine.token_strs.remote(ids) if body.return_token_strs else None
         except Exception as e:  # arrives wrapped (RayTaskError)
-            return _remote_error(e)
+            return remote_error(e)
         info = await self.info()
         resp = TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids, token_strs=strs)
         return _with_unknown_fields(JSONResponse(resp.model_dump()), body)
@@ -795,7 +785,7 @@ class OpenAIIngress:
         try:
             text = await self.engine.detokenize.remote(body.tokens)
         except Exception as e:  # arrives wrapped (RayTaskError)
-            return _remote_error(e)
+            return remote_error(e)
         return _with_unknown_fields(JSONResponse(DetokenizeResponse(prompt=text).model_dump()), body)
 
 

@@ -352,9 +352,14 @@ class _OpenBody(RequestBase):
         return self
 
     def unknown_fields(self) -> list[str]:
-        """The fields of this body that no schema here knows (nested messages' too, as
-        ``messages[i].name``): accepted and ignored."""
-        return sorted(self.model_extra or ())
+        """The fields of this body that no schema here knows, its messages' too (as
+        ``messages[i].name``, ``messages[i][j].name`` in a batch): accepted and ignored."""
+        names = sorted(self.model_extra or ())
+        for i, m in enumerate(getattr(self, "messages", None) or ()):
+            for j, msg in (enumerate(m) if isinstance(m, list) else [(None, m)]):
+                at = f"messages[{i}]" if j is None else f"messages[{i}][{j}]"
+                names += [f"{at}.{k}" for k in sorted(msg.model_extra or ())]
+        return names
 
 
 class _IgnoredFields(_OpenBody):
@@ -738,10 +743,6 @@ class ChatCompletionRequest(_SamplingFields):
     def template_mode(self) -> bool | str:
         return _template_mode(self)
 
-    def unknown_fields(self) -> list[str]:
-        return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in enumerate(self.messages)
-                                           for k in m.unknown_fields()]
-
     def echo_text(self) -> str:
         """vLLM's chat echo: the last message's content when its role is the one that
         answers, "assistant" after a generation prompt, else the last message's own (the
@@ -780,10 +781,6 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
         return [ChatCompletionRequest.model_construct(_fields_set=self.model_fields_set, messages=conv, **fields)
                 for conv in self.messages]
 
-    def unknown_fields(self) -> list[str]:
-        return _OpenBody.unknown_fields(self) + [f"messages[{i}][{j}].{k}" for i, conv in enumerate(self.messages)
-                                                 for j, m in enumerate(conv) for k in m.unknown_fields()]
-
 
 class TokenizeRequest(_OpenBody):
     """vLLM's /tokenize: a prompt, or chat messages rendered as a chat request's are."""
@@ -800,10 +797,6 @@ class TokenizeRequest(_OpenBody):
 
     def template_mode(self) -> bool | str:
         return _template_mode(self)
-
-    def unknown_fields(self) -> list[str]:
-        return super().unknown_fields() + [f"messages[{i}].{k}" for i, m in enumerate(self.messages or ())
-                                           for k in m.unknown_fields()]
 
 
 class DetokenizeRequest(_OpenBody):
