@@ -224,3 +224,27 @@ def test_unknown_fields_are_accepted_named_and_change_nothing(base):
     # a nested object of ours still refuses a typo
     assert _err(_post(base, "/v1/completions", {"prompt": "x", "stream": True,
                                                 "stream_options": {"include_usage": True, "chunk": 1}}))
+
+
+def test_a_client_that_leaves_a_beam_search_or_a_batch_leaves_nothing_running(base):
+    """Beam search and batched chat hold several engine requests for one client: when it
+    goes, every one of them is aborted (far fewer tokens are generated than asked) and its
+    blocks freed, and the front holds nothing."""
+    from test_serve_batch_echo import _wait_idle
+
+    long = {"max_tokens": 960, "ignore_eos": True}
+    for path, body, asked in (
+            ("/v1/completions", {"prompt": "Once upon a time", "use_beam_search": True, "n": 4, **long}, 4 * 960),
+            ("/v1/chat/completions/batch", {"messages": CONVS, **long}, 3 * 960)):
+        before = _wait_idle(base)
+        try:
+            r = httpx.post(f"{base}{path}", json=body, timeout=1.0)
+            raise AssertionError(f"{path} answered within the wait: {r.status_code} {r.text[:300]}")
+        except httpx.TimeoutException:
+            pass
+        after = _wait_idle(base)
+        assert after["pagedserve:num_requests_running"] == 0 and after["pagedserve:kv_cache_usage_perc"] == 0, path
+        generated = after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"]
+        assert generated < asked * 2 / 3, (path, generated)
+        assert httpx.get(f"{base}/load", timeout=30).json() == {"server_load": 0}
+    assert _post(base, "/v1/completions", {"prompt": "Hi", **GREEDY}).status_code == 200
