@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfig
+from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -74,8 +74,13 @@ class EngineConfig:
     # CPU: the cores each rank computes on (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto",
     # "nobind" or one core list per rank, e.g. "1-3|4-7" (worker/cpu_affinity.py).
     cpu_omp_threads_bind: str = "auto"
+    # vLLM's --speculative-config: prompt lookup drafts verified in one pass, e.g.
+    # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+    # "prompt_lookup_min": 2}; JSON text, a dict or a SpeculativeConfig. None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -123,6 +128,7 @@ class EngineConfig:
             reservations={k: Reservation(**v) for k, v in (self.reservations or {}).items()},
             isolate_tenant_prefix_cache=self.isolate_tenant_prefix_cache,
             preemption_protect_steps=self.preemption_protect_steps,
+            speculative_config=self.speculative_config,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

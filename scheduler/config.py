@@ -67,6 +67,8 @@ class SchedulerConfig:
     # A request resumed after a preemption is not chosen as a victim again for this many
     # steps while any other candidate exists (no thrash: its recompute just got paid).
     preemption_protect_steps: int = 32
+    # Speculative decoding (prompt lookup drafts); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -89,3 +91,72 @@ class SchedulerConfig:
             raise ValueError(
                 f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}) so every prompt fits one step.")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` for prompt lookup: each decoding request proposes
+    the tokens that followed the latest earlier occurrence of its last n tokens
+    (prompt_lookup_max >= n >= prompt_lookup_min, longest first), and one forward pass
+    verifies up to ``num_speculative_tokens`` of them (scheduler/ngram_proposer.py).
+
+    ``disable_by_batch_size``: no drafts while this many requests or more are running
+    (vLLM's name; None: always draft)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported; "
+                             "the one method is 'ngram' (prompt lookup, no draft model).")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config: num_speculative_tokens must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}.")
+        # vLLM's defaults: one bound given sets the other; neither: both 5.
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}.")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}.")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config: disable_by_batch_size must be >= 1, "
+                             f"got {self.disable_by_batch_size}.")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From the JSON text of the flag, a dict (``LLM(speculative_config=...)``) or an
+        instance; None stays None. Unknown keys are an error that names them, vLLM's
+        other methods' keys included: this server drafts with n-grams only."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        value = dict(value)
+        if value.get("model") == "[ngram]" and "method" not in value:  # vLLM's older spelling
+            value.pop("model")
+            value["method"] = "ngram"
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} "
+                             f"(supported: {', '.join(sorted(known))}).")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required.")
+        return cls(**value)

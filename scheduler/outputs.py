@@ -76,6 +76,10 @@ class SchedulerOutput:
     # allowed (xgrammar's layout). Filled by the engine after schedule(); None: no row.
     structured_output_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes | None = None
+    # Speculative decoding: req_id -> its draft tokens. Such a request is scheduled
+    # 1 + len(drafts) tokens (its last token, then the drafts); its row verifies them all
+    # and returns the accepted ones plus one token of its own (1 .. len(drafts) + 1).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # How many failed steps the engine had seen when it sent this plan (it stamps each
     # plan; cluster/engine/step_containment.py). A worker skips plans of an epoch whose
     # step failed: they were made before the failure was known (async scheduling).

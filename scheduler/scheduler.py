@@ -14,6 +14,16 @@ conditions, retires finished requests and caches newly full blocks. A step that 
 sample a request's next token counts it as a placeholder until the token comes back, so
 the next plan can be made before this step's result (async scheduling): the decode of the
 token in flight is planned already, and the worker, which sampled it, feeds it in.
+
+Speculative decoding (``speculative_config``): a decoding request with no token in flight
+may get 1 + k tokens, its last token and k drafts (ngram_proposer.py), checked in one pass:
+
+    plan:    c = N-1 ──▶ schedule [t_N, d1 .. dk]       c := N + k   (slots for all of them)
+    result:  a drafts accepted + 1 token of its own      c := N + a   (the k - a rejected roll back)
+
+The blocks taken for the drafts stay with the request (its next tokens go there); a block
+is offered to the prefix cache only once verified tokens fill it, and the K/V a rejected
+draft wrote is overwritten by the token that takes its slot.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT, FairRequestQueue
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.ngram_proposer import NgramProposer
 from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
@@ -71,6 +82,8 @@ class Scheduler(TenantScheduling, StepResults):
         self.prefix_cache_hits = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        spec = scheduler_config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -127,6 +140,8 @@ class Scheduler(TenantScheduling, StepResults):
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if self.proposer is not None:
+            self.proposer.free(req.req_id)
         del self.requests[req.req_id]
         self.finished_req_ids.append(req.req_id)
         self.static_batch.discard(req.req_id)
@@ -144,10 +159,12 @@ class Scheduler(TenantScheduling, StepResults):
         bs = self.block_size
         budget = self.max_num_batched_tokens
         running = self.running
+        proposer = self.proposer if self.drafting() else None
         # Scheduled running requests as parallel lists (cheaper than dicts per step).
         sched_reqs: list[Request] = []
         sched_nums: list[int] = []
         sched_new_block_ids: list[list[int]] = []  # blocks added this step
+        spec_tokens: dict[str, list[int]] = {}  # req_id -> its draft tokens this step
         preempted: list[Request] = []
         ledger = Ledger(self.reservations, running, blocks_of) if self.reservations else None
         # 0. Room for reserved classes' waiting heads, then for a tenant under its slot share.
@@ -168,6 +185,9 @@ class Scheduler(TenantScheduling, StepResults):
                 continue
             if num_new > budget:
                 num_new = budget
+            draft = self._draft(req, budget) if num_new == 1 and not pending and proposer else None
+            if draft:
+                num_new += len(draft)
             # Hot path, same rule as allocate_slots: the new tokens fit the last block.
             if (num_computed + num_new + bs - 1) // bs <= len(blocks_of[req.req_id]):
                 new_block_ids = []
@@ -175,6 +195,9 @@ class Scheduler(TenantScheduling, StepResults):
                 hold = sum(ledger.unused(k).blocks for k in hold_keys if k not in classes_of(req)) \
                     if hold_keys else 0
                 new_blocks = kv.allocate_slots(req, num_new, reserve_blocks=hold)
+                if new_blocks is None and draft:  # no room for the drafts: never preempt for them
+                    draft, num_new = None, 1
+                    new_blocks = kv.allocate_slots(req, num_new, reserve_blocks=hold)
                 while new_blocks is None:
                     victim_index = self._pick_victim(ledger)
                     victim = running[victim_index]
@@ -182,6 +205,7 @@ class Scheduler(TenantScheduling, StepResults):
                         j = sched_reqs.index(victim)
                         budget += sched_nums[j]
                         del sched_reqs[j], sched_nums[j], sched_new_block_ids[j]
+                        spec_tokens.pop(victim.req_id, None)
                     if victim_index < i:
                         i -= 1
                     self._preempt(victim_index, ledger)
@@ -197,6 +221,8 @@ class Scheduler(TenantScheduling, StepResults):
             sched_reqs.append(req)
             sched_nums.append(num_new)
             sched_new_block_ids.append(new_block_ids)
+            if draft:
+                spec_tokens[req.req_id] = draft
             budget -= num_new
             i += 1
 
@@ -238,9 +264,37 @@ class Scheduler(TenantScheduling, StepResults):
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=[r.req_id for r in preempted],
             step_id=self.step_id,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = []
         return plan
+
+    def _draft(self, req: Request, budget: int) -> list[int] | None:
+        """Draft tokens for a decoding request, or None: never more than the step's
+        budget, the request's max_tokens (the step yields drafts + 1 tokens) or its
+        longest sequence allow; none for a constrained request (its grammar masks each
+        token before it is sampled) or one that paused drafting."""
+        proposer = self.proposer
+        max_k = min(proposer.k, budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                    self.max_seq_len - len(req.all_token_ids))
+        if (max_k <= 0 or req.sampling_params.structured_outputs is not None
+                or not proposer.active(req.req_id, self.step_id)):
+            return None
+        return proposer.propose(req.req_id, req.all_token_ids, max_k, self.step_id) or None
+
+    def drafting(self) -> bool:
+        """Whether the next plan may hold drafts: speculation is on, fewer requests run
+        than its ``disable_by_batch_size`` and some of them has not paused drafting. Such
+        a plan needs the previous step's tokens, so the engine does not plan a step ahead
+        of the one running while this holds."""
+        proposer = self.proposer
+        if proposer is None:
+            return False
+        limit = proposer.config.disable_by_batch_size
+        if limit is not None and len(self.running) >= limit:
+            return False
+        step_id = self.step_id
+        return any(proposer.active(r.req_id, step_id) for r in self.running)
 
     def _admit(self, sched_reqs: list[Request], sched_nums: list[int], new_reqs: list[NewRequestData],
                resumed: list[Request], budget: int, ledger: Ledger | None = None) -> str | None:
@@ -337,7 +391,13 @@ class Scheduler(TenantScheduling, StepResults):
         if self._waiting_reason is not None:
             by_reason[self._waiting_reason] = len(self.waiting)
         tenants, demand = self._tenant_stats()
-        return SchedulerStats(
+        spec = {}
+        if (p := self.proposer) is not None:
+            spec = dict(spec_num_drafts=p.num_drafts, spec_num_draft_tokens=p.num_draft_tokens,
+                        spec_num_accepted_tokens=p.num_accepted_tokens,
+                        spec_num_accepted_tokens_per_pos=list(p.num_accepted_tokens_per_pos),
+                        spec_num_proposals=p.num_proposals, spec_propose_time_s=p.propose_time_s)
+        return SchedulerStats(**spec,
             tenants=tenants, queue_kv_demand_blocks=demand,
             running=len(self.running), waiting=len(self.waiting), waiting_by_reason=by_reason,
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,

@@ -37,6 +37,15 @@ class SchedulerStats:
     tenants: dict[str, dict[str, float]] = field(default_factory=dict)
     # KV blocks the waiting queue's prompts would take (prefix hits not subtracted).
     queue_kv_demand_blocks: int = 0
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters): drafts verified,
+    # their tokens, the tokens accepted, and per draft position how often it was accepted
+    # (empty list: speculation off). Drafting cost: proposals made and their time.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_num_proposals: int = 0
+    spec_propose_time_s: float = 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -33,6 +33,7 @@ class StepResults:
         get_request = self.requests.get
         all_sampled = result.sampled_token_ids
         all_logprobs = result.logprobs
+        spec_tokens = plan.scheduled_spec_decode_tokens
         outputs: list[EngineCoreOutput] = []
         num_finished = 0
         for idx, rid in enumerate(result.req_ids):
@@ -44,6 +45,12 @@ class StepResults:
                 if sampled and req.status is _PREEMPTED:
                     outputs.append(self._late_tokens(req, sampled, all_logprobs, idx))
                 continue
+            if spec_tokens and sampled and rid in spec_tokens:
+                # Drafts past the first rejected one leave the computed count: their
+                # slots hold K/V of tokens that are not the request's.
+                num_draft = len(spec_tokens[rid])
+                req.num_computed_tokens -= num_draft + 1 - len(sampled)
+                self.proposer.record(rid, num_draft, len(sampled) - 1, self.step_id)
             if caching and req.num_computed_tokens // bs > len(node_ids_of[rid]):
                 kv.cache_full_blocks(req)
             if not sampled:  # a partial prefill chunk

@@ -72,13 +72,13 @@ def install_runner(runner) -> None:
             _fire("setup")
         return new_state(new)
 
-    def _sample_rows(logits, reqs):
-        out = sample_rows(logits, reqs)  # after the draws: the row-by-row retry must not redraw
+    def _sample_rows(logits, reqs, drafts):
+        out = sample_rows(logits, reqs, drafts)  # after the draws: the row-by-row retry must not redraw
         if any(_planted("sample", st.sampling_params) for st in reqs):
             _fire("sample")
         return out
 
-    def _prepare_inputs(num_scheduled):
+    def _prepare_inputs(num_scheduled, spec_tokens):
         params = [runner.requests[r].sampling_params for r in num_scheduled]
         if any(_planted("broken", p) for p in params):
             broken.append(True)
@@ -91,7 +91,7 @@ def install_runner(runner) -> None:
 
             if get_tp_rank() > 0:
                 _fire("one_rank")
-        return prepare(num_scheduled)
+        return prepare(num_scheduled, spec_tokens)
 
     def _probe():
         if broken:

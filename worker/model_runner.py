@@ -12,6 +12,12 @@ Batch layout of one step (decode rows first so attention can batch them):
     logits:   one row per request that samples (last row of a request whose
               computed tokens reach its token count); partial chunks sample nothing.
 
+Speculative decoding: a request with drafts in the plan runs [last token, d1 .. dk] as one
+chunk, and every one of its k + 1 rows samples; row j sees the outputs extended by
+d1 .. dj (penalties, min_tokens) and verifies d(j+1) (worker/sampler.py). Its tokens are
+those of rows 0 .. a, where a is the first row whose token differs from the next draft
+(or k): exactly what k + 1 one-token steps would have sampled, greedy or not.
+
 The step's tensors live in persistent buffers (step_buffers.py). A decode-only step on
 CUDA replays a captured graph of its padded size (cuda_graphs.py); the padded rows are
 never sampled, and the sampled ids cross to the host once per step.
@@ -174,7 +180,7 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ inputs
-    def _prepare_inputs(self, num_scheduled: dict[str, int]):
+    def _prepare_inputs(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]):
         # Decode rows (query length 1) first, then chunks; stable within each group.
         order = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
         num_decode = sum(1 for r in order if num_scheduled[r] == 1)
@@ -191,6 +197,20 @@ class ModelRunner:
             n = num_scheduled[req_id]
             start = st.num_computed_tokens
             end = start + n
+            draft = spec_tokens.get(req_id) if spec_tokens else None
+            if draft:
+                if start != st.num_tokens - 1 or n != len(draft) + 1:
+                    raise RuntimeError(f"request {req_id!r}: drafts scheduled with {n} tokens from "
+                                       f"position {start} of {st.num_tokens}")
+                input_ids.append(st.token_ids[start])
+                input_ids.extend(draft)
+                query_lens.append(n)
+                starts.append(start)
+                tables.append(st.block_ids)
+                sample_rows.extend(range(row, row + n))
+                sample_reqs.append(st)
+                row += n
+                continue
             input_ids.extend(st.token_ids[start:end])
             query_lens.append(n)
             starts.append(start)
@@ -244,65 +264,109 @@ class ModelRunner:
         if not num_scheduled:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                                      step_id=plan.step_id, failed=failed or None)
-        inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled)
+        spec = plan.scheduled_spec_decode_tokens
+        inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled, spec)
         hidden = self.graph_runner.forward(inputs, self.kv_caches)
         prompt_logprobs = (compute_prompt_logprobs(hidden, self.model.compute_logits, prompt_lp)
                            if prompt_lp else None)
-        sampled_by_req: dict[str, int] = {}
-        logprobs_by_req: dict[str, Logprobs] = {}
+        sampled_by_req: dict[str, list[int]] = {}
+        logprobs_by_req: dict[str, list[Logprobs]] = {}
         if sample_rows:
             if sample_rows[-1] == len(sample_rows) - 1:  # rows 0..k-1 (every decode step): a view
                 picked = hidden[: len(sample_rows)]
             else:
                 picked = hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
             logits = self.model.compute_logits(picked)
-            for st, (tok, lp) in self._sample(logits, sample_reqs, failed, journal):
-                journal.append((_TOKEN, st))
-                st.append_output(tok)
-                sampled_by_req[st.req_id] = tok
-                if lp is not None:
-                    logprobs_by_req[st.req_id] = lp
-        sampled = [[sampled_by_req[r]] if r in sampled_by_req else [] for r in req_ids]
+            drafts = [spec.get(st.req_id) for st in sample_reqs] if spec else None
+            for st, toks, lps in self._sample(logits, sample_reqs, drafts, failed, journal):
+                for tok in toks:
+                    journal.append((_TOKEN, st))
+                    st.append_output(tok)
+                sampled_by_req[st.req_id] = toks
+                if lps is not None:
+                    logprobs_by_req[st.req_id] = lps
+        sampled = [sampled_by_req.get(r, []) for r in req_ids]
         logprobs = None
         if logprobs_by_req:
-            logprobs = [[logprobs_by_req[r]] if r in logprobs_by_req else [] for r in req_ids]
+            logprobs = [logprobs_by_req.get(r, []) for r in req_ids]
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                                  step_id=plan.step_id, failed=failed or None,
                                  prompt_logprobs=prompt_logprobs)
 
-    def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequestState]):
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                     drafts: list[list[int] | None] | None):
+        """[(tokens, logprobs or None)] per request. A request with drafts has
+        len(drafts) + 1 rows of ``logits``, each sampled as if the drafts before it had
+        been output, and keeps the tokens up to the first that differs from its draft."""
+        if not drafts or not any(drafts):
+            return [([tok], [lp] if lp is not None else None)
+                    for tok, lp in self._sample_batch(logits, reqs, None)]
+        rows: list[CachedRequestState] = []
+        outputs: list[list[int]] = []
+        row_drafts: list[int] = []
+        for st, draft in zip(reqs, drafts):
+            rows.append(st)
+            outputs.append(st.output_token_ids)
+            for j, d in enumerate(draft or ()):
+                row_drafts.append(d)
+                rows.append(st)
+                outputs.append(st.output_token_ids + draft[:j + 1])
+            row_drafts.append(-1)
+        draft_ids = torch.tensor(row_drafts, dtype=torch.int64, device=self.device)
+        per_row = self._sample_batch(logits, rows, draft_ids, outputs)
+        done, r = [], 0
+        for st, draft in zip(reqs, drafts):
+            n = len(draft) + 1 if draft else 1
+            toks, lps = [], []
+            for j in range(n):
+                tok, lp = per_row[r + j]
+                toks.append(tok)
+                lps.append(lp)
+                if j == n - 1 or tok != draft[j]:
+                    break
+            done.append((toks, lps if lps[0] is not None else None))
+            r += n
+        return done
+
+    def _sample_batch(self, logits: torch.Tensor, rows: list[CachedRequestState],
+                      draft_ids: torch.Tensor | None, outputs: list[list[int]] | None = None):
         smd = SamplingMetadata.build(
-            [st.sampling_params for st in reqs], [st.generator for st in reqs],
-            [st.prompt_token_ids for st in reqs], [st.output_token_ids for st in reqs],
-            [st.stop_token_ids for st in reqs], self.vocab_size, self.device,
-            [self._bitmask_rows.get(st.req_id) for st in reqs] if self._bitmask_rows else None)
-        out = self.sampler(logits, smd)
-        lps = out.logprobs if out.logprobs is not None else [None] * len(reqs)
+            [st.sampling_params for st in rows], [st.generator for st in rows],
+            [st.prompt_token_ids for st in rows],
+            outputs if outputs is not None else [st.output_token_ids for st in rows],
+            [st.stop_token_ids for st in rows], self.vocab_size, self.device,
+            [self._bitmask_rows.get(st.req_id) for st in rows] if self._bitmask_rows else None)
+        out = self.sampler(logits, smd, draft_ids)
+        lps = out.logprobs if out.logprobs is not None else [None] * len(rows)
         return list(zip(out.sampled_token_ids.tolist(), lps))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState], failed: dict[str, str],
-                journal: list) -> list[tuple[CachedRequestState, tuple]]:
-        """The batch in one go; if that raises, row by row, so the row at fault fails
-        alone. Generator states are restored before the retry: a seeded row draws the
-        same noise as in a batch without the faulty row (sampling is row-wise), so every
-        other row gets exactly the token it would have got."""
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequestState],
+                drafts: list[list[int] | None] | None, failed: dict[str, str],
+                journal: list) -> list[tuple[CachedRequestState, list[int], list | None]]:
+        """The batch in one go; if that raises, request by request, so the one at fault
+        fails alone. Generator states are restored before the retry: a seeded row draws
+        the same noise as in a batch without the faulty row (sampling is row-wise), so
+        every other row gets exactly the token it would have got."""
         gens = [g for g in [self.sampler.generator, *(st.generator for st in reqs)] if g is not None]
         states = [g.get_state() for g in gens]
         journal.append((_GENS, gens, states))
         try:
-            return list(zip(reqs, self._sample_rows(logits, reqs)))
+            return [(st, *res) for st, res in zip(reqs, self._sample_rows(logits, reqs, drafts))]
         except Exception as e:
             if len(reqs) == 1:
                 failed[reqs[0].req_id] = _describe(e)
                 return []
         for g, state in zip(gens, states):
             g.set_state(state)
-        done = []
+        done, r = [], 0
         for i, st in enumerate(reqs):
+            draft = drafts[i] if drafts else None
+            n = len(draft) + 1 if draft else 1
             try:
-                done.append((st, self._sample_rows(logits[i:i + 1], [st])[0]))
+                done.append((st, *self._sample_rows(logits[r:r + n], [st], [draft] if draft else None)[0]))
             except Exception as e:
                 failed[st.req_id] = _describe(e)
+            r += n
         return done
 
     # ------------------------------------------------------------------ cache

@@ -25,6 +25,15 @@ generator, exactly one per step, so its token depends on its logits and (seed, s
 only, never on the other rows (every op is row-wise). The alternative, the exponential
 race argmax(probs / q) with q ~ Exp(1) per vocab entry, gives the same guarantee but
 draws V random numbers per row, and is much slower on CPU (random generation dominates).
+
+Speculative decoding: a row may carry a draft token d, the token a draft proposes for the
+position this row samples. A greedy row samples its argmax as always (the draft is
+accepted when the two are equal). A random row keeps the target distribution p exactly by
+rejection sampling against the draft's distribution q; a prompt-lookup draft is one token
+with certainty (q = 1 at d), so the rule is: accept d with probability p(d), else sample
+from p with d removed (the residual max(p - q, 0), renormalised). Then
+P(d) = p(d) and P(x) = (1 - p(d)) p(x) / (1 - p(d)) = p(x) for every other x. Such a row
+draws two numbers (the test, then the residual's inverse CDF).
 """
 
 from __future__ import annotations
@@ -56,7 +65,10 @@ class Sampler:
         # else torch's default generator for the logits' device.
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata,
+                 draft_token_ids: torch.Tensor | None = None) -> SamplerOutput:
+        """``draft_token_ids``: [B] int64, the draft token each row verifies, -1 for a
+        row without one (see the module docstring); None: no row has one."""
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (
             f"logits {tuple(logits.shape)} do not match {md.num_rows} sampling rows")
         logprobs = compute_logprobs(logits, md) if md.logprob_rows else None
@@ -84,17 +96,20 @@ class Sampler:
         if md.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif md.all_random:
-            sampled = self._sample_random(logits, md)
+            sampled = self._sample_random(logits, md, draft_token_ids)
         else:
             sampled = logits.argmax(dim=-1)
-            sampled[md.random_rows] = self._sample_random(logits[md.random_rows], md)
+            drafts = draft_token_ids[md.random_rows] if draft_token_ids is not None else None
+            sampled[md.random_rows] = self._sample_random(logits[md.random_rows], md, drafts)
         _check_range(sampled, md.vocab_size)
         if logprobs is not None:
             logprobs = _gather_logprobs(logprobs, sampled, md)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """[R, V] logits of the random rows -> [R] tokens."""
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata,
+                       drafts: torch.Tensor | None = None) -> torch.Tensor:
+        """[R, V] logits of the random rows -> [R] tokens; ``drafts`` [R] (-1: none)
+        switches rows that have one to rejection sampling."""
         logits = logits.float() / md.temperature.unsqueeze(1)  # new tensor: in-place below is safe
         candidates = None
         if md.top_k is not None:
@@ -104,12 +119,20 @@ class Sampler:
         probs = logits.softmax(dim=-1)
         if md.min_p is not None:
             apply_min_p(probs, md.min_p)
-        u = torch.empty(probs.shape[0], 1, dtype=torch.float32, device=probs.device)
+        u = torch.empty(probs.shape[0], 1 if drafts is None else 2, dtype=torch.float32, device=probs.device)
         if len(md.generators) < probs.shape[0]:
             u.uniform_(generator=self.generator)
         for j, gen in md.generators.items():
             u[j].uniform_(generator=gen)
-        return sample_inverse_cdf(probs, u)
+        if drafts is None:
+            return sample_inverse_cdf(probs, u)
+        has_draft = drafts >= 0
+        d = drafts.clamp(min=0).unsqueeze(1)
+        p_d = probs.gather(1, d).masked_fill_(~has_draft.unsqueeze(1), 0.0)
+        # min_p leaves probs unnormalised: the test compares against the row's total.
+        accept = (u[:, 1:] * probs.sum(dim=-1, keepdim=True) < p_d).squeeze(1)
+        residual = probs.scatter_add(1, d, p_d.neg()).clamp_(min=0.0)  # rows without a draft: + 0
+        return torch.where(accept, d.squeeze(1), sample_inverse_cdf(residual, u[:, :1]))
 
 
 def _check_range(sampled: torch.Tensor, vocab_size: int) -> None:

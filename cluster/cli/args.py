@@ -69,6 +69,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CPU cores per worker rank (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (serve: the "
                         "first core for the serving path, the rest for the model), nobind, or e.g. "
                         "'1-3|4-7' (one list per rank)")
+    g.add_argument("--speculative-config", default=None, type=_speculative_config,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup drafts)')
     t = parser.add_argument_group("tenants")
     t.add_argument("--tenant-weight", action="append", type=_tenant_weight, default=None,
                    metavar="NAME=W", help="fair-share weight of a tenant (default 1); repeatable")
@@ -81,6 +84,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--preemption-protect-steps", type=int, default=d.preemption_protect_steps,
                    help="steps a resumed request is spared from preemption")
     return parser
+
+
+def _speculative_config(text: str):
+    from pagedserve.scheduler.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _tenant_weight(text: str):

@@ -287,9 +287,11 @@ class LLMEngine:
         plan of step N+1 is made and sent while step N runs, then N's outputs are
         processed (detokenized, stop strings, streamed) while N+1 runs: this call
         returns step N's outputs, and the first call none. Structured outputs need each
-        token before the next step's grammar mask, so while one is live steps run in turn."""
+        token before the next step's grammar mask, and a plan with drafts needs the tokens
+        they follow, so while either may happen steps run in turn."""
         inflight = self._inflight
-        pipelined = self.config.async_scheduling and not self.structured.matchers
+        pipelined = (self.config.async_scheduling and not self.structured.matchers
+                     and not self.scheduler.drafting())
         if inflight is not None and not pipelined:
             self._inflight = None
             return self._finish_step(inflight[0], self._wait(*inflight))

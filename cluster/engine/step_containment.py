@@ -66,7 +66,8 @@ def subplan(plan: SchedulerOutput, keep: set[str], epoch: int,
         finished_req_ids=list(plan.finished_req_ids) + list(drop_req_ids),
         preempted_req_ids=list(plan.preempted_req_ids), step_id=plan.step_id,
         structured_output_req_ids=plan.structured_output_req_ids,
-        grammar_bitmask=plan.grammar_bitmask, epoch=epoch)
+        grammar_bitmask=plan.grammar_bitmask, epoch=epoch,
+        scheduled_spec_decode_tokens={r: d for r, d in plan.scheduled_spec_decode_tokens.items() if r in keep})
 
 
 def contain(plan: SchedulerOutput, error: BaseException,
