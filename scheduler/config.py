@@ -96,7 +96,7 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's ``--speculative-config`` for prompt lookup: each decoding request proposes
-    the tokens that followed the latest earlier occurrence of its last n tokens
+    the tokens that followed the first earlier occurrence of its last n tokens
     (prompt_lookup_max >= n >= prompt_lookup_min, longest first), and one forward pass
     verifies up to ``num_speculative_tokens`` of them (scheduler/ngram_proposer.py).
 

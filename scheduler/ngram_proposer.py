@@ -1,15 +1,17 @@
 """Prompt lookup (n-gram) drafting for speculative decoding, and when to stop drafting.
 
 A decoding request whose last n tokens occurred earlier in its own tokens (prompt or
-output) proposes the tokens that followed that occurrence; one forward pass then checks
+output) proposes the tokens that followed its first occurrence; one forward pass then checks
 them all (worker/model_runner.py), and every draft token the model agrees with is a token
 gained for free:
 
     tokens:   ... the quick brown fox jumps over ... | the quick brown   (last n = 3)
                   └─ earlier "the quick brown" ─┘ └ proposed: "fox jumps over"
 
-The search is an index, not a scan: per request and per n, a dict from the hash of each
-n-gram to the position where it last ended, extended by the tokens appended since the
+The first occurrence, as vLLM's proposer: it has the longest continuation, which matters
+in a loop (a repeated phrase's latest occurrence ends right before the suffix and could
+propose one token). The search is an index, not a scan: per request and per n, a dict
+from the hash of each n-gram to the position where it first ended, extended by the tokens appended since the
 previous proposal. A step costs O(new tokens x number of n) dict operations, whatever the
 prompt length; the first proposal indexes the prompt once. A hash collision only makes a
 wrong draft, which verification rejects like any other.
@@ -39,7 +41,7 @@ class _RequestIndex:
     __slots__ = ("maps", "num_indexed", "acceptance", "num_empty", "paused_until", "pause_steps")
 
     def __init__(self, ns: range) -> None:
-        self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: position of their last token}
+        self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: where they first end}
         self.num_indexed = 0  # n-grams ending at positions < this are in the maps
         self.acceptance = 1.0  # smoothed accepted / proposed
         self.num_empty = 0  # proposals in a row that found no match
@@ -74,7 +76,7 @@ class NgramProposer:
         return index is None or step_id >= index.paused_until
 
     def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int) -> list[int]:
-        """Up to ``max_k`` tokens that followed the latest earlier occurrence of the
+        """Up to ``max_k`` tokens that followed the first earlier occurrence of the
         longest suffix of ``tokens`` (between prompt_lookup_min and _max tokens long);
         [] if none occurred."""
         t0 = time.perf_counter()
@@ -86,7 +88,7 @@ class NgramProposer:
         # match an earlier occurrence, never itself.
         for n, table in index.maps.items():
             for end in range(max(index.num_indexed, n - 1), num_tokens - 1):
-                table[hash(tuple(tokens[end - n + 1:end + 1]))] = end
+                table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), end)
         index.num_indexed = max(index.num_indexed, num_tokens - 1)
         draft: list[int] = []
         for n, table in index.maps.items():

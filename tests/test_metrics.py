@@ -119,3 +119,24 @@ def test_kv_sizing_gauges_say_what_a_token_costs_per_dtype():
                                                ("model_name", "demo"), ("num_gpu_blocks", "3971")))] == 1
     plain = ServeMetrics("demo").render(StatsAggregator().merged()).decode()
     assert "kv_cache_bytes_per_token" not in plain and "requests_shed_at_ingress" in plain
+
+
+def test_spec_decode_counters_under_vllm_names_summed_by_position():
+    """Speculative decoding's counters (vLLM's spec_decode_* names, per position by a
+    ``position`` label): summed over replicas, kept when one leaves, absent when off."""
+    spec = dict(spec_num_drafts=10, spec_num_draft_tokens=40, spec_num_accepted_tokens=25)
+    agg = StatsAggregator()
+    agg.report("a", _snap(1, 0, 0.1, 64, 7, spec_num_accepted_tokens_per_pos=[9, 7, 5, 4], **spec))
+    agg.report("b", _snap(1, 0, 0.1, 64, 7, spec_num_accepted_tokens_per_pos=[1, 1, 0, 0], **spec))
+    agg.remove("b")
+    agg.report("c", _snap(0, 0, 0.0, 64, 0))  # a replica without speculation
+    text = ServeMetrics("demo").render(agg.merged()).decode()
+    values = {(s.name, s.labels.get("position")): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values[("vllm:spec_decode_num_drafts_total", None)] == 20
+    assert values[("vllm:spec_decode_num_draft_tokens_total", None)] == 80
+    assert values[("vllm:spec_decode_num_accepted_tokens_total", None)] == 50
+    assert [values[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(i))] for i in range(4)] == [10, 8, 5, 4]
+    off = StatsAggregator()
+    off.report("c", _snap(0, 0, 0.0, 64, 0))
+    assert "spec_decode" not in ServeMetrics("demo").render(off.merged()).decode()

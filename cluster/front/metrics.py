@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pagedserve.cluster.front import route_counts
-from pagedserve.cluster.wire.stats import COUNTER_KEYS, GAUGE_KEYS, TENANT_KEYS
+from pagedserve.cluster.wire.stats import COUNTER_KEYS, GAUGE_KEYS, PER_POS_KEY, TENANT_KEYS
 from pagedserve.scheduler.stats import WAITING_REASONS
 
 PREFIX = "pagedserve:"
@@ -47,6 +47,7 @@ class StatsAggregator:
         self._latest: dict[str, tuple[float, dict[str, Any]]] = {}
         self._views: dict[str, dict] = {}
         self._retired = {k: 0 for k in COUNTER_KEYS}
+        self._retired_per_pos: list[int] = []
         self._retired_tenant_tokens: dict[str, float] = {}
 
     def report(self, replica_id: str, snapshot: dict[str, Any], now: float | None = None) -> None:
@@ -65,6 +66,7 @@ class StatsAggregator:
         if entry is not None:
             for k in COUNTER_KEYS:
                 self._retired[k] += entry[1].get(k, 0)
+            _add_per_pos(self._retired_per_pos, entry[1].get(PER_POS_KEY, ()))
             for t, v in entry[1].get("tenants", {}).items():
                 self._retired_tenant_tokens[t] = self._retired_tenant_tokens.get(t, 0) + v.get("tokens", 0)
 
@@ -82,6 +84,10 @@ class StatsAggregator:
             for r, c in s.get("waiting_by_reason", {}).items():
                 reasons[r] = reasons.get(r, 0) + c
         out["waiting_by_reason"] = reasons
+        per_pos = list(self._retired_per_pos)
+        for s in snaps:
+            _add_per_pos(per_pos, s.get(PER_POS_KEY, ()))
+        out[PER_POS_KEY] = per_pos
         out["queue_kv_demand_blocks"] = sum(s.get("queue_kv_demand_blocks", 0) for s in snaps)
         tenants: dict[str, dict[str, float]] = {}
         for s in snaps:
@@ -102,6 +108,13 @@ class StatsAggregator:
         out["replica_prefix_cache"] = {rid: (s.get("prefix_cache_queries", 0), s.get("prefix_cache_hits", 0))
                                        for rid, (_, s) in sorted(self._latest.items())}
         return out
+
+
+def _add_per_pos(acc: list[int], counts) -> None:
+    """acc[i] += counts[i], growing acc to the longer of the two."""
+    acc.extend([0] * (len(counts) - len(acc)))
+    for i, c in enumerate(counts):
+        acc[i] += c
 
 
 # Buckets as vLLM's (seconds), trimmed to what a CPU box and a GPU cluster both hit.
@@ -201,6 +214,20 @@ class _EngineCollector:
                 ("generation_tokens", "Number of generation tokens processed.", "num_generation_tokens")):
             c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
             c.add_metric(labels, m[key])
+            yield c
+        if m.get(PER_POS_KEY):  # speculative decoding is on (vLLM shows these only then)
+            for name, doc, key in (
+                    ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),
+                    ("spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_num_draft_tokens"),
+                    ("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                     "spec_num_accepted_tokens")):
+                c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+                c.add_metric(labels, m[key])
+                yield c
+            c = CounterMetricFamily(VLLM_PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos, n in enumerate(m[PER_POS_KEY]):
+                c.add_metric([self.model_name, str(pos)], n)
             yield c
 
 

@@ -10,7 +10,11 @@ from typing import Any
 GAUGE_KEYS = ("running", "waiting", "num_free_blocks", "num_blocks", "num_used_blocks")
 TENANT_KEYS = ("running", "waiting", "tokens")  # tokens: cumulative scheduled (a counter)
 COUNTER_KEYS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
-                "num_prompt_tokens", "num_generation_tokens")
+                "num_prompt_tokens", "num_generation_tokens",
+                "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens")
+# Speculative decoding's accepted tokens per draft position: a list, summed by position
+# (empty: speculation off on that replica).
+PER_POS_KEY = "spec_num_accepted_tokens_per_pos"
 
 
 def stats_snapshot(stats: Any) -> dict[str, Any]:
@@ -22,6 +26,7 @@ def stats_snapshot(stats: Any) -> dict[str, Any]:
     # Blocks held by requests (cached-but-free prefix blocks are not "used").
     snap["num_used_blocks"] = round(snap["kv_cache_usage"] * int(snap["num_blocks"]))
     snap["waiting_by_reason"] = dict(raw.get("waiting_by_reason") or {})
+    snap[PER_POS_KEY] = list(raw.get(PER_POS_KEY) or [])
     snap["queue_kv_demand_blocks"] = int(raw.get("queue_kv_demand_blocks", 0) or 0)
     # {tenant: {"running", "waiting", "tokens"}}; the VTC counter stays inside the scheduler.
     snap["tenants"] = {t: {k: v.get(k, 0) for k in TENANT_KEYS}

@@ -1,0 +1,327 @@
+"""Speculative decoding with prompt lookup (n-gram) drafts, from the proposer up.
+
+- the proposer: first occurrence of the longest suffix n-gram, bounded drafts;
+- the scheduler: lookahead slots, roll back on rejection, no cached block with an
+  unverified token, no preemption for a draft, caps, adaptive pauses;
+- the sampler: rejection sampling keeps the target distribution (chi-square);
+- the engine: greedy output equals Hugging Face ``generate()`` token for token with
+  speculation on (plain, chunked prefill, forced preemption, prefix-cache hits), and
+  equals speculation off for logprobs, stop strings, n > 1 and max_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, SamplingParams, Scheduler,
+                                  SchedulerConfig)
+from pagedserve.scheduler.config import SpeculativeConfig
+from pagedserve.scheduler.ngram_proposer import MAX_EMPTY_PROPOSALS, NgramProposer
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+# ---------------------------------------------------------------- config
+def test_config_parses_vllm_json_and_names_what_it_refuses():
+    c = SpeculativeConfig.parse(json.dumps(SPEC))
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 4, 2)
+    # vLLM's defaults: neither bound -> 5 and 5; one bound -> both.
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}).prompt_lookup_min == 5
+    one = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)
+    assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    for bad, words in (({"method": "eagle", "num_speculative_tokens": 2}, "'eagle'"),
+                       ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+                        "draft_tensor_parallel_size"),
+                       ({"method": "ngram"}, "num_speculative_tokens is required"),
+                       ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+                       ({**SPEC, "prompt_lookup_min": 5}, "prompt_lookup_min=5 must be <= prompt_lookup_max=4"),
+                       ("{not json", "not valid JSON")):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[")):
+            SpeculativeConfig.parse(bad)
+
+
+def test_cli_flag_is_vllms():
+    import argparse
+
+    from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args
+
+    parser = add_engine_args(argparse.ArgumentParser())
+    cfg = engine_config_from_args(parser.parse_args(["--speculative-config", json.dumps(SPEC)]))
+    assert cfg.speculative_config == SpeculativeConfig(**SPEC)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}'])
+
+
+# ---------------------------------------------------------------- proposer
+def test_proposer_takes_the_first_occurrence_of_the_longest_suffix():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2))
+    #         0  1  2  3  4  5  6  7  8  9 10 11 12
+    tokens = [5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 2, 3]
+    # Suffix [2, 3] first ends at 3 -> [9, 8, 1]; the 3-gram [6, 2, 3] never occurred.
+    assert p.propose("a", tokens, 3, 0) == [9, 8, 1]
+    tokens += [9, 8]  # suffix [3, 9, 8] first ends at 5 -> 1, 2, 3 (longest n wins)
+    assert p.propose("a", tokens, 3, 1) == [1, 2, 3]
+    assert p.propose("a", tokens, 1, 2) == [1]  # max_k caps it
+    # A suffix only matches an earlier occurrence, never itself; a 1-gram is below min.
+    assert p.propose("b", [4, 4], 3, 0) == []
+    assert p.propose("c", [4, 4, 4], 3, 0) == [4]  # [4, 4] first ends at 1 -> continuation [4]
+    assert p.num_proposals == 5
+
+
+# ---------------------------------------------------------------- scheduler
+def _sched(num_blocks=32, budget=64, spec=None, max_seqs=8, **kw) -> Scheduler:
+    spec = SpeculativeConfig(**(spec or {"num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                         "prompt_lookup_min": 2}))
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=128,
+                                     speculative_config=spec),
+                     CacheConfig(num_blocks=num_blocks, block_size=4, watermark=0.0, **kw))
+
+
+def _add(s: Scheduler, rid: str, prompt, eos=None, **sp) -> Request:
+    sp.setdefault("max_tokens", 32)
+    req = Request(rid, list(prompt), SamplingParams(**sp), eos_token_id=eos)
+    s.add_request(req)
+    return req
+
+
+def _run(s: Scheduler, plan, tokens: dict[str, list[int]]):
+    result = ModelRunnerOutput(req_ids=list(plan.num_scheduled_tokens),
+                               sampled_token_ids=[tokens.get(r, []) for r in plan.num_scheduled_tokens],
+                               step_id=plan.step_id)
+    return {o.req_id: o for o in s.update_from_output(plan, result)}
+
+
+PROMPT = [10, 11, 12, 13, 14, 15, 10, 11]  # suffix [10, 11] first ends at 1 -> drafts 12, 13, 14
+
+
+def test_drafts_take_lookahead_slots_and_roll_back_to_the_verified_count():
+    s = _sched()
+    req = _add(s, "r", PROMPT)
+    plan = s.schedule()  # prefill: no drafts (a prefill samples one token)
+    assert plan.num_scheduled_tokens == {"r": 8} and not plan.scheduled_spec_decode_tokens
+    _run(s, plan, {"r": [12]})  # tokens ... 10 11 12: suffix [11, 12] -> 13 14 15
+    plan = s.schedule()
+    assert plan.scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
+    assert plan.num_scheduled_tokens == {"r": 4}  # the last token + 3 drafts
+    assert req.num_computed_tokens == 12
+    assert s.kv_cache_manager.get_block_ids("r") == [0, 1, 2]  # slots 8..11 in a third block
+    # The worker accepted 13 and 14, rejected 15 and sampled 99 in its place.
+    outs = _run(s, plan, {"r": [13, 14, 99]})
+    assert outs["r"].new_token_ids == [13, 14, 99]
+    assert req.num_computed_tokens == 11  # 12 - the 1 rejected draft
+    assert req.all_token_ids == PROMPT + [12, 13, 14, 99]
+    assert s.kv_cache_manager.get_block_ids("r") == [0, 1, 2]  # the block stays for the next tokens
+    stats = s.get_stats()
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (1, 3, 2)
+    assert stats.spec_num_accepted_tokens_per_pos == [1, 1, 0]
+
+
+def test_a_block_with_an_unverified_token_is_never_cached():
+    """Random verdicts on every draft; after each step the computed count covers only
+    verified tokens, and every cached block holds the request's own tokens."""
+    import random
+
+    rng = random.Random(0)
+    s = _sched(num_blocks=64, enable_prefix_caching=True)
+    req = _add(s, "r", PROMPT * 3, max_tokens=200)
+    _run(s, s.schedule(), {"r": [12]})
+    kv, num_drafts = s.kv_cache_manager, 0
+    while "r" in s.requests:
+        plan = s.schedule()
+        draft = plan.scheduled_spec_decode_tokens.get("r", [])
+        num_drafts += bool(draft)
+        accepted = draft[:rng.randrange(len(draft) + 1)]
+        _run(s, plan, {"r": accepted + [rng.choice([10, 11, 12, 99])]})
+        if "r" not in s.requests:
+            break
+        assert req.num_computed_tokens == req.num_tokens - 1  # the last token's K/V comes next step
+        node_ids = kv.req_to_node_ids["r"]
+        assert len(node_ids) * 4 <= req.num_computed_tokens
+        blocks = kv.req_to_blocks["r"]
+        for i, (block, node) in enumerate(zip(blocks, node_ids)):
+            assert block.node_id == node
+            key = next(k for k, b in kv.block_pool.cached_block_hash_to_block.items() if b is block)
+            assert list(key[1]) == req.all_token_ids[4 * i:4 * i + 4]
+    assert num_drafts > 10 and s.get_stats().spec_num_accepted_tokens > 10
+
+
+def test_no_preemption_for_drafts_and_caps_on_their_number():
+    s = _sched(num_blocks=4)
+    _add(s, "a", PROMPT[:7])  # 2 blocks; its next token's slot (7) is in the second
+    _add(s, "b", [7] * 5)  # the last two blocks
+    _run(s, s.schedule(), {"a": [11], "b": [8]})  # a: 10..15 10 11: drafts 12 13 14 need a third block
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1} and not plan.scheduled_spec_decode_tokens
+    assert not s.get_stats().num_preemptions
+    # max_tokens: a step yields drafts + 1 tokens, never more than the request has left.
+    capped = _sched()
+    _add(capped, "m", PROMPT, max_tokens=3)  # (a pool of 12 slots would cap it the same way)
+    _run(capped, capped.schedule(), {"m": [12]})
+    plan = capped.schedule()
+    assert plan.scheduled_spec_decode_tokens == {"m": [13]}  # 1 output so far: 2 left, 1 draft
+
+
+def test_eos_inside_an_accepted_run_ends_the_request_there():
+    s = _sched()
+    _add(s, "r", PROMPT, eos=14)
+    _run(s, s.schedule(), {"r": [12]})
+    plan = s.schedule()
+    assert plan.scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
+    outs = _run(s, plan, {"r": [13, 14, 15, 16]})  # the worker accepted past the EOS
+    assert outs["r"].new_token_ids == [13, 14] and outs["r"].finish_reason == "stop"
+    assert not s.requests and s.kv_cache_manager.num_free_blocks == 32
+
+
+def test_rejected_drafts_pause_drafting_and_the_engine_may_plan_ahead():
+    s = _sched()
+    _add(s, "r", PROMPT, max_tokens=100)
+    _run(s, s.schedule(), {"r": [12]})
+    num_drafted, paused = 0, []
+    for _ in range(40):
+        plan = s.schedule()
+        draft = plan.scheduled_spec_decode_tokens.get("r")
+        num_drafted += bool(draft)
+        # Always reject: the worker samples a token that repeats what the draft followed.
+        _run(s, plan, {"r": [12]})
+    # Full rejection halves the acceptance estimate below the floor in few steps, and each
+    # pause is longer than the last: far fewer drafts than steps.
+        paused.append(not s.drafting())
+    assert 2 <= num_drafted <= 10
+    assert sum(paused) >= 25  # paused most of the time: the engine plans ahead meanwhile
+
+
+def test_no_match_for_a_while_pauses_drafting():
+    s = _sched()
+    _add(s, "r", [1, 2, 3], max_tokens=100)
+    for t in range(4, 4 + MAX_EMPTY_PROPOSALS + 1):
+        _run(s, s.schedule(), {"r": [t]})  # always new tokens: never a match
+    assert s.get_stats().spec_num_proposals == MAX_EMPTY_PROPOSALS
+    assert not s.drafting()  # paused: the engine may plan ahead again
+
+
+def test_no_drafts_for_constrained_requests_or_past_the_batch_size_limit():
+    s = _sched()
+    _add(s, "j", PROMPT, structured_outputs={"json": {"type": "object"}})
+    _run(s, s.schedule(), {"j": [12]})
+    assert not s.schedule().scheduled_spec_decode_tokens
+    s = _sched(spec={"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 2,
+                     "disable_by_batch_size": 2})
+    _add(s, "a", PROMPT)
+    _add(s, "b", PROMPT)
+    _run(s, s.schedule(), {"a": [12], "b": [12]})
+    assert not s.drafting() and not s.schedule().scheduled_spec_decode_tokens
+
+
+# ---------------------------------------------------------------- sampler
+def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> tuple[bool, float]:
+    """Pearson's chi-square against ``probs`` below the 0.999 quantile (Wilson-Hilferty)."""
+    n = counts.sum().item()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was sampled"
+    exp = probs[keep] * n
+    stat = (((counts[keep] - exp) ** 2) / exp).sum().item()
+    df = int(keep.sum()) - 1
+    z = 3.09  # the 0.999 normal quantile
+    crit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    return stat < crit, stat
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                                    dict(temperature=1.0, min_p=0.1), dict(temperature=1.3, top_p=0.8)])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    from pagedserve.worker.sampler import Sampler, SamplingMetadata
+
+    v, n = 8, 40_000
+    base = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    logits = base.expand(n, v).clone()
+    sp = SamplingParams(**params)
+    md = SamplingMetadata.build([sp] * n, [None] * n, [[]] * n, [[]] * n, [set()] * n, v, "cpu")
+    # The target: what the sampler draws without drafts.
+    plain = Sampler(torch.Generator().manual_seed(1))(logits, md).sampled_token_ids
+    target = torch.bincount(plain, minlength=v).double() / n
+    for draft in (0, 3, 7):  # the likeliest token, a middling one, one that filters may drop
+        drafts = torch.full((n,), draft, dtype=torch.int64)
+        out = Sampler(torch.Generator().manual_seed(2))(logits, md, drafts).sampled_token_ids
+        counts = torch.bincount(out, minlength=v).double()
+        ok, stat = _chi2_ok(counts, target)
+        assert ok, f"draft {draft}: chi-square {stat:.1f} against the target {target.tolist()}"
+    # Rows without a draft (-1) sample as before.
+    none = Sampler(torch.Generator().manual_seed(3))(logits, md, torch.full((n,), -1)).sampled_token_ids
+    assert _chi2_ok(torch.bincount(none, minlength=v).double(), target)[0]
+
+
+def test_greedy_rows_ignore_the_draft():
+    from pagedserve.worker.sampler import Sampler, SamplingMetadata
+
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0]])
+    md = SamplingMetadata.build([SamplingParams(temperature=0.0)] * 2, [None] * 2, [[]] * 2, [[]] * 2,
+                                [set()] * 2, 3, "cpu")
+    assert Sampler()(logits, md, torch.tensor([1, 2])).sampled_token_ids.tolist() == [1, 0]
+
+
+# ---------------------------------------------------------------- engine, greedy exactness
+sys.path.insert(0, str(Path(__file__).parent))
+import test_engine_oracle as oracle  # noqa: E402  (its HF references and drivers)
+
+
+@pytest.fixture(scope="module", params=oracle.SHAPES)
+def shape_case(request, tmp_path_factory):
+    from pagedserve.worker.random_models import make_test_model
+
+    return oracle.oracle_case(make_test_model(request.param, tmp_path_factory.getbasetemp() / "spec-models"))
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked_32", "preempt", "prefix"])
+def test_greedy_equals_hf_with_speculation(shape_case, mode):
+    path, prompts, refs = shape_case
+    kw = {"plain": {}, "chunked_32": dict(max_num_batched_tokens=32),
+          "preempt": dict(num_gpu_blocks_override=24, max_num_batched_tokens=128),
+          "prefix": dict(enable_prefix_caching=True)}[mode]
+    kw.setdefault("enable_prefix_caching", False)
+    engine = oracle._engine(path, speculative_config=SPEC, **kw)
+    params = oracle._params()
+    if mode == "prefix":  # the same prompts twice: the second round is served from cache
+        oracle._assert_same(oracle._run(engine, prompts, params), refs)
+    oracle._assert_same(oracle._run(engine, prompts, params), refs)
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 50, "speculation never paid: the test would prove nothing"
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # and some drafts were wrong
+    assert stats.num_free_blocks == engine.num_gpu_blocks  # nothing leaked
+    if mode == "preempt":
+        assert stats.num_preemptions > 0
+    if mode == "prefix":  # the second round hit every full block before each last token
+        assert stats.prefix_cache_hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+
+
+def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_factory):
+    from pagedserve.cluster.llm import LLM
+    from pagedserve.worker.random_models import make_test_model
+
+    path = make_test_model("llama-mha", tmp_path_factory.getbasetemp() / "spec-models")
+    prompts = oracle._prompts(256)[4:12]
+    runs = {}
+    for name, cfg in (("off", None), ("on", SPEC)):
+        llm = LLM(model=path, max_model_len=512, num_gpu_blocks_override=256, speculative_config=cfg)
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, n=2, detokenize=False)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        runs[name] = [[(c.token_ids, c.finish_reason, [(lp.token_ids, lp.logprobs) for lp in c.logprobs])
+                       for c in o.outputs] for o in outs]
+        texts = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+        stops = [o.outputs[0].text[5:8] for o in texts]  # a stop string inside each output
+        runs[name + "_stop"] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(
+            prompts, [SamplingParams(temperature=0.0, max_tokens=40, stop=[s]) for s in stops], use_tqdm=False)]
+        runs[name + "_stats"] = llm.engine.get_stats()
+    assert runs["on_stats"].spec_num_accepted_tokens > 20
+    for got, want in zip(runs["on"], runs["off"]):
+        for (ids, reason, lps), (ids0, reason0, lps0) in zip(got, want):
+            assert (ids, reason) == (ids0, reason0) and len(ids) == 40
+            for (t, lp), (t0, lp0) in zip(lps, lps0):
+                assert t[0] == t0[0] and lp == pytest.approx(lp0, abs=1e-4)
+    assert runs["on_stop"] == runs["off_stop"]
+    assert all(reason == "stop" for _, reason in runs["on_stop"])
