@@ -2,7 +2,11 @@
 httpx: what the tiny random test model cannot show. Structured outputs at temperature 1
 (20 of 20 samples validate against a JSON schema, streamed too), issue 13's API items,
 and vLLM's API forms (tests/test_serve_vllm_parity.py checks each in depth on the demo
-model): batched chat, beam search, prompt logprobs, /tokenize and /tokenizer_info."""
+model): batched chat, beam search, prompt logprobs, /tokenize and /tokenizer_info.
+
+The app runs with speculative decoding on (prompt lookup, vLLM's --speculative-config), so
+every test here also shows that what users ask for keeps working with it: structured
+outputs, n > 1, logprobs, beam search; the last test drives the speculation itself."""
 
 from __future__ import annotations
 
@@ -21,9 +25,13 @@ PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "city", "likes_pizza"]}
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
 @pytest.fixture(scope="module")
 def real_app(serve_url):
-    """The default model behind Serve at /real (20 concurrent sequences: one n=20 request)."""
+    """The default model behind Serve at /real (20 concurrent sequences: one n=20 request),
+    speculative decoding on."""
     from ray import serve
 
     from conftest import delete_app
@@ -31,7 +39,7 @@ def real_app(serve_url):
     from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
-                       max_num_seqs=20, seed=0)
+                       max_num_seqs=20, seed=0, speculative_config=SPEC)
     serve.run(build_app(cfg, name_prefix="real-"), name="real-model", route_prefix="/real")
     yield f"{serve_url}/real"
     delete_app("real-model")
@@ -124,3 +132,39 @@ def test_real_model_vllm_forms(real_app):
     chat = httpx.post(f"{real_app}/v1/chat/completions", json={"messages": msgs, "prompt_logprobs": 0,
                                                                "return_token_ids": True, **greedy}, timeout=120).json()
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
+
+
+def test_real_model_speculative_decoding_through_serve(real_app):
+    """A request that copies its input: the drafts are accepted (vLLM's counters on
+    /metrics, per position too), streamed and whole answers are the same text, and
+    max_tokens holds exactly although a step yields several tokens."""
+    def counters():
+        text = httpx.get(f"{real_app}/metrics", timeout=60).text
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("vllm:spec_decode_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    code = ("def area(width, height):\n    return width * height\n\n"
+            "def perimeter(width, height):\n    return 2 * (width + height)\n")
+    ask = dict(model=model, temperature=0, max_tokens=40,
+               messages=[{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}])
+    before = counters()
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    assert "perimeter" in text
+    assert whole.usage.completion_tokens == chunks[-1].usage.completion_tokens == 40
+    assert whole.choices[0].finish_reason == "length"
+    after = counters()
+    key = 'vllm:spec_decode_num_{}_total{{model_name="%s"}}' % model
+    drafts = after[key.format("drafts")] - before.get(key.format("drafts"), 0)
+    accepted = after[key.format("accepted_tokens")] - before.get(key.format("accepted_tokens"), 0)
+    assert drafts > 0 and accepted > drafts  # more than one token per draft on a copy
+    per_pos = {k for k in after if "accepted_tokens_per_pos" in k}
+    assert len(per_pos) == SPEC["num_speculative_tokens"]

