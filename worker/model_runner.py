@@ -12,8 +12,9 @@ Batch layout of one step (decode rows first so attention can batch them):
     logits:   one row per request that samples (last row of a request whose
               computed tokens reach its token count); partial chunks sample nothing.
 
-Speculative decoding: a request with drafts in the plan runs [last token, d1 .. dk] as one
-chunk, and every one of its k + 1 rows samples; row j sees the outputs extended by
+Speculative decoding: a request with drafts in the plan runs [last token, d1 .. dk] as
+k + 1 decode rows (row j: one token at position start + j, the request's block table), so
+the batched decode attention verifies them, and every one of them samples; row j sees the outputs extended by
 d1 .. dj (penalties, min_tokens) and verifies d(j+1) (worker/sampler.py). Its tokens are
 those of rows 0 .. a, where a is the first row whose token differs from the next draft
 (or k): exactly what k + 1 one-token steps would have sampled, greedy or not.
@@ -65,11 +66,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, model_config: ModelConfig, *, block_size: int,
                  device: torch.device, seed: int = 0, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
-                 pad_eager: bool = False, max_capture_size: int | None = None) -> None:
+                 pad_eager: bool = False, max_capture_size: int | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         """``max_num_batched_tokens``: the scheduler's token budget (None: the default
         budget, or max_model_len if larger), which sizes the step buffers.
         ``pad_eager``: pad decode batches to the graph sizes even where no graph runs
-        (tests of the padding on a CPU). ``max_capture_size``: the largest graph size."""
+        (tests of the padding on a CPU). ``max_capture_size``: the largest graph size.
+        ``num_speculative_tokens``: drafts per request (0: off); a verifying request takes
+        that many more rows."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -85,7 +89,8 @@ class ModelRunner:
         self._bitmask_rows: dict[str, np.ndarray] = {}
         max_len = model_config.max_model_len
         budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len)
-        self.buffers = StepBuffers(max_num_tokens=max(budget, max_num_seqs), max_num_seqs=max_num_seqs,
+        max_rows = max_num_seqs * (1 + num_speculative_tokens)
+        self.buffers = StepBuffers(max_num_tokens=max(budget, max_rows), max_num_seqs=max_rows,
                                    max_model_len=max_len, block_size=block_size, device=device)
         reason = graphs_disabled_reason(device, getattr(model, "attention_backend", "torch"), enforce_eager)
         if reason is not None:
@@ -181,9 +186,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _prepare_inputs(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]):
-        # Decode rows (query length 1) first, then chunks; stable within each group.
-        order = sorted(num_scheduled, key=lambda r: num_scheduled[r] != 1)
-        num_decode = sum(1 for r in order if num_scheduled[r] == 1)
+        # Decode rows (query length 1) first, then chunks; stable within each group. A
+        # request verifying drafts is decode rows too, one per token (see the module doc).
+        def is_chunk(r: str) -> bool:
+            return num_scheduled[r] != 1 and not (spec_tokens and r in spec_tokens)
+
+        order = sorted(num_scheduled, key=is_chunk)
         input_ids: list[int] = []
         query_lens: list[int] = []
         starts: list[int] = []
@@ -192,6 +200,7 @@ class ModelRunner:
         sample_reqs: list[CachedRequestState] = []
         prompt_lp = []  # PromptLogprobsRows of requests that asked (worker/prompt_logprobs.py)
         row = 0
+        num_decode = 0
         for req_id in order:
             st = self.requests[req_id]
             n = num_scheduled[req_id]
@@ -202,15 +211,20 @@ class ModelRunner:
                 if start != st.num_tokens - 1 or n != len(draft) + 1:
                     raise RuntimeError(f"request {req_id!r}: drafts scheduled with {n} tokens from "
                                        f"position {start} of {st.num_tokens}")
+                # Row j is a one-token "sequence" ending at position start + j over the same
+                # block table: each layer writes all rows' K/V before attention reads any,
+                # so row j sees the drafts before it, and the batched decode kernels run it.
                 input_ids.append(st.token_ids[start])
                 input_ids.extend(draft)
-                query_lens.append(n)
-                starts.append(start)
-                tables.append(st.block_ids)
+                query_lens.extend([1] * n)
+                starts.extend(range(start, end))
+                tables.extend([st.block_ids] * n)
                 sample_rows.extend(range(row, row + n))
                 sample_reqs.append(st)
                 row += n
+                num_decode += n
                 continue
+            num_decode += n == 1
             input_ids.extend(st.token_ids[start:end])
             query_lens.append(n)
             starts.append(start)
@@ -222,7 +236,8 @@ class ModelRunner:
             if end >= st.num_tokens:
                 sample_rows.append(row - 1)
                 sample_reqs.append(st)
-        pad_to = self.graph_runner.padded_size(len(order)) if num_decode == len(order) else None
+        num_rows = len(query_lens)
+        pad_to = self.graph_runner.padded_size(num_rows) if num_decode == num_rows else None
         inputs = self.buffers.fill(input_ids, query_lens, starts, tables, num_decode, pad_to)
         return inputs, sample_rows, sample_reqs, prompt_lp
 

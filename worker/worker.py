@@ -106,9 +106,11 @@ class Worker:
 
             self.cpu_linear_backend = apply_cpu_linear_backend(model)
         budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
+        spec = self.config.speculative_config
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
                                   device=self.device, seed=self.config.seed, max_num_seqs=self.config.max_num_seqs,
-                                  max_num_batched_tokens=budget, enforce_eager=self.config.enforce_eager)
+                                  max_num_batched_tokens=budget, enforce_eager=self.config.enforce_eager,
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
 
     # ---------------------------------------------------------------- KV sizing
     @property
