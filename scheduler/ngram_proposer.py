@@ -1,4 +1,4 @@
-"""Prompt lookup (n-gram) drafting for speculative decoding, and when to stop drafting.
+"""Prompt lookup (n-gram) drafting for speculative decoding, and how many drafts pay.
 
 A decoding request whose last n tokens occurred earlier in its own tokens (prompt or
 output) proposes the tokens that followed its first occurrence; one forward pass then checks
@@ -11,15 +11,24 @@ gained for free:
 The first occurrence, as vLLM's proposer: it has the longest continuation, which matters
 in a loop (a repeated phrase's latest occurrence ends right before the suffix and could
 propose one token). The search is an index, not a scan: per request and per n, a dict
-from the hash of each n-gram to the position where it first ended, extended by the tokens appended since the
-previous proposal. A step costs O(new tokens x number of n) dict operations, whatever the
-prompt length; the first proposal indexes the prompt once. A hash collision only makes a
-wrong draft, which verification rejects like any other.
+from the hash of each n-gram to the position where it first ended, extended by the tokens
+appended since the previous proposal. A step costs O(new tokens x number of n) dict
+operations, whatever the prompt length; the first proposal indexes the prompt once. A hash
+collision only makes a wrong draft, which verification rejects like any other.
 
-Adaptive: a request whose drafts keep being rejected pauses drafting for a number of steps
-that doubles with each pause (a wrong draft costs compute: its tokens run through the
-model), and so does one that finds nothing to propose for a while (a request that does
-not draft leaves the engine free to plan ahead, cluster/engine/llm_engine.py).
+How many drafts pay. A draft token is not free: it runs through the model. A step costs
+about t0 + c x (tokens in it): t0 reads the weights, c is the compute of one more token
+(large on a CPU, small on a GPU until big batches). ``StepCost`` fits t0 and c to the steps
+the engine times. A request's i-th draft is accepted with probability alpha^i, alpha its
+smoothed per-token acceptance (``record``); adding it is worth it when that probability
+beats what the step's time buys anyway, the threshold c B / (t0 + c B) for B running
+requests: nearly every draft at batch 1, only likely ones in a big batch.
+
+Pauses: a request whose acceptance falls below the threshold (or below ACCEPTANCE_FLOOR)
+pauses drafting for a number of steps that doubles with each pause, then tries again.
+With ``pause_when_idle`` (set when the engine may plan ahead) one that finds nothing to
+propose for a while pauses too: a request that does not draft leaves the engine free to
+plan a step ahead (cluster/engine/llm_engine.py).
 """
 
 from __future__ import annotations
@@ -28,22 +37,63 @@ import time
 
 from pagedserve.scheduler.config import SpeculativeConfig
 
-# Acceptance rate (accepted / proposed, smoothed) below which a request pauses drafting.
-ACCEPTANCE_FLOOR = 0.25
+# Smoothed per-token acceptance below which a request pauses drafting, whatever the cost.
+ACCEPTANCE_FLOOR = 0.2
 _EWMA_WEIGHT = 0.3
-# Proposals that found no match in a row before a request pauses drafting.
+_PRIOR_ALPHA = 0.7  # a new request's acceptance estimate, before any verification
+# Proposals that found no match in a row before a request pauses (with pause_when_idle).
 MAX_EMPTY_PROPOSALS = 8
 _FIRST_PAUSE_STEPS = 8
 _MAX_PAUSE_STEPS = 256
 
 
+class StepCost:
+    """Step time ~ t0 + c x tokens, fitted by least squares with exponential forgetting to
+    the steps the engine reports; until it has seen two sizes, a prior c / t0."""
+
+    PRIOR_C_OVER_T0 = 0.05
+    _DECAY = 0.98
+
+    def __init__(self) -> None:
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        d = self._DECAY
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + num_tokens
+        self._t = d * self._t + seconds
+        self._nn = d * self._nn + num_tokens * num_tokens
+        self._nt = d * self._nt + num_tokens * seconds
+
+    def c_over_t0(self) -> float:
+        w = self._w
+        if w < 2.0:
+            return self.PRIOR_C_OVER_T0
+        mean_n, mean_t = self._n / w, self._t / w
+        var = self._nn / w - mean_n * mean_n
+        if var < 0.25:  # all steps the same size: no slope to see yet
+            return self.PRIOR_C_OVER_T0
+        c = (self._nt / w - mean_n * mean_t) / var
+        t0 = mean_t - c * mean_n
+        if c <= 0.0:
+            return 0.0
+        if t0 <= 0.0:  # compute-bound at every size seen: a token's compute is the whole cost
+            return 1.0
+        return c / t0
+
+    def threshold(self, num_running: int) -> float:
+        """The acceptance probability a draft token needs to pay for itself."""
+        x = self.c_over_t0() * max(num_running, 1)
+        return x / (1.0 + x)
+
+
 class _RequestIndex:
-    __slots__ = ("maps", "num_indexed", "acceptance", "num_empty", "paused_until", "pause_steps")
+    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "paused_until", "pause_steps")
 
     def __init__(self, ns: range) -> None:
         self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: where they first end}
         self.num_indexed = 0  # n-grams ending at positions < this are in the maps
-        self.acceptance = 1.0  # smoothed accepted / proposed
+        self.alpha = _PRIOR_ALPHA  # smoothed probability that a draft token is accepted
         self.num_empty = 0  # proposals in a row that found no match
         self.paused_until = -1  # step id from which it drafts again
         self.pause_steps = _FIRST_PAUSE_STEPS
@@ -51,7 +101,7 @@ class _RequestIndex:
     def pause(self, step_id: int) -> None:
         self.paused_until = step_id + self.pause_steps
         self.pause_steps = min(2 * self.pause_steps, _MAX_PAUSE_STEPS)
-        self.acceptance = 2 * ACCEPTANCE_FLOOR  # a fresh chance after the pause, not a blank cheque
+        self.alpha = max(self.alpha, 0.5)  # a fresh chance after the pause, not a blank cheque
         self.num_empty = 0
 
 
@@ -60,6 +110,8 @@ class NgramProposer:
         self.config = config
         self.k = config.num_speculative_tokens
         self.ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
+        self.cost = StepCost()
+        self.pause_when_idle = False  # the engine sets it when it may plan a step ahead
         self._index: dict[str, _RequestIndex] = {}
         # Counters under vLLM's names (SchedulerStats): drafts proposed, their tokens, the
         # tokens accepted, and per draft position how often it was accepted.
@@ -75,42 +127,52 @@ class NgramProposer:
         index = self._index.get(req_id)
         return index is None or step_id >= index.paused_until
 
-    def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int) -> list[int]:
+    def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int,
+                threshold: float = 0.0) -> list[int]:
         """Up to ``max_k`` tokens that followed the first earlier occurrence of the
-        longest suffix of ``tokens`` (between prompt_lookup_min and _max tokens long);
-        [] if none occurred."""
+        longest suffix of ``tokens`` (between prompt_lookup_min and _max tokens long),
+        cut where the chance that all of them are accepted falls below ``threshold``;
+        [] if none occurred or none pays."""
         t0 = time.perf_counter()
         index = self._index.get(req_id)
         if index is None:
             index = self._index[req_id] = _RequestIndex(self.ns)
-        num_tokens = len(tokens)
-        # Index every n-gram that ends before the last token: the suffix itself must
-        # match an earlier occurrence, never itself.
-        for n, table in index.maps.items():
-            for end in range(max(index.num_indexed, n - 1), num_tokens - 1):
-                table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), end)
-        index.num_indexed = max(index.num_indexed, num_tokens - 1)
+        alpha, num_tokens = index.alpha, len(tokens)
+        p = alpha
+        num_paying = 0
+        while num_paying < max_k and p >= threshold:
+            num_paying += 1
+            p *= alpha
         draft: list[int] = []
-        for n, table in index.maps.items():
-            if num_tokens < n:
-                continue
-            end = table.get(hash(tuple(tokens[num_tokens - n:])))
-            if end is not None:
-                draft = tokens[end + 1:end + 1 + max_k]
-                break
-        if draft:
-            index.num_empty = 0
+        if num_paying == 0:
+            index.pause(step_id)
         else:
-            index.num_empty += 1
-            if index.num_empty >= MAX_EMPTY_PROPOSALS:
-                index.pause(step_id)
+            # Index every n-gram that ends before the last token: the suffix itself must
+            # match an earlier occurrence, never itself.
+            for n, table in index.maps.items():
+                for end in range(max(index.num_indexed, n - 1), num_tokens - 1):
+                    table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), end)
+            index.num_indexed = max(index.num_indexed, num_tokens - 1)
+            for n, table in index.maps.items():
+                if num_tokens < n:
+                    continue
+                end = table.get(hash(tuple(tokens[num_tokens - n:])))
+                if end is not None:
+                    draft = tokens[end + 1:end + 1 + num_paying]
+                    break
+            if draft:
+                index.num_empty = 0
+            else:
+                index.num_empty += 1
+                if self.pause_when_idle and index.num_empty >= MAX_EMPTY_PROPOSALS:
+                    index.pause(step_id)
         self.num_proposals += 1
         self.propose_time_s += time.perf_counter() - t0
         return draft
 
     def record(self, req_id: str, num_draft: int, num_accepted: int, step_id: int) -> None:
         """The verification of a draft of ``num_draft`` tokens accepted the first
-        ``num_accepted``."""
+        ``num_accepted``: a run of successes, then one failure unless all were accepted."""
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -120,8 +182,9 @@ class NgramProposer:
         index = self._index.get(req_id)
         if index is None:
             return
-        index.acceptance += _EWMA_WEIGHT * (num_accepted / num_draft - index.acceptance)
-        if index.acceptance < ACCEPTANCE_FLOOR:
+        trials = num_accepted + (num_accepted < num_draft)
+        index.alpha += _EWMA_WEIGHT * (num_accepted / trials - index.alpha)
+        if index.alpha < ACCEPTANCE_FLOOR:
             index.pause(step_id)
         elif num_accepted:
             index.pause_steps = _FIRST_PAUSE_STEPS

@@ -84,6 +84,7 @@ class Scheduler(TenantScheduling, StepResults):
         self.num_generation_tokens = 0
         spec = scheduler_config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
+        self._draft_threshold = 0.0  # acceptance a draft token needs this step (ngram_proposer.py)
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -160,6 +161,8 @@ class Scheduler(TenantScheduling, StepResults):
         budget = self.max_num_batched_tokens
         running = self.running
         proposer = self.proposer if self.drafting() else None
+        if proposer is not None:
+            self._draft_threshold = proposer.cost.threshold(len(running))
         # Scheduled running requests as parallel lists (cheaper than dicts per step).
         sched_reqs: list[Request] = []
         sched_nums: list[int] = []
@@ -280,7 +283,13 @@ class Scheduler(TenantScheduling, StepResults):
         if (max_k <= 0 or req.sampling_params.structured_outputs is not None
                 or not proposer.active(req.req_id, self.step_id)):
             return None
-        return proposer.propose(req.req_id, req.all_token_ids, max_k, self.step_id) or None
+        return proposer.propose(req.req_id, req.all_token_ids, max_k, self.step_id, self._draft_threshold) or None
+
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        """How long a step of ``num_tokens`` took (the engine times the steps it waits
+        for): the cost model that decides how many drafts pay (ngram_proposer.py)."""
+        if self.proposer is not None and num_tokens:
+            self.proposer.cost.record(num_tokens, seconds)
 
     def drafting(self) -> bool:
         """Whether the next plan may hold drafts: speculation is on, fewer requests run

@@ -196,13 +196,42 @@ def test_rejected_drafts_pause_drafting_and_the_engine_may_plan_ahead():
     assert sum(paused) >= 25  # paused most of the time: the engine plans ahead meanwhile
 
 
-def test_no_match_for_a_while_pauses_drafting():
+def test_no_match_for_a_while_pauses_drafting_when_the_engine_may_plan_ahead():
+    for pause_when_idle in (True, False):
+        s = _sched()
+        s.proposer.pause_when_idle = pause_when_idle  # the engine's async_scheduling
+        _add(s, "r", [1, 2, 3], max_tokens=100)
+        for t in range(4, 4 + MAX_EMPTY_PROPOSALS + 1):
+            _run(s, s.schedule(), {"r": [t]})  # always new tokens: never a match
+        # Planning ahead needs no request drafting; stepping in turn, looking costs nothing.
+        assert s.get_stats().spec_num_proposals == MAX_EMPTY_PROPOSALS
+        assert s.drafting() is not pause_when_idle
+        _run(s, s.schedule(), {"r": [99]})
+        assert s.get_stats().spec_num_proposals == MAX_EMPTY_PROPOSALS + (not pause_when_idle)
+
+
+def test_step_cost_sets_how_many_drafts_pay():
+    from pagedserve.scheduler.ngram_proposer import StepCost
+
+    cost = StepCost()
+    assert cost.c_over_t0() == StepCost.PRIOR_C_OVER_T0
+    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
+        cost.record(n, ms / 1e3)
+    assert cost.c_over_t0() == pytest.approx(2 / 20, rel=1e-6)
+    assert cost.threshold(1) == pytest.approx(2 / 22)
+    assert cost.threshold(8) == pytest.approx(16 / 36)
+    # A request with acceptance 0.7 drafts all 3 tokens alone (0.7^3 = 0.34 > 2/22), only
+    # the first two in a batch of 8 (0.49 > 16/36 > 0.34).
     s = _sched()
-    _add(s, "r", [1, 2, 3], max_tokens=100)
-    for t in range(4, 4 + MAX_EMPTY_PROPOSALS + 1):
-        _run(s, s.schedule(), {"r": [t]})  # always new tokens: never a match
-    assert s.get_stats().spec_num_proposals == MAX_EMPTY_PROPOSALS
-    assert not s.drafting()  # paused: the engine may plan ahead again
+    s.proposer.cost = cost
+    reqs = [_add(s, f"r{i}", PROMPT) for i in range(8)]
+    _run(s, s.schedule(), {r.req_id: [12] for r in reqs})
+    assert s.schedule().scheduled_spec_decode_tokens == {r.req_id: [13, 14] for r in reqs}
+    alone = _sched()
+    alone.proposer.cost = cost
+    _add(alone, "r", PROMPT)
+    _run(alone, alone.schedule(), {"r": [12]})
+    assert alone.schedule().scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
 
 
 def test_no_drafts_for_constrained_requests_or_past_the_batch_size_limit():

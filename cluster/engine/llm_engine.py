@@ -102,6 +102,8 @@ class LLMEngine:
         self.executor.initialize_cache(self.num_gpu_blocks)
         self.scheduler = Scheduler(self.config.scheduler_config(self.max_model_len),
                                    self.config.cache_config(self.num_gpu_blocks))
+        if self.scheduler.proposer is not None:  # a request that finds no draft lets steps pipeline
+            self.scheduler.proposer.pause_when_idle = bool(self.config.async_scheduling)
         self.kv_sizing = log_kv_sizing(self.config, self.model_config, self.num_gpu_blocks, self.max_model_len)
         self._groups: dict[str, _Group] = {}
         # Requests scheduled for the first time (or again after preemption), cumulative:
@@ -304,7 +306,10 @@ class LLMEngine:
         if not pipelined:
             if not has_work:
                 return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
-            return self._finish_step(plan, self._wait(plan, lambda: self.executor.execute_model(plan)))
+            t0 = time.perf_counter()
+            result = self._wait(plan, lambda: self.executor.execute_model(plan))
+            self.scheduler.record_step_time(plan.total_num_scheduled_tokens, time.perf_counter() - t0)
+            return self._finish_step(plan, result)
         self._inflight = (plan, self.executor.submit(plan)) if has_work else None
         return self._finish_step(inflight[0], self._wait(*inflight)) if inflight is not None else []
 
