@@ -167,6 +167,22 @@ def test_no_preemption_for_drafts_and_caps_on_their_number():
     assert plan.scheduled_spec_decode_tokens == {"m": [13]}  # 1 output so far: 2 left, 1 draft
 
 
+def test_a_prefill_chunk_cut_to_one_token_does_not_draft():
+    """Drafts follow the last token, so a chunk the budget cut to one token must not draft:
+    the drafts come out of the same budget, which has no room left for them."""
+    s = _sched(budget=8)
+    req = _add(s, "r", PROMPT + [12, 13])  # its suffix [12, 13] occurred: a match if it drafted
+    _run(s, s.schedule(), {})  # 8 of its 10 prompt tokens
+    s.max_num_batched_tokens = 1  # the next step has room for one token of its 2
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"r": 1} and not plan.scheduled_spec_decode_tokens
+    _run(s, plan, {})
+    s.max_num_batched_tokens = 8
+    _run(s, s.schedule(), {"r": [14]})  # the last prompt token samples 14
+    assert s.schedule().scheduled_spec_decode_tokens == {"r": [15, 10, 11]}  # now it decodes
+    assert req.num_computed_tokens == 14
+
+
 def test_eos_inside_an_accepted_run_ends_the_request_there():
     s = _sched()
     _add(s, "r", PROMPT, eos=14)
