@@ -10,7 +10,8 @@
    8, 32, 128, 256, with CUDA graphs and with ``enforce_eager``, next to transformers
    ``generate()`` with the same batch; batch 1 as a fraction of the weight-bandwidth bound
    (weight bytes x tok/s / the copy bandwidth of section 2); greedy token equality of
-   graphs vs eager (guarded: a failure there still prints the kernel table).
+   graphs vs eager (guarded: a failure there still prints the kernel table); speculative
+   decoding (prompt lookup) on vs off at batch 1 and 8: tok/s, acceptance, equal tokens.
 
 It lives here, not in kernels/, because section 3 drives the whole engine and kernels/
 imports tensors only. ``--cpu-smoke`` runs every section with tiny shapes on the CPU
@@ -58,9 +59,11 @@ def _hf_tok_s(path, dev, dtype, prompts, batches, max_tokens, sync) -> tuple[dic
     return tps, n_params, weight_bytes
 
 
-def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager: bool):
+def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager: bool,
+                  speculative_config: dict | None = None):
     """Engine decode tok/s per batch and the greedy tokens of every sequence; one engine
-    at a time, shut down and freed before returning."""
+    at a time, shut down and freed before returning. With ``speculative_config``, its
+    scheduler stats land in ``_engine_tok_s.stats``."""
     import gc
 
     from pagedserve import LLM, SamplingParams
@@ -70,7 +73,8 @@ def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager:
     # is not yet returned cannot starve the second one's KV budget.
     blocks = max(batches) * -(-max_model_len // 16) + 64
     llm = LLM(model=path, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_model_len,
-              num_gpu_blocks_override=blocks, device=dev.type, enforce_eager=enforce_eager)
+              num_gpu_blocks_override=blocks, device=dev.type, enforce_eager=enforce_eager,
+              speculative_config=speculative_config)
     tps, tokens = {}, {}
     try:
         graphs = sorted(llm.engine.executor.worker.runner.graph_runner.graphs) if dev.type == "cuda" else []
@@ -83,6 +87,7 @@ def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager:
             dt = time.perf_counter() - t
             tokens[bsz] = [list(o.outputs[0].token_ids) for o in outs]
             tps[bsz] = sum(map(len, tokens[bsz])) / dt
+        _engine_tok_s.stats = llm.engine.get_stats()
     finally:
         llm.shutdown()
     del llm
@@ -129,6 +134,7 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
             f"{'graphs' if sizes else 'default'} {g_tps[bsz]:9.1f}  eager {e_tps[bsz]:9.1f}  "
             f"HF {hf_tps[bsz]:9.1f} tok/s  "
             f"x{g_tps[bsz] / hf_tps[bsz]:.2f} HF  x{g_tps[bsz] / e_tps[bsz]:.2f} eager  tokens equal {same}/{bsz}")
+    check_spec(run, smoke)
     copy_gbs = RESULTS["bandwidth"].get("copy_GBps")
     if copy_gbs:
         frac = weight_bytes * g_tps[batches[0]] / (copy_gbs * 1e9)
@@ -137,6 +143,30 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
             f"{100 * frac:5.1f}% of the bound ({weight_bytes / 1e9:.2f} GB at {copy_gbs:.0f} GB/s)")
     else:
         row("e2e", "batch 1: weight-bandwidth bound", "n/a (no copy bandwidth from section 2)")
+
+
+def check_spec(run: dict, smoke: bool) -> None:
+    """Speculative decoding (prompt lookup, 4 drafts) on the GPU path: prompts that repeat
+    a block of 8 tokens (drafts match at once; a random model's greedy output loops too),
+    batch 1 and 8, CUDA graphs on: tok/s with and without, greedy tokens equal, acceptance."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    prompts = run["prompts"]
+    rep = torch.cat([prompts[:, :8]] * 4, dim=1)
+    batches = (1, 4) if smoke else (1, 8)
+    s_run = dict(run, prompts=rep, batches=batches)
+    off_tps, off_tok, _ = _engine_tok_s(**s_run, enforce_eager=False)
+    on_tps, on_tok, _ = _engine_tok_s(**s_run, enforce_eager=False, speculative_config=spec)
+    st = _engine_tok_s.stats
+    rate = st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1)
+    length = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
+    for bsz in batches:
+        same = sum(a == b for a, b in zip(off_tok[bsz], on_tok[bsz]))
+        RESULTS["e2e"][f"spec batch {bsz}"] = {"spec_tok_s": on_tps[bsz], "base_tok_s": off_tps[bsz],
+                                               "speedup": on_tps[bsz] / off_tps[bsz], "seqs_equal": same,
+                                               "seqs": bsz, "acceptance_rate": rate, "mean_acceptance_length": length}
+        row("e2e", f"spec decode batch {bsz:>3} (ngram k=4)",
+            f"on {on_tps[bsz]:9.1f}  off {off_tps[bsz]:9.1f} tok/s  x{on_tps[bsz] / off_tps[bsz]:.2f}  "
+            f"acceptance {rate:.2f}  mean length {length:.2f}  tokens equal {same}/{bsz}")
 
 
 def e2e_section(dev, args) -> None:

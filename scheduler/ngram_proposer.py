@@ -21,8 +21,10 @@ about t0 + c x (tokens in it): t0 reads the weights, c is the compute of one mor
 (large on a CPU, small on a GPU until big batches). ``StepCost`` fits t0 and c to the steps
 the engine times. A request's i-th draft is accepted with probability alpha^i, alpha its
 smoothed per-token acceptance (``record``); adding it is worth it when that probability
-beats what the step's time buys anyway, the threshold c B / (t0 + c B) for B running
-requests: nearly every draft at batch 1, only likely ones in a big batch.
+beats what the step's time buys anyway: its cost c times the step's yield per second,
+B (1 + g) / (t0 + c B (1 + d)) for B running requests that recently gained g tokens and
+drafted d tokens per step each. Nearly every draft pays at batch 1, only likely ones in a
+big batch.
 
 Pauses: a request whose acceptance falls below the threshold (or below ACCEPTANCE_FLOOR)
 pauses drafting for a number of steps that doubles with each pause, then tries again.
@@ -81,10 +83,11 @@ class StepCost:
             return 1.0
         return c / t0
 
-    def threshold(self, num_running: int) -> float:
-        """The acceptance probability a draft token needs to pay for itself."""
+    def threshold(self, num_running: int, gain: float = 0.0, drafted: float = 0.0) -> float:
+        """The acceptance probability a draft token needs to pay for itself, in a step of
+        ``num_running`` requests that gain ``gain`` and draft ``drafted`` tokens each."""
         x = self.c_over_t0() * max(num_running, 1)
-        return x / (1.0 + x)
+        return x * (1.0 + gain) / (1.0 + x * (1.0 + drafted))
 
 
 class _RequestIndex:
@@ -111,6 +114,9 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
         self.cost = StepCost()
+        # Per decoding request and step, smoothed: draft tokens proposed, and accepted.
+        self.drafted = 0.0
+        self.gain = 0.0
         self.pause_when_idle = False  # the engine sets it when it may plan a step ahead
         self._index: dict[str, _RequestIndex] = {}
         # Counters under vLLM's names (SchedulerStats): drafts proposed, their tokens, the
@@ -163,12 +169,18 @@ class NgramProposer:
             if draft:
                 index.num_empty = 0
             else:
+                self.gain -= _EWMA_WEIGHT * self.gain
                 index.num_empty += 1
                 if self.pause_when_idle and index.num_empty >= MAX_EMPTY_PROPOSALS:
                     index.pause(step_id)
+        self.drafted += _EWMA_WEIGHT * (len(draft) - self.drafted)
         self.num_proposals += 1
         self.propose_time_s += time.perf_counter() - t0
         return draft
+
+    def threshold(self, num_running: int) -> float:
+        """This step's acceptance threshold for a draft token (see the module docstring)."""
+        return self.cost.threshold(num_running, self.gain, self.drafted)
 
     def record(self, req_id: str, num_draft: int, num_accepted: int, step_id: int) -> None:
         """The verification of a draft of ``num_draft`` tokens accepted the first
@@ -176,6 +188,7 @@ class NgramProposer:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
+        self.gain += _EWMA_WEIGHT * (num_accepted - self.gain)
         per_pos = self.num_accepted_tokens_per_pos
         for i in range(num_accepted):
             per_pos[i] += 1

@@ -162,7 +162,7 @@ class Scheduler(TenantScheduling, StepResults):
         running = self.running
         proposer = self.proposer if self.drafting() else None
         if proposer is not None:
-            self._draft_threshold = proposer.cost.threshold(len(running))
+            self._draft_threshold = proposer.threshold(len(running))
         # Scheduled running requests as parallel lists (cheaper than dicts per step).
         sched_reqs: list[Request] = []
         sched_nums: list[int] = []

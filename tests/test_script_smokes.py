@@ -133,4 +133,8 @@ def test_gpu_check_cpu_smoke(runs):
     # graphs (off on a CPU) and enforce_eager: both ran, greedy tokens equal
     assert all(e2e[k]["eager_tok_s"] > 0 and e2e[k]["seqs_equal_graphs_eager"] == e2e[k]["seqs"]
                for k in ("batch 1", "batch 4"))
+    # speculative decoding on vs off: both ran, greedy tokens equal, drafts accepted
+    for k in ("spec batch 1", "spec batch 4"):
+        assert e2e[k]["spec_tok_s"] > 0 and e2e[k]["seqs_equal"] == e2e[k]["seqs"], e2e[k]
+    assert e2e["spec batch 1"]["acceptance_rate"] > 0
     assert "=== pagedserve gpu_check" in proc.stdout
