@@ -19,15 +19,15 @@ collision only makes a wrong draft, which verification rejects like any other.
 How many drafts pay. A draft token is not free: it runs through the model. A step costs
 about t0 + c x (tokens in it): t0 reads the weights, c is the compute of one more token
 (large on a CPU, small on a GPU until big batches). ``StepCost`` fits t0 and c to the steps
-the engine times. A request's i-th draft is accepted with probability alpha^i, alpha its
-smoothed per-token acceptance (``record``); adding it is worth it when that probability
-beats what the step's time buys anyway: its cost c times the step's yield per second,
-B (1 + g) / (t0 + c B (1 + d)) for B running requests that recently gained g tokens and
-drafted d tokens per step each. Nearly every draft pays at batch 1, only likely ones in a
+the engine times. A request's i-th draft token is accepted with probability alpha^i, alpha
+its smoothed per-token acceptance (``record``). ``select`` keeps, over the whole step, the
+draft tokens whose probability beats what the step's time buys anyway: most likely first,
+each while p > c x (expected tokens so far) / (time so far), the choice that maximises the
+step's expected tokens per second. Nearly every draft pays at batch 1, only likely ones in a
 big batch.
 
-Pauses: a request whose acceptance falls below the threshold (or below ACCEPTANCE_FLOOR)
-pauses drafting for a number of steps that doubles with each pause, then tries again.
+Pauses: a request whose acceptance falls below ACCEPTANCE_FLOOR, or none of whose draft
+pays, pauses drafting for a number of steps that doubles with each pause, then tries again.
 With ``pause_when_idle`` (set when the engine may plan ahead) one that finds nothing to
 propose for a while pauses too: a request that does not draft leaves the engine free to
 plan a step ahead (cluster/engine/llm_engine.py).
@@ -83,11 +83,22 @@ class StepCost:
             return 1.0
         return c / t0
 
-    def threshold(self, num_running: int, gain: float = 0.0, drafted: float = 0.0) -> float:
-        """The acceptance probability a draft token needs to pay for itself, in a step of
-        ``num_running`` requests that gain ``gain`` and draft ``drafted`` tokens each."""
-        x = self.c_over_t0() * max(num_running, 1)
-        return x * (1.0 + gain) / (1.0 + x * (1.0 + drafted))
+    def select(self, drafts: dict[str, list[int]], alphas: dict[str, float], num_base_tokens: int) -> dict[str, int]:
+        """How many tokens of each draft to verify (see the module docstring), for a step
+        of ``num_base_tokens`` decoding requests: req_id -> a count, 0 for none."""
+        x = self.c_over_t0()
+        candidates = sorted(((alphas[r] ** (i + 1), r) for r, d in drafts.items() for i in range(len(d))),
+                            reverse=True)
+        keep = dict.fromkeys(drafts, 0)
+        tokens = max(num_base_tokens, 1)
+        gain, time_units = float(tokens), 1.0 + x * tokens  # expected tokens; time in units of t0
+        for p, r in candidates:
+            if p * time_units <= x * gain:  # p / (x t0) <= gain / time: it does not pay
+                break
+            keep[r] += 1
+            gain += p
+            time_units += x
+        return keep
 
 
 class _RequestIndex:
@@ -114,9 +125,6 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
         self.cost = StepCost()
-        # Per decoding request and step, smoothed: draft tokens proposed, and accepted.
-        self.drafted = 0.0
-        self.gain = 0.0
         self.pause_when_idle = False  # the engine sets it when it may plan a step ahead
         self._index: dict[str, _RequestIndex] = {}
         # Counters under vLLM's names (SchedulerStats): drafts proposed, their tokens, the
@@ -133,54 +141,48 @@ class NgramProposer:
         index = self._index.get(req_id)
         return index is None or step_id >= index.paused_until
 
-    def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int,
-                threshold: float = 0.0) -> list[int]:
+    def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int) -> list[int]:
         """Up to ``max_k`` tokens that followed the first earlier occurrence of the
-        longest suffix of ``tokens`` (between prompt_lookup_min and _max tokens long),
-        cut where the chance that all of them are accepted falls below ``threshold``;
-        [] if none occurred or none pays."""
+        longest suffix of ``tokens`` (between prompt_lookup_min and _max tokens long);
+        [] if none occurred."""
         t0 = time.perf_counter()
         index = self._index.get(req_id)
         if index is None:
             index = self._index[req_id] = _RequestIndex(self.ns)
-        alpha, num_tokens = index.alpha, len(tokens)
-        p = alpha
-        num_paying = 0
-        while num_paying < max_k and p >= threshold:
-            num_paying += 1
-            p *= alpha
+        num_tokens = len(tokens)
+        # Index every n-gram that ends before the last token: the suffix itself must
+        # match an earlier occurrence, never itself.
+        for n, table in index.maps.items():
+            for end in range(max(index.num_indexed, n - 1), num_tokens - 1):
+                table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), end)
+        index.num_indexed = max(index.num_indexed, num_tokens - 1)
         draft: list[int] = []
-        if num_paying == 0:
-            index.pause(step_id)
+        for n, table in index.maps.items():
+            if num_tokens < n:
+                continue
+            end = table.get(hash(tuple(tokens[num_tokens - n:])))
+            if end is not None:
+                draft = tokens[end + 1:end + 1 + max_k]
+                break
+        if draft:
+            index.num_empty = 0
         else:
-            # Index every n-gram that ends before the last token: the suffix itself must
-            # match an earlier occurrence, never itself.
-            for n, table in index.maps.items():
-                for end in range(max(index.num_indexed, n - 1), num_tokens - 1):
-                    table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), end)
-            index.num_indexed = max(index.num_indexed, num_tokens - 1)
-            for n, table in index.maps.items():
-                if num_tokens < n:
-                    continue
-                end = table.get(hash(tuple(tokens[num_tokens - n:])))
-                if end is not None:
-                    draft = tokens[end + 1:end + 1 + num_paying]
-                    break
-            if draft:
-                index.num_empty = 0
-            else:
-                self.gain -= _EWMA_WEIGHT * self.gain
-                index.num_empty += 1
-                if self.pause_when_idle and index.num_empty >= MAX_EMPTY_PROPOSALS:
-                    index.pause(step_id)
-        self.drafted += _EWMA_WEIGHT * (len(draft) - self.drafted)
+            index.num_empty += 1
+            if self.pause_when_idle and index.num_empty >= MAX_EMPTY_PROPOSALS:
+                index.pause(step_id)
         self.num_proposals += 1
         self.propose_time_s += time.perf_counter() - t0
         return draft
 
-    def threshold(self, num_running: int) -> float:
-        """This step's acceptance threshold for a draft token (see the module docstring)."""
-        return self.cost.threshold(num_running, self.gain, self.drafted)
+    def select(self, drafts: dict[str, list[int]], num_base_tokens: int, step_id: int) -> None:
+        """Cut each draft (in place; emptied if nothing of it pays) to the tokens worth
+        verifying in a step of ``num_base_tokens`` decoding requests; a request none of
+        whose draft pays pauses."""
+        alphas = {r: self._index[r].alpha for r in drafts}
+        for r, n in self.cost.select(drafts, alphas, num_base_tokens).items():
+            del drafts[r][n:]
+            if n == 0:
+                self._index[r].pause(step_id)
 
     def record(self, req_id: str, num_draft: int, num_accepted: int, step_id: int) -> None:
         """The verification of a draft of ``num_draft`` tokens accepted the first
@@ -188,7 +190,6 @@ class NgramProposer:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        self.gain += _EWMA_WEIGHT * (num_accepted - self.gain)
         per_pos = self.num_accepted_tokens_per_pos
         for i in range(num_accepted):
             per_pos[i] += 1

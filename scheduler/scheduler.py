@@ -84,7 +84,6 @@ class Scheduler(TenantScheduling, StepResults):
         self.num_generation_tokens = 0
         spec = scheduler_config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
-        self._draft_threshold = 0.0  # acceptance a draft token needs this step (ngram_proposer.py)
 
     # ---- requests in and out -------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -160,9 +159,7 @@ class Scheduler(TenantScheduling, StepResults):
         bs = self.block_size
         budget = self.max_num_batched_tokens
         running = self.running
-        proposer = self.proposer if self.drafting() else None
-        if proposer is not None:
-            self._draft_threshold = proposer.threshold(len(running))
+        drafts = self._propose_drafts() if self.drafting() else None
         # Scheduled running requests as parallel lists (cheaper than dicts per step).
         sched_reqs: list[Request] = []
         sched_nums: list[int] = []
@@ -188,8 +185,9 @@ class Scheduler(TenantScheduling, StepResults):
                 continue
             if num_new > budget:
                 num_new = budget
-            draft = self._draft(req, budget) if num_new == 1 and not pending and proposer else None
+            draft = drafts.get(req.req_id) if drafts and num_new == 1 else None
             if draft:
+                del draft[budget - 1:]  # the drafts come out of the same budget
                 num_new += len(draft)
             # Hot path, same rule as allocate_slots: the new tokens fit the last block.
             if (num_computed + num_new + bs - 1) // bs <= len(blocks_of[req.req_id]):
@@ -272,18 +270,31 @@ class Scheduler(TenantScheduling, StepResults):
         self.finished_req_ids = []
         return plan
 
-    def _draft(self, req: Request, budget: int) -> list[int] | None:
-        """Draft tokens for a decoding request, or None: never more than the step's
-        budget, the request's max_tokens (the step yields drafts + 1 tokens) or its
-        longest sequence allow; none for a constrained request (its grammar masks each
-        token before it is sampled) or one that paused drafting."""
-        proposer = self.proposer
-        max_k = min(proposer.k, budget - 1, req.max_tokens - req.num_output_tokens - 1,
-                    self.max_seq_len - len(req.all_token_ids))
-        if (max_k <= 0 or req.sampling_params.structured_outputs is not None
-                or not proposer.active(req.req_id, self.step_id)):
-            return None
-        return proposer.propose(req.req_id, req.all_token_ids, max_k, self.step_id, self._draft_threshold) or None
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """This step's drafts, req_id -> tokens, for the decoding requests that draft:
+        each no longer than its max_tokens (the step yields drafts + 1 tokens) or its
+        longest sequence allow, and cut to what pays over the step (ngram_proposer.py).
+        None for a request with a token in flight (its drafts would follow a token not
+        known yet), a constrained one (its grammar masks each token before it is drawn),
+        or one that paused drafting."""
+        proposer, step_id = self.proposer, self.step_id
+        drafts: dict[str, list[int]] = {}
+        num_decoding = 0
+        for req in self.running:
+            tokens = req.all_token_ids
+            if req.num_output_placeholders or req.num_computed_tokens != len(tokens) - 1:
+                continue
+            num_decoding += 1
+            max_k = min(proposer.k, req.max_tokens - req.num_output_tokens - 1, self.max_seq_len - len(tokens))
+            if (max_k <= 0 or req.sampling_params.structured_outputs is not None
+                    or not proposer.active(req.req_id, step_id)):
+                continue
+            draft = proposer.propose(req.req_id, tokens, max_k, step_id)
+            if draft:
+                drafts[req.req_id] = draft
+        if drafts:
+            proposer.select(drafts, num_decoding, step_id)
+        return {r: d for r, d in drafts.items() if d}
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         """How long a step of ``num_tokens`` took (the engine times the steps it waits
