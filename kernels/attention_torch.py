@@ -264,7 +264,8 @@ def paged_attention_torch(
     # fused C++ loop when it is available: it reads each K/V row once instead of three times.
     nd = md.num_decode_tokens
     if nd and md.max_seqlen_q >= 1 and decode_attention_cpu(
-            q[:nd], k_cache, v_cache, md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd], k_scale, v_scale):
+            q[:nd], k_cache, v_cache, md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd], k_scale, v_scale,
+            md.decode_row_groups):
         if nd == q.shape[0]:
             return out
     else:

@@ -12,6 +12,11 @@ sharing each loaded row (GQA):
             online softmax: m, l, acc[g] += p[g, t] * v[t]
         out[g] = acc[g] / l[g]
 
+Rows of one sequence (``row_groups``: speculative decoding verifies k drafts as k + 1 decode
+rows over the same block table, lengths L-k .. L) are one work item: each K/V block is read
+from memory once for all of them, every row's heads take the block while it is within that
+row's length, so the drafts cost compute, not a second pass over the context.
+
 q in fp32 only (the CPU engine's dtype for exactness against transformers); the cache in fp32
 or quantised (kv_quant.py: 1-byte fp8 e4m3 / e5m2 / int8 codes, dequantised block by block
 into L1 with their scales folded in, so a quantised context reads a quarter of the bytes).
@@ -213,14 +218,17 @@ static inline void block_scalar(const float* qs, const float* kb, const float* v
 
 // q [S, H, D] fp32 (one decode row per sequence), caches [NB, BS, KVH, D] (fp32, or
 // 1-byte codes with scale codes [NB, BS, KVH] uint8), block_table [S, MAXB] int32,
-// seq_lens [S] int32, out [S, H, D] fp32.
+// seq_lens [S] int32, out [S, H, D] fp32. groups [NG + 1] int32 (or empty: one row each):
+// rows groups[i] .. groups[i+1]-1 read one sequence, the block table of the first of them.
 template <int FMT>
 static void decode_attention_impl(torch::Tensor q, const void* k_data, const void* v_data,
                                   const uint8_t* k_scales, const uint8_t* v_scales, float inv_qmax, int64_t BS,
                                   int64_t KVH,
                                   torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                  torch::Tensor out) {
+                                  torch::Tensor out, torch::Tensor groups) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NG = groups.numel() ? groups.numel() - 1 : S;
+  const int32_t* gp = groups.numel() ? groups.data_ptr<int32_t>() : nullptr;
   const int64_t G = H / KVH, MAXB = block_table.size(1);
   const float* qp = q.data_ptr<float>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
@@ -233,23 +241,28 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
 #else
   const bool vec = false;
 #endif
-  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D), m(G), l(G), s(G * BS), qs(G * D);
+  at::parallel_for(0, NG * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc, m, l, s(G * BS), qs;
     std::vector<float> kbuf(FMT ? BS * D : 0), vbuf(FMT ? BS * D : 0);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t seq = idx / KVH, kh = idx % KVH;
-      const int64_t len = lens[seq];
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = qp + seq * q_stride + (kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qs[g * D + d] = src[d] * fscale;
-        m[g] = -std::numeric_limits<float>::infinity();
-        l[g] = 0.f;
+      const int64_t grp = idx / KVH, kh = idx % KVH;
+      const int64_t seq = gp ? gp[grp] : grp, R = gp ? gp[grp + 1] - seq : 1;
+      acc.assign(R * G * D, 0.f);
+      m.assign(R * G, -std::numeric_limits<float>::infinity());
+      l.assign(R * G, 0.f);
+      qs.resize(R * G * D);
+      int64_t len = 0;
+      for (int64_t r = 0; r < R; ++r) {
+        len = std::max<int64_t>(len, lens[seq + r]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* src = qp + (seq + r) * q_stride + (kh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qs[(r * G + g) * D + d] = src[d] * fscale;
+        }
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
       const int64_t nblocks = (len + BS - 1) / BS;
       for (int64_t b = 0; b < nblocks && b < MAXB; ++b) {
         const int64_t blk = bt[seq * MAXB + b];
-        const int64_t n = std::min<int64_t>(BS, len - b * BS);
+        const int64_t n = std::min<int64_t>(BS, len - b * BS);  // the longest row's tokens here
         const int64_t first = (blk * BS * KVH + kh) * D;
         if (b + PF < nblocks && b + PF < MAXB) {
           constexpr int64_t esz = FMT == 0 ? 4 : 1;
@@ -278,45 +291,55 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
           vb = vbuf.data();
           row = D;
         }
+        for (int64_t r = 0; r < R; ++r) {  // each row up to its own length; the block stays in cache
+          const int64_t nr = std::min<int64_t>(n, lens[seq + r] - b * BS);
+          if (nr <= 0) continue;
+          const float* qr = qs.data() + r * G * D;
+          float* ar = acc.data() + r * G * D;
+          float* mr = m.data() + r * G;
+          float* lr = l.data() + r * G;
 #if defined(__AVX512F__)
-        if (vec) {
-          if (D == 64) block_avx512_regs<4>(qs.data(), kb, vb, row, n, G, acc.data(), m.data(), l.data());
-          else if (D == 128) block_avx512_regs<8>(qs.data(), kb, vb, row, n, G, acc.data(), m.data(), l.data());
-          else if (D == 32) block_avx512_regs<2>(qs.data(), kb, vb, row, n, G, acc.data(), m.data(), l.data());
-          else block_avx512(qs.data(), kb, vb, row, n, G, D, acc.data(), m.data(), l.data());
-          continue;
-        }
+          if (vec) {
+            if (D == 64) block_avx512_regs<4>(qr, kb, vb, row, nr, G, ar, mr, lr);
+            else if (D == 128) block_avx512_regs<8>(qr, kb, vb, row, nr, G, ar, mr, lr);
+            else if (D == 32) block_avx512_regs<2>(qr, kb, vb, row, nr, G, ar, mr, lr);
+            else block_avx512(qr, kb, vb, row, nr, G, D, ar, mr, lr);
+            continue;
+          }
 #endif
-        block_scalar(qs.data(), kb, vb, row, n, G, D, BS, acc.data(), m.data(), l.data(), s.data());
+          block_scalar(qr, kb, vb, row, nr, G, D, BS, ar, mr, lr, s.data());
+        }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* dst = op + seq * o_stride + (kh * G + g) * D;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
-      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          float* dst = op + (seq + r) * o_stride + (kh * G + g) * D;
+          const float inv = l[r * G + g] > 0.f ? 1.f / l[r * G + g] : 0.f;
+          for (int64_t d = 0; d < D; ++d) dst[d] = acc[(r * G + g) * D + d] * inv;
+        }
     }
   });
 }
 
 void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                      torch::Tensor out) {
+                      torch::Tensor out, torch::Tensor groups) {
   decode_attention_impl<0>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr, 0.0f,
-                           k_cache.size(1), k_cache.size(2), block_table, seq_lens, scale, out);
+                           k_cache.size(1), k_cache.size(2), block_table, seq_lens, scale, out, groups);
 }
 
 void decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
-                            torch::Tensor seq_lens, double scale, torch::Tensor out, int64_t fmt, double inv_qmax) {
+                            torch::Tensor seq_lens, double scale, torch::Tensor out, int64_t fmt, double inv_qmax,
+                            torch::Tensor groups) {
   const void* k = k_cache.data_ptr<uint8_t>();
   const void* v = v_cache.data_ptr<uint8_t>();
   const uint8_t* ks = k_scale.data_ptr<uint8_t>();
   const uint8_t* vs = v_scale.data_ptr<uint8_t>();
   const float iq = static_cast<float>(inv_qmax);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out);
-  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out);
-  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out);
+  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups);
+  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups);
+  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups);
   else TORCH_CHECK(false, "unknown quantised KV format ", fmt);
 }
 
@@ -326,10 +349,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+_NO_GROUPS = torch.empty(0, dtype=torch.int32)
+
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v8", _SOURCE,
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v9", _SOURCE,
                      ["-O3", "-march=native", "-fno-math-errno"],
                      "CPU decode-attention", "using the torch path")
 _load = _EXT.get
@@ -346,6 +371,7 @@ def decode_attention_cpu(
     out: torch.Tensor,  # [num_seqs, num_heads, head_dim] fp32
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
+    row_groups: torch.Tensor | None = None,  # [num_groups + 1] int32: rows sharing one sequence (above)
 ) -> bool:
     """Fills ``out`` and returns True, or returns False when it cannot (caller falls back)."""
     fmt = _FORMATS.get(k_cache.dtype)
@@ -361,9 +387,10 @@ def decode_attention_cpu(
         return False
     bt = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    groups = _NO_GROUPS if row_groups is None else row_groups.to(torch.int32).contiguous()
     if fmt == 0:
-        mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out)
+        mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out, groups)
     else:
         mod.decode_attention_quant(q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, bt,
-                                   lens, float(scale), out, fmt, INV_QMAX[k_cache.dtype])
+                                   lens, float(scale), out, fmt, INV_QMAX[k_cache.dtype], groups)
     return True

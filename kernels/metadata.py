@@ -21,4 +21,8 @@ class AttentionMetadata:
     max_seq_len: int
     num_decode_tokens: int = 0  # rows of sequences with query length 1 (they come first)
     seq_lens_cpu: list[int] | None = None
+    # [num_groups + 1] int32 or None: decode rows [g[i], g[i+1]) are one sequence's (the
+    # drafts a speculative step verifies), over the first one's block table; the CPU decode
+    # kernel then reads that context once for all of them. None: every row its own.
+    decode_row_groups: torch.Tensor | None = None
     query_lens_cpu: list[int] | None = None

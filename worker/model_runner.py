@@ -201,6 +201,7 @@ class ModelRunner:
         prompt_lp = []  # PromptLogprobsRows of requests that asked (worker/prompt_logprobs.py)
         row = 0
         num_decode = 0
+        groups = [0]  # boundaries of the decode rows, one group per request
         for req_id in order:
             st = self.requests[req_id]
             n = num_scheduled[req_id]
@@ -223,8 +224,11 @@ class ModelRunner:
                 sample_reqs.append(st)
                 row += n
                 num_decode += n
+                groups.append(num_decode)
                 continue
-            num_decode += n == 1
+            if n == 1:
+                num_decode += 1
+                groups.append(num_decode)
             input_ids.extend(st.token_ids[start:end])
             query_lens.append(n)
             starts.append(start)
@@ -238,7 +242,9 @@ class ModelRunner:
                 sample_reqs.append(st)
         num_rows = len(query_lens)
         pad_to = self.graph_runner.padded_size(num_rows) if num_decode == num_rows else None
-        inputs = self.buffers.fill(input_ids, query_lens, starts, tables, num_decode, pad_to)
+        # A group of several rows only with drafts; on CPU their decode rows read the context once.
+        row_groups = groups if spec_tokens and pad_to is None and len(groups) <= num_decode else None
+        inputs = self.buffers.fill(input_ids, query_lens, starts, tables, num_decode, pad_to, row_groups)
         return inputs, sample_rows, sample_reqs, prompt_lp
 
     # ------------------------------------------------------------------ step

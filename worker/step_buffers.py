@@ -96,10 +96,11 @@ class StepBuffers:
 
     # ---------------------------------------------------------------- fill
     def fill(self, input_ids: list[int], query_lens: list[int], starts: list[int], block_ids: list[list[int]],
-             num_decode: int, pad_to: int | None = None) -> StepInputs:
+             num_decode: int, pad_to: int | None = None, row_groups: list[int] | None = None) -> StepInputs:
         """One step's rows (decode rows first): the tokens to run, flattened; each row's
         query length, first position and block ids. ``pad_to``: a decode-only step padded
-        to that many rows, at the full block-table width (the graph shapes)."""
+        to that many rows, at the full block-table width (the graph shapes).
+        ``row_groups``: boundaries of decode rows that are one sequence's (AttentionMetadata)."""
         num_real, num_real_tokens = len(query_lens), len(input_ids)
         if pad_to is not None and (num_decode != num_real or pad_to < num_real):
             raise ValueError(f"only a decode-only step pads: {num_real} rows, {num_decode} decode, pad_to={pad_to}.")
@@ -145,7 +146,9 @@ class StepBuffers:
             cu_seqlens_q=v["cu_seqlens_q"], max_seqlen_q=1 if padded else int(q.max()),
             max_seq_len=self.max_model_len if padded else int(seq_lens.max()),
             num_decode_tokens=num_decode + rows - num_real,
-            seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=np.diff(cu).tolist())
+            seq_lens_cpu=seq_lens.tolist(), query_lens_cpu=np.diff(cu).tolist(),
+            decode_row_groups=None if row_groups is None else torch.tensor(row_groups, dtype=torch.int32,
+                                                                            device=self.device))
         return StepInputs(v["input_ids"], v["positions"], md, rows, padded)
 
     def _to_device(self, rows: int, tokens: int, width: int, used: int) -> None:
