@@ -14,10 +14,11 @@ Batch layout of one step (decode rows first so attention can batch them):
 
 Speculative decoding: a request with drafts in the plan runs [last token, d1 .. dk] as
 k + 1 decode rows (row j: one token at position start + j, the request's block table), so
-the batched decode attention verifies them, and every one of them samples; row j sees the outputs extended by
-d1 .. dj (penalties, min_tokens) and verifies d(j+1) (worker/sampler.py). Its tokens are
-those of rows 0 .. a, where a is the first row whose token differs from the next draft
-(or k): exactly what k + 1 one-token steps would have sampled, greedy or not.
+the batched decode attention verifies them, and every one of them samples: row j sees the
+outputs extended by d1 .. dj (penalties, min_tokens) and verifies d(j+1)
+(worker/sampler.py). Its tokens are those of rows 0 .. a, where a is the first row whose
+token differs from the next draft (or k): greedy, exactly the tokens k + 1 one-token steps
+pick; at a temperature, tokens drawn from the same distributions (rejection sampling).
 
 The step's tensors live in persistent buffers (step_buffers.py). A decode-only step on
 CUDA replays a captured graph of its padded size (cuda_graphs.py); the padded rows are
