@@ -1,5 +1,6 @@
-"""Speculative decoding (prompt lookup) on against off, side by side in one run, on
-SmolLM2-135M-Instruct (the default model), greedy:
+"""Speculative decoding (prompt lookup) on against off, side by side in one run.
+
+On SmolLM2-135M-Instruct (the default model), greedy:
 
     grounded    prompts that ask to repeat, edit, fix or summarize a text or code they
                 carry (``--prompts FILE``: a JSON list of chat message lists instead)
