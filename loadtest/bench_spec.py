@@ -215,11 +215,12 @@ def _spec_counters(base_url: str) -> dict:
             "spec_num_accepted_tokens": get("spec_decode_num_accepted_tokens")}
 
 
-def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "pagedserve") -> tuple[dict, list[str]]:
+def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "pagedserve",
+           bind: str | None = None) -> tuple[dict, list[str]]:
     specs = [RequestSpec(f"r{i}", p, len(p), max_tokens, ignore_eos=False) for i, p in enumerate(prompts)]
     if engine == "pagedserve":
         args = {"speculative_config": json.dumps(SPEC)} if spec else {}
-        server = pagedserve_server(model, max_model_len=MAX_MODEL_LEN, **args)
+        server = pagedserve_server(model, max_model_len=MAX_MODEL_LEN, cpu_omp_threads_bind=bind, **args)
     else:  # eager, as its b1 run (a far shorter start-up), plus the same n-gram config
         server = vllm_server(model, max_model_len=MAX_MODEL_LEN, enforce_eager=True,
                              extra_args=["--speculative-config", json.dumps(SPEC)] if spec else [])
@@ -236,9 +237,10 @@ def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "page
             "counters": counters}, texts
 
 
-def c8_pair(model: str, prompts, max_tokens: int, label: str, engine: str = "pagedserve") -> dict:
-    base, base_texts = c8_run(model, prompts, max_tokens, False, engine)
-    spec, spec_texts = c8_run(model, prompts, max_tokens, True, engine)
+def c8_pair(model: str, prompts, max_tokens: int, label: str, engine: str = "pagedserve",
+            bind: str | None = None) -> dict:
+    base, base_texts = c8_run(model, prompts, max_tokens, False, engine, bind)
+    spec, spec_texts = c8_run(model, prompts, max_tokens, True, engine, bind)
     same = sum(a == b for a, b in zip(base_texts, spec_texts))
     out = {"spec_tok_s": spec["tok_s"], "base_tok_s": base["tok_s"], "speedup": spec["tok_s"] / base["tok_s"],
            **acceptance(spec["counters"]), "spec_mean_tpot_ms": spec["mean_tpot_ms"],
@@ -258,7 +260,10 @@ def main(argv=None) -> int:
     ap.add_argument("--c8-repeats", type=int, default=2,
                     help="each grounded / no-repeat prompt is sent this many times in the c=8 part")
     ap.add_argument("--no-http", action="store_true")
+    ap.add_argument("--no-b1", action="store_true", help="skip the offline batch-1 part")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--cpu-omp-threads-bind", default=None,
+                    help="the c8 servers' --cpu-omp-threads-bind (default: the server's, auto)")
     args = ap.parse_args(argv)
     from pagedserve.worker.model_source import resolve_model
 
@@ -271,13 +276,17 @@ def main(argv=None) -> int:
           f"{json.dumps(SPEC)}", flush=True)
     equal = True
     for name, prompts in workloads.items():
-        part, base_ids, spec_ids = b1_pair("pagedserve", model, prompts, args.max_tokens, name)
-        summary[name] = {"b1": part}
-        equal &= base_ids == spec_ids
+        summary[name] = {}
+        if not args.no_b1:
+            part, base_ids, spec_ids = b1_pair("pagedserve", model, prompts, args.max_tokens, name)
+            summary[name]["b1"] = part
+            equal &= base_ids == spec_ids
     if not args.no_http:
+        summary["cpu_omp_threads_bind"] = args.cpu_omp_threads_bind or "auto"
         for name, prompts in workloads.items():
-            summary[name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens, name)
-    summary["greedy_equal"] = equal
+            summary[name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens, name,
+                                          bind=args.cpu_omp_threads_bind)
+    summary["greedy_equal"] = equal  # offline (b1); c8's text equality is in each c8 part
     if not args.no_vllm and vllm_available():
         summary["vllm"] = {}
         for name, prompts in workloads.items():
