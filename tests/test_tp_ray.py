@@ -42,24 +42,31 @@ def _hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     return refs
 
 
-def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False):
+def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False, speculative_config=None):
     from pagedserve.cluster.llm import LLM
 
     llm = LLM(model=path, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
-              num_gpu_blocks_override=128, max_num_seqs=8, async_scheduling=async_scheduling)
+              num_gpu_blocks_override=128, max_num_seqs=8, async_scheduling=async_scheduling,
+              speculative_config=speculative_config)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         executor = llm.engine.executor
+        _engine_greedy.stats = llm.engine.get_stats()
         return [o.outputs[0].token_ids for o in outs], executor
     finally:
         llm.shutdown()
 
 
-# The async cases send a step's plan while the previous one runs (both plan channels).
-@pytest.mark.parametrize("shape,dispatch,async_scheduling", [(SHAPES[0], "zmq", False), (SHAPES[1], "zmq", True),
-                                                             (SHAPES[0], "cgraph", True)])
-def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduling, ray_session,
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+# The async cases send a step's plan while the previous one runs (both plan channels); the
+# last one drafts (speculative decoding: steps in turn while drafting, planned ahead otherwise).
+@pytest.mark.parametrize("shape,dispatch,async_scheduling,spec", [
+    (SHAPES[0], "zmq", False, None), (SHAPES[1], "zmq", True, None), (SHAPES[0], "cgraph", True, None),
+    (SHAPES[1], "zmq", True, SPEC)])
+def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduling, spec, ray_session,
                                                  tmp_path_factory, monkeypatch):
     from pagedserve.cluster.executors.ray_executor import RayExecutor
 
@@ -69,7 +76,9 @@ def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduli
     prompts = _prompts(512)
     refs = _hf_greedy(path, prompts)
     tp1, ex1 = _engine_greedy(path, prompts, tp=1)
-    tp2, ex2 = _engine_greedy(path, prompts, tp=2, async_scheduling=async_scheduling)
+    tp2, ex2 = _engine_greedy(path, prompts, tp=2, async_scheduling=async_scheduling, speculative_config=spec)
+    if spec is not None:
+        assert _engine_greedy.stats.spec_num_accepted_tokens > 0  # drafts were verified on both ranks
     assert not isinstance(ex1, RayExecutor)
     assert isinstance(ex2, RayExecutor)
     assert ex2.workers == []  # shut down: the actors were killed and the group released
