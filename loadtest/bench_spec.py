@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import time
 
@@ -208,11 +207,16 @@ def b1_pair(engine: str, model: str, prompts, max_tokens: int, label: str) -> tu
 def _spec_counters(base_url: str) -> dict:
     import httpx
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    get = lambda name: sum(float(v) for v in re.findall(rf"^vllm:{name}_total{{[^}}]*}} (\S+)$", text, re.M))  # noqa: E731
-    return {"spec_num_drafts": get("spec_decode_num_drafts"),
-            "spec_num_draft_tokens": get("spec_decode_num_draft_tokens"),
-            "spec_num_accepted_tokens": get("spec_decode_num_accepted_tokens")}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return {ours: totals.get(f"vllm:spec_decode_{name}_total", 0.0) for ours, name in (
+        ("spec_num_drafts", "num_drafts"), ("spec_num_draft_tokens", "num_draft_tokens"),
+        ("spec_num_accepted_tokens", "num_accepted_tokens"))}
 
 
 def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "pagedserve",

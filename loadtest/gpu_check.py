@@ -61,9 +61,9 @@ def _hf_tok_s(path, dev, dtype, prompts, batches, max_tokens, sync) -> tuple[dic
 
 def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager: bool,
                   speculative_config: dict | None = None):
-    """Engine decode tok/s per batch and the greedy tokens of every sequence; one engine
-    at a time, shut down and freed before returning. With ``speculative_config``, its
-    scheduler stats land in ``_engine_tok_s.stats``."""
+    """Engine decode tok/s per batch, the greedy tokens of every sequence, the captured graph
+    sizes and the scheduler's stats; one engine at a time, shut down and freed before
+    returning."""
     import gc
 
     from pagedserve import LLM, SamplingParams
@@ -87,14 +87,14 @@ def _engine_tok_s(path, dev, dtype, prompts, batches, max_tokens, enforce_eager:
             dt = time.perf_counter() - t
             tokens[bsz] = [list(o.outputs[0].token_ids) for o in outs]
             tps[bsz] = sum(map(len, tokens[bsz])) / dt
-        _engine_tok_s.stats = llm.engine.get_stats()
+        stats = llm.engine.get_stats()
     finally:
         llm.shutdown()
     del llm
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return tps, tokens, graphs
+    return tps, tokens, graphs, stats
 
 
 def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
@@ -122,9 +122,9 @@ def check_e2e(dev, smoke: bool, max_tokens: int) -> None:
     hf_tps, n_params, weight_bytes = _hf_tok_s(path, dev, dtype, prompts, batches, max_tokens, sync)
     RESULTS["e2e"].update(params=n_params, weight_bytes=weight_bytes)
     run = dict(path=path, dev=dev, dtype=dtype, prompts=prompts, batches=batches, max_tokens=max_tokens)
-    g_tps, g_tok, sizes = _engine_tok_s(**run, enforce_eager=False)
+    g_tps, g_tok, sizes, _ = _engine_tok_s(**run, enforce_eager=False)
     row("e2e", "CUDA graphs captured", f"{len(sizes)} sizes {sizes[:4]}..{sizes[-1:]}" if sizes else "none (off)")
-    e_tps, e_tok, _ = _engine_tok_s(**run, enforce_eager=True)
+    e_tps, e_tok, _, _ = _engine_tok_s(**run, enforce_eager=True)
     for bsz in batches:
         same = sum(a == b for a, b in zip(g_tok[bsz], e_tok[bsz]))
         RESULTS["e2e"][f"batch {bsz}"] = {"engine_tok_s": g_tps[bsz], "eager_tok_s": e_tps[bsz],
@@ -154,9 +154,8 @@ def check_spec(run: dict, smoke: bool) -> None:
     rep = torch.cat([prompts[:, :8]] * 4, dim=1)
     batches = (1, 4) if smoke else (1, 8)
     s_run = dict(run, prompts=rep, batches=batches)
-    off_tps, off_tok, _ = _engine_tok_s(**s_run, enforce_eager=False)
-    on_tps, on_tok, _ = _engine_tok_s(**s_run, enforce_eager=False, speculative_config=spec)
-    st = _engine_tok_s.stats
+    off_tps, off_tok, _, _ = _engine_tok_s(**s_run, enforce_eager=False)
+    on_tps, on_tok, _, st = _engine_tok_s(**s_run, enforce_eager=False, speculative_config=spec)
     rate = st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1)
     length = 1 + st.spec_num_accepted_tokens / max(st.spec_num_drafts, 1)
     for bsz in batches:

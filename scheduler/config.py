@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority", "static"]
@@ -151,8 +151,7 @@ class SpeculativeConfig:
         if value.get("model") == "[ngram]" and "method" not in value:  # vLLM's older spelling
             value.pop("model")
             value["method"] = "ngram"
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {', '.join(unknown)} "

@@ -234,9 +234,9 @@ def test_step_cost_sets_how_many_drafts_pay():
     for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
         cost.record(n, ms / 1e3)
     assert cost.c_over_t0() == pytest.approx(2 / 20, rel=1e-6)
-    # Alone, at acceptance 0.7, all 3 drafts pay: 0.7^3 = 0.34 still beats the step's
-    # 2.2 expected tokens per 26 ms x 2 ms. In a batch of 8 only each first draft does:
-    # after them the step yields 13.6 tokens in 52 ms, and 0.49 < 13.6 / 52 x 2.
+    # With that fitted model (t0 = 20, c = 2): alone at acceptance 0.7 all 3 drafts pay,
+    # 0.7^3 = 0.34 > c x 2.19 expected tokens / 26 time units. In a batch of 8 only each first
+    # draft does: after them 0.49 < c x 13.6 / 52.
     three = {"r": [1, 2, 3]}
     assert cost.select(three, {"r": 0.7}, 1) == {"r": 3}
     batch = {f"r{i}": [1, 2, 3] for i in range(8)}

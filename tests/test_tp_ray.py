@@ -52,8 +52,7 @@ def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False, 
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         outs = llm.generate(prompts, params, use_tqdm=False)
         executor = llm.engine.executor
-        _engine_greedy.stats = llm.engine.get_stats()
-        return [o.outputs[0].token_ids for o in outs], executor
+        return [o.outputs[0].token_ids for o in outs], executor, llm.engine.get_stats()
     finally:
         llm.shutdown()
 
@@ -75,10 +74,10 @@ def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduli
     path = make_test_model(shape, tmp_path_factory.getbasetemp() / "tp-models")
     prompts = _prompts(512)
     refs = _hf_greedy(path, prompts)
-    tp1, ex1 = _engine_greedy(path, prompts, tp=1)
-    tp2, ex2 = _engine_greedy(path, prompts, tp=2, async_scheduling=async_scheduling, speculative_config=spec)
+    tp1, ex1, _ = _engine_greedy(path, prompts, tp=1)
+    tp2, ex2, stats = _engine_greedy(path, prompts, tp=2, async_scheduling=async_scheduling, speculative_config=spec)
     if spec is not None:
-        assert _engine_greedy.stats.spec_num_accepted_tokens > 0  # drafts were verified on both ranks
+        assert stats.spec_num_accepted_tokens > 0  # drafts were verified on both ranks
     assert not isinstance(ex1, RayExecutor)
     assert isinstance(ex2, RayExecutor)
     assert ex2.workers == []  # shut down: the actors were killed and the group released
@@ -100,7 +99,7 @@ def test_one_worker_actor_at_tp1_matches_the_in_process_engine(ray_session, tmp_
 
     path = make_test_model(SHAPES[0], tmp_path_factory.getbasetemp() / "tp-models")
     prompts = _prompts(512)
-    want, _ = _engine_greedy(path, prompts, tp=1)
+    want, _, _ = _engine_greedy(path, prompts, tp=1)
     llm = LLM(model=path, dtype="float32", max_model_len=256, num_gpu_blocks_override=128, max_num_seqs=8,
               distributed_executor_backend="ray")
     try:
