@@ -15,7 +15,9 @@ sharing each loaded row (GQA):
 Rows of one sequence (``row_groups``: speculative decoding verifies k drafts as k + 1 decode
 rows over the same block table, lengths L-k .. L) are one work item: each K/V block is read
 from memory once for all of them, every row's heads take the block while it is within that
-row's length, so the drafts cost compute, not a second pass over the context.
+row's length, so the drafts cost compute, not a second pass over the context. When there
+are fewer (sequence, KV head) items than twice the threads (batch 1), a group's rows are
+split into parts, one item each, so both threads of a 2-core box verify.
 
 q in fp32 only (the CPU engine's dtype for exactness against transformers); the cache in fp32
 or quantised (kv_quant.py: 1-byte fp8 e4m3 / e5m2 / int8 codes, dequantised block by block
@@ -241,12 +243,23 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
 #else
   const bool vec = false;
 #endif
-  at::parallel_for(0, NG * KVH, 1, [&](int64_t begin, int64_t end) {
+  // Too few (group, kv head) items to keep every thread busy, and groups of several rows:
+  // split each group's rows into P parts, one item each (each part reads the group's blocks;
+  // the second read comes from cache). A row's arithmetic is the same in any part.
+  int64_t max_rows = 1;
+  for (int64_t i = 0; gp && i < NG; ++i) max_rows = std::max<int64_t>(max_rows, gp[i + 1] - gp[i]);
+  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t P = NG * KVH >= want ? 1 : std::min<int64_t>(max_rows, (want + NG * KVH - 1) / (NG * KVH));
+  at::parallel_for(0, NG * KVH * P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, m, l, s(G * BS), qs;
     std::vector<float> kbuf(FMT ? BS * D : 0), vbuf(FMT ? BS * D : 0);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t grp = idx / KVH, kh = idx % KVH;
-      const int64_t seq = gp ? gp[grp] : grp, R = gp ? gp[grp + 1] - seq : 1;
+      const int64_t grp = idx / (KVH * P), kh = idx / P % KVH, part = idx % P;
+      const int64_t first_row = gp ? gp[grp] : grp, group_rows = gp ? gp[grp + 1] - first_row : 1;
+      const int64_t r0 = part * group_rows / P, r1 = (part + 1) * group_rows / P;
+      if (r0 == r1) continue;
+      const int64_t tbl = first_row;  // the group's block table: its first row's
+      const int64_t seq = first_row + r0, R = r1 - r0;
       acc.assign(R * G * D, 0.f);
       m.assign(R * G, -std::numeric_limits<float>::infinity());
       l.assign(R * G, 0.f);
@@ -261,12 +274,12 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
       }
       const int64_t nblocks = (len + BS - 1) / BS;
       for (int64_t b = 0; b < nblocks && b < MAXB; ++b) {
-        const int64_t blk = bt[seq * MAXB + b];
+        const int64_t blk = bt[tbl * MAXB + b];
         const int64_t n = std::min<int64_t>(BS, len - b * BS);  // the longest row's tokens here
         const int64_t first = (blk * BS * KVH + kh) * D;
         if (b + PF < nblocks && b + PF < MAXB) {
           constexpr int64_t esz = FMT == 0 ? 4 : 1;
-          const int64_t ahead = (bt[seq * MAXB + b + PF] * BS * KVH + kh) * D * esz;
+          const int64_t ahead = (bt[tbl * MAXB + b + PF] * BS * KVH + kh) * D * esz;
           const char* kn = static_cast<const char*>(k_data) + ahead;
           const char* vn = static_cast<const char*>(v_data) + ahead;
           for (int64_t t = 0; t < BS; ++t)
@@ -354,7 +367,7 @@ _NO_GROUPS = torch.empty(0, dtype=torch.int32)
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v9", _SOURCE,
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v10", _SOURCE,
                      ["-O3", "-march=native", "-fno-math-errno"],
                      "CPU decode-attention", "using the torch path")
 _load = _EXT.get

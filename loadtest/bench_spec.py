@@ -7,7 +7,8 @@ On SmolLM2-135M-Instruct (the default model), greedy:
     no_repeat   open prompts with nothing to copy from (drafting must not slow them down)
 
     b1          offline, one request at a time, each engine in a fresh process (start-up
-                and one warm-up request excluded)
+                and one warm-up request excluded), off and on in turn ``--b1-repeats``
+                times (default 3): the median tok/s of each
     c8          over HTTP: ``pagedserve serve`` with and without ``--speculative-config``,
                 the same requests at concurrency 8 (this project's httpx load tester)
 
@@ -33,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -186,12 +188,22 @@ def b1(engine: str, model: str, prompts, max_tokens: int, engine_args: dict) -> 
                               env={**os.environ, **vllm_env(), "VLLM_CPU_OMP_THREADS_BIND": bind})
 
 
-def b1_pair(engine: str, model: str, prompts, max_tokens: int, label: str) -> tuple[dict, list, list]:
-    base = b1(engine, model, prompts, max_tokens, {})
-    spec = b1(engine, model, prompts, max_tokens, {"speculative_config": SPEC})
-    out = {"spec_tok_s": spec["output_throughput"], "base_tok_s": base["output_throughput"],
-           "speedup": spec["output_throughput"] / base["output_throughput"],
+def b1_pair(engine: str, model: str, prompts, max_tokens: int, label: str,
+            repeats: int = 1) -> tuple[dict, list, list]:
+    """Speculation off, then on, ``repeats`` times in turn (a fresh process each): the
+    median tok/s of each, so a slow spell of the machine lands on both sides."""
+    bases, specs = [], []
+    for _ in range(repeats):
+        bases.append(b1(engine, model, prompts, max_tokens, {}))
+        specs.append(b1(engine, model, prompts, max_tokens, {"speculative_config": SPEC}))
+    base_tok_s = statistics.median(r["output_throughput"] for r in bases)
+    spec_tok_s = statistics.median(r["output_throughput"] for r in specs)
+    base, spec = bases[0], specs[0]
+    out = {"spec_tok_s": spec_tok_s, "base_tok_s": base_tok_s, "speedup": spec_tok_s / base_tok_s,
            **acceptance(spec.get("stats", {})), "output_tokens": spec["num_output_tokens"]}
+    if repeats > 1:
+        out["spec_tok_s_runs"] = [round(r["output_throughput"], 1) for r in specs]
+        out["base_tok_s_runs"] = [round(r["output_throughput"], 1) for r in bases]
     st = spec.get("stats", {})
     if st.get("spec_num_proposals"):
         out["propose_us_per_call"] = 1e6 * st["spec_propose_time_s"] / st["spec_num_proposals"]
@@ -265,6 +277,8 @@ def main(argv=None) -> int:
                     help="each grounded / no-repeat prompt is sent this many times in the c=8 part")
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--no-b1", action="store_true", help="skip the offline batch-1 part")
+    ap.add_argument("--b1-repeats", type=int, default=3,
+                    help="off/on pairs per b1 part (fresh processes, in turn); the medians are reported")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--cpu-omp-threads-bind", default=None,
                     help="the c8 servers' --cpu-omp-threads-bind (default: the server's, auto)")
@@ -282,7 +296,8 @@ def main(argv=None) -> int:
     for name, prompts in workloads.items():
         summary[name] = {}
         if not args.no_b1:
-            part, base_ids, spec_ids = b1_pair("pagedserve", model, prompts, args.max_tokens, name)
+            part, base_ids, spec_ids = b1_pair("pagedserve", model, prompts, args.max_tokens, name,
+                                               args.b1_repeats)
             summary[name]["b1"] = part
             equal &= base_ids == spec_ids
     if not args.no_http:
@@ -295,7 +310,7 @@ def main(argv=None) -> int:
         summary["vllm"] = {}
         for name, prompts in workloads.items():
             try:
-                part, _, _ = b1_pair("vllm", model, prompts, args.max_tokens, name)
+                part, _, _ = b1_pair("vllm", model, prompts, args.max_tokens, name, args.b1_repeats)
                 summary["vllm"][name] = {"b1": part}
                 if not args.no_http:
                     summary["vllm"][name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens,

@@ -19,15 +19,24 @@ collision only makes a wrong draft, which verification rejects like any other.
 How many drafts pay. A draft token is not free: it runs through the model. A step costs
 about t0 + c x (tokens in it): t0 reads the weights, c is the compute of one more token
 (large on a CPU, small on a GPU until big batches). ``StepCost`` fits t0 and c to the steps
-the engine times. A request's i-th draft token is accepted with probability alpha^i, alpha
-its smoothed per-token acceptance (``record``). ``select`` keeps, over the whole step, the
-draft tokens whose probability beats what the step's time buys anyway: most likely first,
-each while p > c x (expected tokens so far) / (time so far), the choice that maximises the
-step's expected tokens per second. Nearly every draft pays at batch 1, only likely ones in a
-big batch.
+the engine times. ``select`` keeps, over the whole step, the draft tokens whose probability
+of acceptance beats what the step's time buys anyway: most likely first, each while
+p > c x (expected tokens so far) / (time so far), the choice that maximises the step's
+expected tokens per second. Nearly every draft pays at batch 1, only likely ones in a big
+batch, so the probabilities must tell likely drafts from unlikely ones.
 
-Pauses: a request whose acceptance falls below ACCEPTANCE_FLOOR, or none of whose draft
-pays, pauses drafting for a number of steps that doubles with each pause, then tries again.
+The probability that a draft's token i is accepted. The length n of the suffix that matched
+tells most: a 4-token match is usually inside a passage being copied, and its drafts are
+nearly always right, where a 2-token match is often a common pair of tokens followed by
+something else. ``AcceptanceModel`` keeps, per n, the rate at which draft token i is
+accepted once the ones before it were (shared by all requests: decayed counts), and per
+request and n the rate of its first tokens, drawn toward the shared one while the request
+has few drafts of its own. A draft's tokens are then accepted with the cumulative products
+of these rates.
+
+Pauses: a request whose smoothed per-token acceptance falls below ACCEPTANCE_FLOOR, or none
+of whose draft pays, pauses drafting for a number of steps that doubles with each pause,
+then tries again.
 With ``pause_when_idle`` (set when the engine may plan ahead) one that finds nothing to
 propose for a while pauses too: a request that does not draft leaves the engine free to
 plan a step ahead (cluster/engine/llm_engine.py).
@@ -39,10 +48,15 @@ import time
 
 from pagedserve.scheduler.config import SpeculativeConfig
 
-# Smoothed per-token acceptance below which a request pauses drafting, whatever the cost.
-ACCEPTANCE_FLOOR = 0.2
+# Smoothed per-token acceptance below which a request pauses drafting, whatever the cost
+# (the cost model decides above it: at batch 1 even a draft that is right one time in five
+# pays, so a floor any higher pauses requests that gain from drafting).
+ACCEPTANCE_FLOOR = 0.1
 _EWMA_WEIGHT = 0.3
 _PRIOR_ALPHA = 0.7  # a new request's acceptance estimate, before any verification
+_PRIOR_WEIGHT = 2.0  # pseudo-drafts behind a prior rate: what a few verdicts outweigh
+_SHARED_DECAY = 0.995  # per verdict: the shared rates follow the last few hundred drafts
+_REQUEST_DECAY = 0.9  # per draft: a request's own rate follows its last ten or so drafts
 # Proposals that found no match in a row before a request pauses (with pause_when_idle).
 MAX_EMPTY_PROPOSALS = 8
 _FIRST_PAUSE_STEPS = 8
@@ -83,13 +97,14 @@ class StepCost:
             return 1.0
         return c / t0
 
-    def select(self, drafts: dict[str, list[int]], alphas: dict[str, float], num_base_tokens: int) -> dict[str, int]:
+    def select(self, probs: dict[str, list[float]], num_base_tokens: int) -> dict[str, int]:
         """How many tokens of each draft to verify (see the module docstring), for a step
-        of ``num_base_tokens`` decoding requests: req_id -> a count, 0 for none."""
+        of ``num_base_tokens`` decoding requests, given the probability that each draft's
+        first 1, 2, ... tokens are all accepted (non-increasing): req_id -> a count, 0 for
+        none."""
         x = self.c_over_t0()
-        candidates = sorted(((alphas[r] ** (i + 1), r) for r, d in drafts.items() for i in range(len(d))),
-                            reverse=True)
-        keep = dict.fromkeys(drafts, 0)
+        candidates = sorted(((p, r) for r, ps in probs.items() for p in ps), reverse=True)
+        keep = dict.fromkeys(probs, 0)
         tokens = max(num_base_tokens, 1)
         gain, time_units = float(tokens), 1.0 + x * tokens  # expected tokens; time in units of t0
         for p, r in candidates:
@@ -101,8 +116,43 @@ class StepCost:
         return keep
 
 
+class AcceptanceModel:
+    """The probability that each token of a draft is accepted (see the module docstring):
+    per match length n, the shared rate of draft token i given the tokens before it (decayed
+    counts), and per request the rate of its first tokens, shrunk toward the shared one."""
+
+    def __init__(self, ns: range, k: int) -> None:
+        prior = (_PRIOR_WEIGHT * _PRIOR_ALPHA, _PRIOR_WEIGHT)  # (accepted, verified)
+        self._shared = {n: [list(prior) for _ in range(k)] for n in ns}
+
+    def probs(self, own: dict[int, list[float]], n: int, length: int) -> list[float]:
+        """P(the first 1, 2, ... ``length`` tokens are all accepted) for a draft from a
+        match of n tokens; ``own``: the request's first-token counts per n."""
+        shared = self._shared[n]
+        hits, trials = own.get(n, (0.0, 0.0))
+        first_hits, first_trials = shared[0]
+        p = (hits + _PRIOR_WEIGHT * first_hits / first_trials) / (trials + _PRIOR_WEIGHT)
+        out = [p]
+        for i in range(1, length):
+            h, t = shared[i]
+            p *= h / t
+            out.append(p)
+        return out
+
+    def record(self, own: dict[int, list[float]], n: int, num_draft: int, num_accepted: int) -> None:
+        """Token i of the draft was verified when all before it were accepted."""
+        shared = self._shared[n]
+        for i in range(min(num_accepted + 1, num_draft)):
+            cell = shared[i]
+            cell[0] = _SHARED_DECAY * cell[0] + (i < num_accepted)
+            cell[1] = _SHARED_DECAY * cell[1] + 1.0
+        cell = own.setdefault(n, [0.0, 0.0])
+        cell[0] = _REQUEST_DECAY * cell[0] + (num_accepted > 0)
+        cell[1] = _REQUEST_DECAY * cell[1] + 1.0
+
+
 class _RequestIndex:
-    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "paused_until", "pause_steps")
+    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "paused_until", "pause_steps", "draft_n", "own")
 
     def __init__(self, ns: range) -> None:
         self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: where they first end}
@@ -111,6 +161,8 @@ class _RequestIndex:
         self.num_empty = 0  # proposals in a row that found no match
         self.paused_until = -1  # step id from which it drafts again
         self.pause_steps = _FIRST_PAUSE_STEPS
+        self.draft_n = 0  # the match length of its last draft
+        self.own: dict[int, list[float]] = {}  # n -> its first draft tokens' decayed [accepted, verified]
 
     def pause(self, step_id: int) -> None:
         self.paused_until = step_id + self.pause_steps
@@ -125,6 +177,7 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
         self.cost = StepCost()
+        self.acceptance = AcceptanceModel(self.ns, self.k)
         self.pause_when_idle = False  # the engine sets it when it may plan a step ahead
         self._index: dict[str, _RequestIndex] = {}
         # Counters under vLLM's names (SchedulerStats): drafts proposed, their tokens, the
@@ -163,6 +216,7 @@ class NgramProposer:
             end = table.get(hash(tuple(tokens[num_tokens - n:])))
             if end is not None:
                 draft = tokens[end + 1:end + 1 + max_k]
+                index.draft_n = n
                 break
         if draft:
             index.num_empty = 0
@@ -178,8 +232,11 @@ class NgramProposer:
         """Cut each draft (in place; emptied if nothing of it pays) to the tokens worth
         verifying in a step of ``num_base_tokens`` decoding requests; a request none of
         whose draft pays pauses."""
-        alphas = {r: self._index[r].alpha for r in drafts}
-        for r, n in self.cost.select(drafts, alphas, num_base_tokens).items():
+        probs = {}
+        for r, d in drafts.items():
+            index = self._index[r]
+            probs[r] = self.acceptance.probs(index.own, index.draft_n, len(d))
+        for r, n in self.cost.select(probs, num_base_tokens).items():
             del drafts[r][n:]
             if n == 0:
                 self._index[r].pause(step_id)
@@ -196,6 +253,7 @@ class NgramProposer:
         index = self._index.get(req_id)
         if index is None:
             return
+        self.acceptance.record(index.own, index.draft_n, num_draft, num_accepted)
         trials = num_accepted + (num_accepted < num_draft)
         index.alpha += _EWMA_WEIGHT * (num_accepted / trials - index.alpha)
         if index.alpha < ACCEPTANCE_FLOOR:

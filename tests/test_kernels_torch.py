@@ -181,11 +181,14 @@ def test_workspace_made_in_inference_mode_is_usable_outside_it(grouped_torch_dec
     _check(make_paged_batch([1, 1, 3], [51, 9, 12], 8, 2, 64, 16, seed=32), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("alone", [False, True])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (10, 2, 80)])
-def test_rows_of_one_sequence_read_its_context_once(num_heads, num_kv_heads, head_dim):
+def test_rows_of_one_sequence_read_its_context_once(num_heads, num_kv_heads, head_dim, alone):
     """Speculative decoding's verify rows: k + 1 decode rows over one block table with
     lengths L-k .. L (row_groups), between ordinary decode rows; each row attends up to its
-    own length: rows 30 and 31 end before the block that rows 32..34 reach into."""
+    own length: rows 30 and 31 end before the block that rows 32..34 reach into. ``alone``:
+    the group is the whole step (batch 1), fewer items than threads, so the kernel splits
+    its rows into parts (4 threads: 2 or 3 parts of 1-2 rows)."""
     import dataclasses
 
     from pagedserve.kernels import attention_torch, cpu_decode_attention
@@ -193,9 +196,10 @@ def test_rows_of_one_sequence_read_its_context_once(num_heads, num_kv_heads, hea
     assert cpu_decode_attention.available()
     base = make_paged_batch([1, 1, 1], [300, 41, 17], num_heads, num_kv_heads, head_dim, 16, seed=head_dim)
     md = base.attn_metadata
-    # rows: [seq 0] [seq 1 at 30 .. 34] [seq 2]; groups [0, 1, 6, 7]
-    src = [0, 1, 1, 1, 1, 1, 2]
-    lens = [300, 30, 31, 32, 33, 34, 17]
+    if alone:  # rows: [seq 1 at 30 .. 34]; groups [0, 5]
+        src, lens, groups = [1] * 5, [30, 31, 32, 33, 34], [0, 5]
+    else:  # rows: [seq 0] [seq 1 at 30 .. 34] [seq 2]; groups [0, 1, 6, 7]
+        src, lens, groups = [0, 1, 1, 1, 1, 1, 2], [300, 30, 31, 32, 33, 34, 17], [0, 1, 6, 7]
     q = torch.randn(len(src), num_heads, head_dim, generator=torch.Generator().manual_seed(5))
     block_table = md.block_table[src].contiguous()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -204,14 +208,16 @@ def test_rows_of_one_sequence_read_its_context_once(num_heads, num_kv_heads, hea
     grouped = dataclasses.replace(md, block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu,
                                   num_decode_tokens=len(src), max_seq_len=300, seq_lens_cpu=lens,
                                   query_lens_cpu=[1] * len(src),
-                                  decode_row_groups=torch.tensor([0, 1, 6, 7], dtype=torch.int32))
+                                  decode_row_groups=torch.tensor(groups, dtype=torch.int32))
     out = torch.full_like(q, float("nan"))
     calls = []
-    real = attention_torch.decode_attention_cpu
+    real, threads = attention_torch.decode_attention_cpu, torch.get_num_threads()
     attention_torch.decode_attention_cpu = lambda *a, **k: calls.append(a[-1]) or real(*a, **k)
+    torch.set_num_threads(4)
     try:
         got = paged_attention(q, base.k_cache, base.v_cache, grouped, base.scale, backend="torch", out=out)
     finally:
         attention_torch.decode_attention_cpu = real
+        torch.set_num_threads(threads)
     assert calls and calls[0] is grouped.decode_row_groups  # the fused kernel took the groups
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

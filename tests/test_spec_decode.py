@@ -237,14 +237,15 @@ def test_step_cost_sets_how_many_drafts_pay():
     # With that fitted model (t0 = 20, c = 2): alone at acceptance 0.7 all 3 drafts pay,
     # 0.7^3 = 0.34 > c x 2.19 expected tokens / 26 time units. In a batch of 8 only each first
     # draft does: after them 0.49 < c x 13.6 / 52.
-    three = {"r": [1, 2, 3]}
-    assert cost.select(three, {"r": 0.7}, 1) == {"r": 3}
-    batch = {f"r{i}": [1, 2, 3] for i in range(8)}
-    assert cost.select(batch, dict.fromkeys(batch, 0.7), 8) == dict.fromkeys(batch, 1)
+    def geometric(alpha, length):
+        return [alpha ** (i + 1) for i in range(length)]
+
+    assert cost.select({"r": geometric(0.7, 3)}, 1) == {"r": 3}
+    batch = {f"r{i}": geometric(0.7, 3) for i in range(8)}
+    assert cost.select(batch, 8) == dict.fromkeys(batch, 1)
     # A likelier request gets more of its draft; an unlikely one none.
-    mixed = {"hi": [1, 2, 3], "lo": [1, 2, 3], **{f"r{i}": [] for i in range(6)}}
-    assert cost.select(mixed, {"hi": 0.95, "lo": 0.3, **{f"r{i}": 0.7 for i in range(6)}}, 8) == \
-        {"hi": 3, "lo": 0, **{f"r{i}": 0 for i in range(6)}}
+    mixed = {"hi": geometric(0.95, 3), "lo": geometric(0.3, 3), **{f"r{i}": [] for i in range(6)}}
+    assert cost.select(mixed, 8) == {"hi": 3, "lo": 0, **{f"r{i}": 0 for i in range(6)}}
     # Through the scheduler: the same cut, and a request none of whose draft pays pauses.
     s = _sched()
     s.proposer.cost = cost
@@ -256,6 +257,31 @@ def test_step_cost_sets_how_many_drafts_pay():
     _add(alone, "r", PROMPT)
     _run(alone, alone.schedule(), {"r": [12]})
     assert alone.schedule().scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
+
+
+def test_acceptance_model_tells_long_matches_from_short_ones():
+    """Drafts from 4-token matches that are accepted and from 2-token matches that are not
+    (a copied passage beside common pairs of tokens): the model learns the difference, per
+    match length and per request, and a batch of 8 verifies the likely drafts whole and the
+    unlikely ones not at all."""
+    from pagedserve.scheduler.ngram_proposer import AcceptanceModel, StepCost
+
+    model = AcceptanceModel(range(4, 1, -1), 4)
+    copying, chatting = {}, {}
+    for _ in range(30):
+        model.record(copying, 4, 4, 4)  # all 4 accepted
+        model.record(chatting, 2, 4, 0)  # the first rejected
+    long, short = model.probs(copying, 4, 4), model.probs(chatting, 2, 4)
+    assert long == sorted(long, reverse=True) and long[-1] > 0.9
+    assert short[0] < 0.1
+    # Another request's first 2-token match: the shared rate, drawn toward no history of its own.
+    assert model.probs({}, 2, 1)[0] < 0.5 and model.probs({}, 4, 1)[0] > 0.9
+    cost = StepCost()
+    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
+        cost.record(n, ms / 1e3)
+    probs = {f"c{i}": model.probs(copying, 4, 4) for i in range(4)}
+    probs.update({f"s{i}": model.probs(chatting, 2, 4) for i in range(4)})
+    assert cost.select(probs, 8) == {**{f"c{i}": 4 for i in range(4)}, **{f"s{i}": 0 for i in range(4)}}
 
 
 def test_no_drafts_for_constrained_requests_or_past_the_batch_size_limit():
