@@ -10,7 +10,8 @@ On SmolLM2-135M-Instruct (the default model), greedy:
                 and one warm-up request excluded), off and on in turn ``--b1-repeats``
                 times (default 3): the median tok/s of each
     c8          over HTTP: ``pagedserve serve`` with and without ``--speculative-config``,
-                the same requests at concurrency 8 (this project's httpx load tester)
+                the same requests at concurrency 8 (this project's httpx load tester),
+                off and on in turn ``--c8-pairs`` times (default 2): the median tok/s
 
     python -m pagedserve.loadtest.bench_spec                 # everything (minutes on 2 cores)
     python -m pagedserve.loadtest.bench_spec --no-http --no-vllm
@@ -254,14 +255,24 @@ def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "page
 
 
 def c8_pair(model: str, prompts, max_tokens: int, label: str, engine: str = "pagedserve",
-            bind: str | None = None) -> dict:
-    base, base_texts = c8_run(model, prompts, max_tokens, False, engine, bind)
-    spec, spec_texts = c8_run(model, prompts, max_tokens, True, engine, bind)
+            bind: str | None = None, repeats: int = 1) -> dict:
+    """Servers with speculation off, then on, ``repeats`` times in turn: the median tok/s
+    of each (as b1_pair)."""
+    bases, specs = [], []
+    for _ in range(repeats):
+        bases.append(c8_run(model, prompts, max_tokens, False, engine, bind))
+        specs.append(c8_run(model, prompts, max_tokens, True, engine, bind))
+    base_tok_s = statistics.median(r["tok_s"] for r, _ in bases)
+    spec_tok_s = statistics.median(r["tok_s"] for r, _ in specs)
+    (base, base_texts), (spec, spec_texts) = bases[0], specs[0]
     same = sum(a == b for a, b in zip(base_texts, spec_texts))
-    out = {"spec_tok_s": spec["tok_s"], "base_tok_s": base["tok_s"], "speedup": spec["tok_s"] / base["tok_s"],
+    out = {"spec_tok_s": spec_tok_s, "base_tok_s": base_tok_s, "speedup": spec_tok_s / base_tok_s,
            **acceptance(spec["counters"]), "spec_mean_tpot_ms": spec["mean_tpot_ms"],
-           "base_mean_tpot_ms": base["mean_tpot_ms"], "failed": base["failed"] + spec["failed"],
-           "greedy_equal": f"{same}/{len(prompts)}"}
+           "base_mean_tpot_ms": base["mean_tpot_ms"],
+           "failed": sum(r["failed"] for r, _ in bases + specs), "greedy_equal": f"{same}/{len(prompts)}"}
+    if repeats > 1:
+        out["spec_tok_s_runs"] = [round(r["tok_s"], 1) for r, _ in specs]
+        out["base_tok_s_runs"] = [round(r["tok_s"], 1) for r, _ in bases]
     print(f"{label:10s} c8 {engine:10s} spec {out['spec_tok_s']:6.1f} tok/s  base {out['base_tok_s']:6.1f}  "
           f"x{out['speedup']:.2f}  acceptance {out['acceptance_rate']:.2f}  mean length "
           f"{out['mean_acceptance_length']:.2f}  greedy equal {out['greedy_equal']}", flush=True)
@@ -275,6 +286,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--c8-repeats", type=int, default=2,
                     help="each grounded / no-repeat prompt is sent this many times in the c=8 part")
+    ap.add_argument("--c8-pairs", type=int, default=2,
+                    help="off/on server pairs per c8 part, in turn; the medians are reported")
     ap.add_argument("--no-http", action="store_true")
     ap.add_argument("--no-b1", action="store_true", help="skip the offline batch-1 part")
     ap.add_argument("--b1-repeats", type=int, default=3,
@@ -304,7 +317,7 @@ def main(argv=None) -> int:
         summary["cpu_omp_threads_bind"] = args.cpu_omp_threads_bind or "auto"
         for name, prompts in workloads.items():
             summary[name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens, name,
-                                          bind=args.cpu_omp_threads_bind)
+                                          bind=args.cpu_omp_threads_bind, repeats=args.c8_pairs)
     summary["greedy_equal"] = equal  # offline (b1); c8's text equality is in each c8 part
     if not args.no_vllm and vllm_available():
         summary["vllm"] = {}
@@ -314,7 +327,7 @@ def main(argv=None) -> int:
                 summary["vllm"][name] = {"b1": part}
                 if not args.no_http:
                     summary["vllm"][name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens,
-                                                          name, "vllm")
+                                                          name, "vllm", repeats=args.c8_pairs)
             except Exception as e:  # its CPU build may not run n-gram speculation: say so, go on
                 summary["vllm"][name] = {"error": str(e)[-500:]}
                 print(f"{name:10s} b1 vLLM: {str(e)[-300:]}", flush=True)

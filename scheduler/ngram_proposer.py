@@ -40,6 +40,15 @@ then tries again.
 With ``pause_when_idle`` (set when the engine may plan ahead) one that finds nothing to
 propose for a while pauses too: a request that does not draft leaves the engine free to
 plan a step ahead (cluster/engine/llm_engine.py).
+
+Stepping in turn has a price of its own when the engine could plan ahead: the host's work
+between two steps (planning, output processing, streaming) no longer overlaps the running
+step. ``DraftingGate`` weighs it, over the steps taken in turn to draft: the time the
+accepted drafts saved (a pipelined step's time per token, from ``StepCost``) less their
+rows' compute and the host gap the engine measures. When that comes out below zero over
+a few steps, every request stops drafting for a while (doubling, as the pauses above),
+the engine plans ahead again, then drafting is tried anew. A workload whose drafts are
+rarely right then runs as without speculation.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ _PRIOR_ALPHA = 0.7  # a new request's acceptance estimate, before any verificati
 _PRIOR_WEIGHT = 2.0  # pseudo-drafts behind a prior rate: what a few verdicts outweigh
 _SHARED_DECAY = 0.995  # per verdict: the shared rates follow the last few hundred drafts
 _REQUEST_DECAY = 0.9  # per draft: a request's own rate follows its last ten or so drafts
+_GATE_WEIGHT = 0.2  # EWMA weight of one step in turn in the gate's net gain
+_GATE_MIN_STEPS = 8  # steps in turn the gate sees before it may close
 # Proposals that found no match in a row before a request pauses (with pause_when_idle).
 MAX_EMPTY_PROPOSALS = 8
 _FIRST_PAUSE_STEPS = 8
@@ -80,6 +91,18 @@ class StepCost:
         self._t = d * self._t + seconds
         self._nn = d * self._nn + num_tokens * num_tokens
         self._nt = d * self._nt + num_tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(t0, c) in seconds, or None before two step sizes were seen."""
+        w = self._w
+        if w < 2.0:
+            return None
+        mean_n, mean_t = self._n / w, self._t / w
+        var = self._nn / w - mean_n * mean_n
+        if var < 0.25:
+            return None
+        c = (self._nt / w - mean_n * mean_t) / var
+        return mean_t - c * mean_n, c
 
     def c_over_t0(self) -> float:
         w = self._w
@@ -151,6 +174,60 @@ class AcceptanceModel:
         cell[1] = _REQUEST_DECAY * cell[1] + 1.0
 
 
+class DraftingGate:
+    """Whether stepping in turn to draft pays, where the engine could plan ahead instead
+    (see the module docstring). The scheduler notes each step it plans in turn to draft
+    and the drafts it verified; the engine, the host gap it saw before such a step."""
+
+    def __init__(self, cost: StepCost) -> None:
+        self.cost = cost
+        self.host_s = 0.0  # EWMA: host time between two steps taken in turn
+        self.net_s = 0.0  # EWMA: seconds a step in turn gained by drafting (< 0: lost)
+        self.num_steps = 0  # steps in turn seen since the gate last opened
+        self.closed_until = -1
+        self.close_steps = _FIRST_PAUSE_STEPS
+        self._pending: tuple[int, int] | None = None  # (decoding requests, draft rows) of the last step
+        self._accepted = 0
+
+    def record_host_time(self, seconds: float) -> None:
+        self.host_s += _GATE_WEIGHT * (seconds - self.host_s) if self.host_s else seconds
+
+    def open(self, step_id: int) -> bool:
+        self._settle(step_id)
+        return step_id >= self.closed_until
+
+    def note_step(self, step_id: int, num_decoding: int, num_rows: int) -> None:
+        """A step planned in turn to draft: its decoding requests, the draft rows it verifies."""
+        self._settle(step_id)
+        self._pending = (num_decoding, num_rows)
+        self._accepted = 0
+
+    def note_accepted(self, num_accepted: int) -> None:
+        self._accepted += num_accepted
+
+    def _settle(self, step_id: int) -> None:
+        """Fold the last step in turn (its verdicts are in) into the net gain; close the
+        gate for a while if drafting lost time over the last few such steps."""
+        pending, self._pending = self._pending, None
+        fit = self.cost.fit()
+        if pending is None or fit is None:
+            return
+        num_decoding, num_rows = pending
+        t0, c = fit
+        per_token = t0 / max(num_decoding, 1) + c  # a pipelined step's time per token
+        net = self._accepted * per_token - c * num_rows - self.host_s
+        self.net_s += _GATE_WEIGHT * (net - self.net_s)
+        self.num_steps += 1
+        if self.num_steps < _GATE_MIN_STEPS:
+            return
+        if self.net_s < 0.0:
+            self.closed_until = step_id + self.close_steps
+            self.close_steps = min(2 * self.close_steps, _MAX_PAUSE_STEPS)
+            self.net_s, self.num_steps = 0.0, 0
+        else:
+            self.close_steps = _FIRST_PAUSE_STEPS
+
+
 class _RequestIndex:
     __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "paused_until", "pause_steps", "draft_n", "own")
 
@@ -178,6 +255,7 @@ class NgramProposer:
         self.ns = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)  # longest first
         self.cost = StepCost()
         self.acceptance = AcceptanceModel(self.ns, self.k)
+        self.gate = DraftingGate(self.cost)
         self.pause_when_idle = False  # the engine sets it when it may plan a step ahead
         self._index: dict[str, _RequestIndex] = {}
         # Counters under vLLM's names (SchedulerStats): drafts proposed, their tokens, the
@@ -250,6 +328,7 @@ class NgramProposer:
         per_pos = self.num_accepted_tokens_per_pos
         for i in range(num_accepted):
             per_pos[i] += 1
+        self.gate.note_accepted(num_accepted)
         index = self._index.get(req_id)
         if index is None:
             return

@@ -294,7 +294,10 @@ class Scheduler(TenantScheduling, StepResults):
                 drafts[req.req_id] = draft
         if drafts:
             proposer.select(drafts, num_decoding, step_id)
-        return {r: d for r, d in drafts.items() if d}
+        drafts = {r: d for r, d in drafts.items() if d}
+        if proposer.pause_when_idle:
+            proposer.gate.note_step(step_id, num_decoding, sum(map(len, drafts.values())))
+        return drafts
 
     def record_step_time(self, num_tokens: int, seconds: float) -> None:
         """How long a step of ``num_tokens`` took (the engine times the steps it waits
@@ -302,9 +305,17 @@ class Scheduler(TenantScheduling, StepResults):
         if self.proposer is not None and num_tokens:
             self.proposer.cost.record(num_tokens, seconds)
 
+    def record_host_time(self, seconds: float) -> None:
+        """The host's time between two steps taken in turn (the engine measures it): what
+        stepping in turn to draft costs where the engine could plan ahead."""
+        if self.proposer is not None:
+            self.proposer.gate.record_host_time(seconds)
+
     def drafting(self) -> bool:
         """Whether the next plan may hold drafts: speculation is on, fewer requests run
-        than its ``disable_by_batch_size`` and some of them has not paused drafting. Such
+        than its ``disable_by_batch_size``, some of them has not paused drafting and, where
+        the engine could plan ahead, drafting has been paying for the steps it takes in
+        turn (ngram_proposer.DraftingGate). Such
         a plan needs the previous step's tokens, so the engine does not plan a step ahead
         of the one running while this holds."""
         proposer = self.proposer
@@ -314,6 +325,8 @@ class Scheduler(TenantScheduling, StepResults):
         if limit is not None and len(self.running) >= limit:
             return False
         step_id = self.step_id
+        if proposer.pause_when_idle and not proposer.gate.open(step_id):
+            return False
         return any(proposer.active(r.req_id, step_id) for r in self.running)
 
     def _admit(self, sched_reqs: list[Request], sched_nums: list[int], new_reqs: list[NewRequestData],

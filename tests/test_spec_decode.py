@@ -284,6 +284,51 @@ def test_acceptance_model_tells_long_matches_from_short_ones():
     assert cost.select(probs, 8) == {**{f"c{i}": 4 for i in range(4)}, **{f"s{i}": 0 for i in range(4)}}
 
 
+def test_drafting_gate_plans_ahead_when_stepping_in_turn_does_not_pay():
+    """Where the engine could plan ahead, a step taken in turn to draft costs the host gap
+    it no longer overlaps: drafts that save less than that close the gate (no request
+    drafts, the engine plans ahead) for a while, longer each time; drafts that save more
+    keep it open. Through the scheduler, a closed gate is a plan without drafts."""
+    from pagedserve.scheduler.ngram_proposer import DraftingGate, StepCost
+
+    cost = StepCost()
+    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
+        cost.record(n, ms / 1e3)
+    gate = DraftingGate(cost)
+    gate.record_host_time(0.004)
+    # 8 decoding requests; a pipelined step's time per token: 20 / 8 + 2 = 4.5 ms. Each step
+    # verifies 8 draft rows (16 ms) and 5 of them are accepted (22.5 ms): 2.5 ms gained.
+    for step in range(20):
+        assert gate.open(step)
+        gate.note_step(step, 8, 8)
+        gate.note_accepted(5)
+    # Then 2 accepted of 8 (9 ms for 16 ms of rows and 4 of host): it loses, and closes;
+    # it opens again to try, loses again, and closes for twice as long.
+    closed_runs, run, first_closed = [], 0, None
+    for step in range(20, 120):
+        if not gate.open(step):
+            first_closed = step if first_closed is None else first_closed
+            run += 1
+            continue
+        if run:
+            closed_runs.append(run)
+            run = 0
+        gate.note_step(step, 8, 8)
+        gate.note_accepted(2)
+    assert first_closed < 32  # 8 steps to see it, a few more to outweigh the good past
+    assert closed_runs[:2] == [8, 16]
+
+    s = _sched()
+    s.proposer.pause_when_idle = True  # the engine plans ahead
+    _add(s, "r", PROMPT, max_tokens=100)
+    _run(s, s.schedule(), {"r": [12]})
+    assert s.drafting()
+    s.proposer.gate.closed_until = s.step_id + 5
+    assert not s.drafting() and not s.schedule().scheduled_spec_decode_tokens
+    s.proposer.pause_when_idle = False  # stepping in turn anyway: drafting costs no host gap
+    assert s.drafting()
+
+
 def test_no_drafts_for_constrained_requests_or_past_the_batch_size_limit():
     s = _sched()
     _add(s, "j", PROMPT, structured_outputs={"json": {"type": "object"}})
@@ -356,12 +401,12 @@ def shape_case(request, tmp_path_factory):
     return oracle.oracle_case(make_test_model(request.param, tmp_path_factory.getbasetemp() / "spec-models"))
 
 
-@pytest.mark.parametrize("mode", ["plain", "chunked_32", "preempt", "prefix"])
+@pytest.mark.parametrize("mode", ["plain", "chunked_32", "preempt", "prefix", "async"])
 def test_greedy_equals_hf_with_speculation(shape_case, mode):
     path, prompts, refs = shape_case
     kw = {"plain": {}, "chunked_32": dict(max_num_batched_tokens=32),
           "preempt": dict(num_gpu_blocks_override=24, max_num_batched_tokens=128),
-          "prefix": dict(enable_prefix_caching=True)}[mode]
+          "prefix": dict(enable_prefix_caching=True), "async": dict(async_scheduling=True)}[mode]
     kw.setdefault("enable_prefix_caching", False)
     engine = oracle._engine(path, speculative_config=SPEC, **kw)
     params = oracle._params()
@@ -376,6 +421,8 @@ def test_greedy_equals_hf_with_speculation(shape_case, mode):
         assert stats.num_preemptions > 0
     if mode == "prefix":  # the second round hit every full block before each last token
         assert stats.prefix_cache_hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
+    if mode == "async":  # the engine measured the host gap between the steps it took in turn
+        assert engine.scheduler.proposer.gate.host_s > 0
 
 
 def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_factory):

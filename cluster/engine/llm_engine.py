@@ -113,6 +113,7 @@ class LLMEngine:
         self.last_plan = None
         # async_scheduling: (plan, wait for its result) of the step running now
         self._inflight: tuple | None = None
+        self._last_step_end: float | None = None  # when the last step waited for in turn ended
         self._epoch = 0  # failed steps seen (step_containment.py): stamped on every plan
         if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the isolation tests
             from pagedserve.worker import faults
@@ -296,6 +297,7 @@ class LLMEngine:
                      and not self.scheduler.drafting())
         if inflight is not None and not pipelined:
             self._inflight = None
+            self._last_step_end = None
             return self._finish_step(inflight[0], self._wait(*inflight))
         plan = self.scheduler.schedule()
         plan.epoch = self._epoch
@@ -308,8 +310,15 @@ class LLMEngine:
                 return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
             t0 = time.perf_counter()
             result = self._wait(plan, lambda: self.executor.execute_model(plan))
-            self.scheduler.record_step_time(plan.total_num_scheduled_tokens, time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.scheduler.record_step_time(plan.total_num_scheduled_tokens, t1 - t0)
+            if self._last_step_end is not None:
+                # The host's time since the last step ended: what planning ahead would have
+                # overlapped with the step, up to the step's own length (beyond it, idle).
+                self.scheduler.record_host_time(min(t0 - self._last_step_end, t1 - t0))
+            self._last_step_end = t1
             return self._finish_step(plan, result)
+        self._last_step_end = None
         self._inflight = (plan, self.executor.submit(plan)) if has_work else None
         return self._finish_step(inflight[0], self._wait(*inflight)) if inflight is not None else []
 
