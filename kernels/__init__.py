@@ -18,6 +18,7 @@ import torch
 
 from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from pagedserve.kernels.attention_torch import paged_attention_torch
+from pagedserve.kernels.cpu_decode_attention import write_kv_cpu
 from pagedserve.kernels.kv_quant import QUANT_DTYPES, kv_cache_torch_dtype
 from pagedserve.kernels.metadata import AttentionMetadata
 
@@ -69,6 +70,9 @@ def write_kv_cache(
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     elif backend in ("torch", "ref"):
+        if (backend == "torch" and k_scale is None and key.device.type == "cpu"
+                and write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)):
+            return
         write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}.")

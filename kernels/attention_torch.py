@@ -263,8 +263,10 @@ def paged_attention_torch(
     # Leading decode rows (one per sequence, as the runner lays them out) go through the
     # fused C++ loop when it is available: it reads each K/V row once instead of three times.
     nd = md.num_decode_tokens
+    whole = nd == q.shape[0] == md.block_table.shape[0] == md.seq_lens.shape[0]  # no slices to take
     if nd and md.max_seqlen_q >= 1 and decode_attention_cpu(
-            q[:nd], k_cache, v_cache, md.block_table[:nd], md.seq_lens[:nd], scale, out[:nd], k_scale, v_scale,
+            q if whole else q[:nd], k_cache, v_cache, md.block_table if whole else md.block_table[:nd],
+            md.seq_lens if whole else md.seq_lens[:nd], scale, out if whole else out[:nd], k_scale, v_scale,
             md.decode_row_groups):
         if nd == q.shape[0]:
             return out

@@ -1,4 +1,5 @@
-"""Decode attention on CPU as one fused C++ loop (a torch C++ extension, built on first use).
+"""Decode attention on CPU as one fused C++ loop (a torch C++ extension, built on first use),
+and the write of a step's K/V rows into the cache that feeds it (``write_kv_cpu``).
 
 The torch path gathers every decode sequence's K/V into a padded buffer and then runs two
 batched matmuls over it: K/V cross memory three times (gather read, gather write, matmul
@@ -356,7 +357,29 @@ void decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   else TORCH_CHECK(false, "unknown quantised KV format ", fmt);
 }
 
+// This step's K and V rows into their slots: key / value [M, KVH, D] fp32 (rows any stride,
+// heads D apart), caches [NB, BS, KVH, D] fp32, slots [M] int64 (< 0: skip). One call in
+// place of torch's mask, check and two index_copy_ (each a dispatch, cold between GEMMs).
+void write_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slots) {
+  const int64_t M = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t slot = sp[i];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "slot ", slot, " past the cache's ", num_slots);
+    std::memcpy(kc + slot * row, kp + i * key.stride(0), row * sizeof(float));
+    std::memcpy(vc + slot * row, vp + i * value.stride(0), row * sizeof(float));
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_kv", &write_kv, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_quant", &decode_attention_quant, py::call_guard<py::gil_scoped_release>());
 }
@@ -367,11 +390,36 @@ _NO_GROUPS = torch.empty(0, dtype=torch.int32)
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v10", _SOURCE,
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v11", _SOURCE,
                      ["-O3", "-march=native", "-fno-math-errno"],
                      "CPU decode-attention", "using the torch path")
 _load = _EXT.get
 available = _EXT.available
+
+
+def write_kv_cpu(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] fp32
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] fp32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0: skip
+) -> bool:
+    """The step's K/V rows into an fp32 cache in one call; False when it cannot (caller
+    falls back to attention_ref.write_kv_cache_ref)."""
+    for x in (key, value):
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3 or x.stride(2) != 1
+                or x.stride(1) != x.shape[2]):
+            return False
+    if (k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or tuple(k_cache.shape[2:]) != tuple(key.shape[1:])
+            or value.shape != key.shape or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or slot_mapping.device.type != "cpu" or slot_mapping.numel() != key.shape[0]):
+        return False
+    mod = _load()
+    if mod is None:
+        return False
+    mod.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    return True
 
 
 def decode_attention_cpu(
@@ -398,9 +446,13 @@ def decode_attention_cpu(
     mod = _load()
     if mod is None:
         return False
-    bt = block_table.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    groups = _NO_GROUPS if row_groups is None else row_groups.to(torch.int32).contiguous()
+    # Each conversion a dispatch only when needed: the runner's tensors are int32 already.
+    bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else \
+        block_table.to(torch.int32).contiguous()
+    lens = seq_lens if seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() else \
+        seq_lens.to(torch.int32).contiguous()
+    groups = _NO_GROUPS if row_groups is None else row_groups if (
+        row_groups.dtype == torch.int32 and row_groups.is_contiguous()) else row_groups.to(torch.int32).contiguous()
     if fmt == 0:
         mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out, groups)
     else:

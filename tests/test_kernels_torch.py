@@ -128,6 +128,27 @@ def test_q_as_a_view_of_fused_qkv():
     _check(batch, atol=1e-5, rtol=1e-5)
 
 
+def test_cpu_cache_write_equals_the_reference():
+    """The C++ K/V write (write_kv_cpu, the torch backend's path on CPU) against torch's
+    index_copy_: rows taken from a fused qkv (strided), slots across blocks, a skipped
+    slot (-1) left untouched, a slot past the cache refused."""
+    from pagedserve.kernels import cpu_decode_attention
+    from pagedserve.kernels.attention_ref import write_kv_cache_ref
+
+    assert cpu_decode_attention.available()
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, (9 + 2 * 3) * 64, generator=gen)
+    k, v = qkv[:, 9 * 64:12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    slots = torch.tensor([17, 31, -1, 32, 0])
+    caches = [torch.randn(4, 16, 3, 64, generator=gen) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    write_kv_cache_ref(k, v, *want, slots)
+    write_kv_cache(k, v, *caches, slots)  # backend "torch": the C++ write
+    torch.testing.assert_close(caches, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        write_kv_cache(k, v, *caches, torch.tensor([0, 1, 2, 3, 64]))
+
+
 def test_write_then_attend_equals_reference_flow():
     """write_kv_cache puts this step's K/V where the metadata says attention reads them."""
     batch = make_paged_batch([1, 1, 6], [9, 40, 30], 8, 2, 64, 16, seed=9)
