@@ -93,7 +93,8 @@ class StepCost:
         self._nt = d * self._nt + num_tokens * seconds
 
     def fit(self) -> tuple[float, float] | None:
-        """(t0, c) in seconds, or None before two step sizes were seen."""
+        """(t0, c) in seconds, or None before two step sizes were seen (all steps the same
+        size: no slope to see yet)."""
         w = self._w
         if w < 2.0:
             return None
@@ -105,15 +106,10 @@ class StepCost:
         return mean_t - c * mean_n, c
 
     def c_over_t0(self) -> float:
-        w = self._w
-        if w < 2.0:
+        fit = self.fit()
+        if fit is None:  # no slope to see yet
             return self.PRIOR_C_OVER_T0
-        mean_n, mean_t = self._n / w, self._t / w
-        var = self._nn / w - mean_n * mean_n
-        if var < 0.25:  # all steps the same size: no slope to see yet
-            return self.PRIOR_C_OVER_T0
-        c = (self._nt / w - mean_n * mean_t) / var
-        t0 = mean_t - c * mean_n
+        t0, c = fit
         if c <= 0.0:
             return 0.0
         if t0 <= 0.0:  # compute-bound at every size seen: a token's compute is the whole cost
@@ -190,6 +186,7 @@ class DraftingGate:
         self._accepted = 0
 
     def record_host_time(self, seconds: float) -> None:
+        """The host gap before a step taken in turn (the engine measures it)."""
         self.host_s += _GATE_WEIGHT * (seconds - self.host_s) if self.host_s else seconds
 
     def open(self, step_id: int) -> bool:
