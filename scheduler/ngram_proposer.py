@@ -42,10 +42,11 @@ propose for a while pauses too: a request that does not draft leaves the engine 
 plan a step ahead (cluster/engine/llm_engine.py).
 
 Stepping in turn has a price of its own when the engine could plan ahead: the host's work
-between two steps (planning, output processing, streaming) no longer overlaps the running
-step. ``DraftingGate`` weighs it, over the steps taken in turn to draft: the time the
-accepted drafts saved (a pipelined step's time per token, from ``StepCost``) less their
-rows' compute and the host gap the engine measures. When that comes out below zero over
+between two steps (planning, output processing, streaming, the plan's and the result's
+trips) no longer overlaps the running step, and the worker sits idle meanwhile.
+``DraftingGate`` weighs it, over the steps taken in turn to draft: the time the accepted
+drafts saved (a pipelined step's time per token, from ``StepCost``) less their rows'
+compute and the worker's idle time the engine measures. When that comes out below zero over
 a few steps, every request stops drafting for a while (doubling, as the pauses above),
 the engine plans ahead again, then drafting is tried anew. A workload whose drafts are
 rarely right then runs as without speculation.
@@ -173,11 +174,12 @@ class AcceptanceModel:
 class DraftingGate:
     """Whether stepping in turn to draft pays, where the engine could plan ahead instead
     (see the module docstring). The scheduler notes each step it plans in turn to draft
-    and the drafts it verified; the engine, the host gap it saw before such a step."""
+    and the drafts it verified; the engine, how long the worker sat idle before such a
+    step."""
 
     def __init__(self, cost: StepCost) -> None:
         self.cost = cost
-        self.host_s = 0.0  # EWMA: host time between two steps taken in turn
+        self.host_s = 0.0  # EWMA: the worker's idle time between two steps taken in turn
         self.net_s = 0.0  # EWMA: seconds a step in turn gained by drafting (< 0: lost)
         self.num_steps = 0  # steps in turn seen since the gate last opened
         self.closed_until = -1
@@ -186,7 +188,7 @@ class DraftingGate:
         self._accepted = 0
 
     def record_host_time(self, seconds: float) -> None:
-        """The host gap before a step taken in turn (the engine measures it)."""
+        """The worker's idle time before a step taken in turn (the engine measures it)."""
         self.host_s += _GATE_WEIGHT * (seconds - self.host_s) if self.host_s else seconds
 
     def open(self, step_id: int) -> bool:

@@ -140,6 +140,9 @@ class ModelRunnerOutput:
     # True: the worker did not run this plan, because a step before it failed (the
     # engine re-sends it as a re-run once it has dealt with that failure).
     skipped: bool = False
+    # Seconds rank 0's worker spent running the step (0: not measured): with the round
+    # trip the engine sees, how long the worker sat idle between steps.
+    execute_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -306,8 +306,8 @@ class Scheduler(TenantScheduling, StepResults):
             self.proposer.cost.record(num_tokens, seconds)
 
     def record_host_time(self, seconds: float) -> None:
-        """The host's time between two steps taken in turn (the engine measures it): what
-        stepping in turn to draft costs where the engine could plan ahead."""
+        """How long the worker sat idle between two steps taken in turn (the engine
+        measures it): what stepping in turn to draft costs where it could plan ahead."""
         if self.proposer is not None:
             self.proposer.gate.record_host_time(seconds)
 

@@ -285,10 +285,10 @@ def test_acceptance_model_tells_long_matches_from_short_ones():
 
 
 def test_drafting_gate_plans_ahead_when_stepping_in_turn_does_not_pay():
-    """Where the engine could plan ahead, a step taken in turn to draft costs the host gap
-    it no longer overlaps: drafts that save less than that close the gate (no request
-    drafts, the engine plans ahead) for a while, longer each time; drafts that save more
-    keep it open. Through the scheduler, a closed gate is a plan without drafts."""
+    """Where the engine could plan ahead, a step taken in turn to draft costs the time the
+    worker sits idle between steps: drafts that save less than that close the gate (no
+    request drafts, the engine plans ahead) for a while, longer each time; drafts that save
+    more keep it open. Through the scheduler, a closed gate is a plan without drafts."""
     from pagedserve.scheduler.ngram_proposer import DraftingGate, StepCost
 
     cost = StepCost()
@@ -325,7 +325,7 @@ def test_drafting_gate_plans_ahead_when_stepping_in_turn_does_not_pay():
     assert s.drafting()
     s.proposer.gate.closed_until = s.step_id + 5
     assert not s.drafting() and not s.schedule().scheduled_spec_decode_tokens
-    s.proposer.pause_when_idle = False  # stepping in turn anyway: drafting costs no host gap
+    s.proposer.pause_when_idle = False  # stepping in turn anyway: drafting costs no idle worker
     assert s.drafting()
 
 
@@ -421,7 +421,7 @@ def test_greedy_equals_hf_with_speculation(shape_case, mode):
         assert stats.num_preemptions > 0
     if mode == "prefix":  # the second round hit every full block before each last token
         assert stats.prefix_cache_hits >= sum((len(p) - 1) // 16 * 16 for p in prompts)
-    if mode == "async":  # the engine measured the host gap between the steps it took in turn
+    if mode == "async":  # the engine measured the worker's idle time between the steps it took in turn
         assert engine.scheduler.proposer.gate.host_s > 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -187,7 +188,9 @@ class Worker:
             self.runner.probe()
             out = ModelRunnerOutput(step_id=plan.step_id)
         else:
+            t0 = time.perf_counter()
             out = self.runner.execute_model(plan)
+            out.execute_s = time.perf_counter() - t0
         return out if self.rank == 0 else None
 
     def shutdown(self) -> None:

@@ -313,9 +313,11 @@ class LLMEngine:
             t1 = time.perf_counter()
             self.scheduler.record_step_time(plan.total_num_scheduled_tokens, t1 - t0)
             if self._last_step_end is not None:
-                # The host's time since the last step ended: what planning ahead would have
-                # overlapped with the step, up to the step's own length (beyond it, idle).
-                self.scheduler.record_host_time(min(t0 - self._last_step_end, t1 - t0))
+                # How long the worker sat idle since the last step ended (the host's work, the
+                # plan's and the result's trips): what planning ahead overlaps with the step,
+                # up to the step's own length (beyond it the engine had nothing to run).
+                busy = result.execute_s or t1 - t0
+                self.scheduler.record_host_time(min(max(t1 - self._last_step_end - busy, 0.0), busy))
             self._last_step_end = t1
             return self._finish_step(plan, result)
         self._last_step_end = None
