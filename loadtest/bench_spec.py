@@ -178,6 +178,17 @@ def acceptance(stats: dict) -> dict:
             "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted}
 
 
+def _medians(base_runs: list[float], spec_runs: list[float]) -> dict:
+    """Off and on tok/s over runs taken in turn: the medians, their ratio, and each run's
+    figure when there was more than one."""
+    base, spec = statistics.median(base_runs), statistics.median(spec_runs)
+    out = {"spec_tok_s": spec, "base_tok_s": base, "speedup": spec / base}
+    if len(base_runs) > 1:
+        out["spec_tok_s_runs"] = [round(x, 1) for x in spec_runs]
+        out["base_tok_s_runs"] = [round(x, 1) for x in base_runs]
+    return out
+
+
 def b1(engine: str, model: str, prompts, max_tokens: int, engine_args: dict) -> dict:
     spec = {"engine": engine, "model": model, "prompts": prompts, "max_tokens": max_tokens,
             "max_model_len": MAX_MODEL_LEN, "engine_args": engine_args}
@@ -197,14 +208,9 @@ def b1_pair(engine: str, model: str, prompts, max_tokens: int, label: str,
     for _ in range(repeats):
         bases.append(b1(engine, model, prompts, max_tokens, {}))
         specs.append(b1(engine, model, prompts, max_tokens, {"speculative_config": SPEC}))
-    base_tok_s = statistics.median(r["output_throughput"] for r in bases)
-    spec_tok_s = statistics.median(r["output_throughput"] for r in specs)
     base, spec = bases[0], specs[0]
-    out = {"spec_tok_s": spec_tok_s, "base_tok_s": base_tok_s, "speedup": spec_tok_s / base_tok_s,
+    out = {**_medians([r["output_throughput"] for r in bases], [r["output_throughput"] for r in specs]),
            **acceptance(spec.get("stats", {})), "output_tokens": spec["num_output_tokens"]}
-    if repeats > 1:
-        out["spec_tok_s_runs"] = [round(r["output_throughput"], 1) for r in specs]
-        out["base_tok_s_runs"] = [round(r["output_throughput"], 1) for r in bases]
     st = spec.get("stats", {})
     if st.get("spec_num_proposals"):
         out["propose_us_per_call"] = 1e6 * st["spec_propose_time_s"] / st["spec_num_proposals"]
@@ -262,17 +268,12 @@ def c8_pair(model: str, prompts, max_tokens: int, label: str, engine: str = "pag
     for _ in range(repeats):
         bases.append(c8_run(model, prompts, max_tokens, False, engine, bind))
         specs.append(c8_run(model, prompts, max_tokens, True, engine, bind))
-    base_tok_s = statistics.median(r["tok_s"] for r, _ in bases)
-    spec_tok_s = statistics.median(r["tok_s"] for r, _ in specs)
     (base, base_texts), (spec, spec_texts) = bases[0], specs[0]
     same = sum(a == b for a, b in zip(base_texts, spec_texts))
-    out = {"spec_tok_s": spec_tok_s, "base_tok_s": base_tok_s, "speedup": spec_tok_s / base_tok_s,
+    out = {**_medians([r["tok_s"] for r, _ in bases], [r["tok_s"] for r, _ in specs]),
            **acceptance(spec["counters"]), "spec_mean_tpot_ms": spec["mean_tpot_ms"],
            "base_mean_tpot_ms": base["mean_tpot_ms"],
            "failed": sum(r["failed"] for r, _ in bases + specs), "greedy_equal": f"{same}/{len(prompts)}"}
-    if repeats > 1:
-        out["spec_tok_s_runs"] = [round(r["tok_s"], 1) for r, _ in specs]
-        out["base_tok_s_runs"] = [round(r["tok_s"], 1) for r, _ in bases]
     print(f"{label:10s} c8 {engine:10s} spec {out['spec_tok_s']:6.1f} tok/s  base {out['base_tok_s']:6.1f}  "
           f"x{out['speedup']:.2f}  acceptance {out['acceptance_rate']:.2f}  mean length "
           f"{out['mean_acceptance_length']:.2f}  greedy equal {out['greedy_equal']}", flush=True)

@@ -26,9 +26,8 @@ expected tokens per second. Nearly every draft pays at batch 1, only likely ones
 batch, so the probabilities must tell likely drafts from unlikely ones.
 
 The probability that a draft's token i is accepted. The length n of the suffix that matched
-tells most: a 4-token match is usually inside a passage being copied, and its drafts are
-nearly always right, where a 2-token match is often a common pair of tokens followed by
-something else. ``AcceptanceModel`` keeps, per n, the rate at which draft token i is
+tells most: a long match is likely to sit inside a passage being copied, a short one may be
+a common pair of tokens followed by something else (BENCHMARKS.md has the rates). ``AcceptanceModel`` keeps, per n, the rate at which draft token i is
 accepted once the ones before it were (shared by all requests: decayed counts), and per
 request and n the rate of its first tokens, drawn toward the shared one while the request
 has few drafts of its own. A draft's tokens are then accepted with the cumulative products
@@ -59,8 +58,8 @@ import time
 from pagedserve.scheduler.config import SpeculativeConfig
 
 # Smoothed per-token acceptance below which a request pauses drafting, whatever the cost
-# (the cost model decides above it: at batch 1 even a draft that is right one time in five
-# pays, so a floor any higher pauses requests that gain from drafting).
+# (the cost model decides above it: at batch 1 a draft costs so little that rarely-right
+# ones still pay, and a higher floor would pause requests that gain from drafting).
 ACCEPTANCE_FLOOR = 0.1
 _EWMA_WEIGHT = 0.3
 _PRIOR_ALPHA = 0.7  # a new request's acceptance estimate, before any verification

@@ -21,7 +21,8 @@ import torch
 from pagedserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, SamplingParams, Scheduler,
                                   SchedulerConfig)
 from pagedserve.scheduler.config import SpeculativeConfig
-from pagedserve.scheduler.ngram_proposer import MAX_EMPTY_PROPOSALS, NgramProposer
+from pagedserve.scheduler.ngram_proposer import (MAX_EMPTY_PROPOSALS, AcceptanceModel, DraftingGate,
+                                                 NgramProposer, StepCost)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
@@ -226,13 +227,17 @@ def test_no_match_for_a_while_pauses_drafting_when_the_engine_may_plan_ahead():
         assert s.get_stats().spec_num_proposals == MAX_EMPTY_PROPOSALS + (not pause_when_idle)
 
 
-def test_step_cost_sets_how_many_drafts_pay():
-    from pagedserve.scheduler.ngram_proposer import StepCost
-
+def _fitted_cost():
+    """A StepCost fed synthetic step times of an exact line: t0 = 20 ms, c = 2 ms a token."""
     cost = StepCost()
-    assert cost.c_over_t0() == StepCost.PRIOR_C_OVER_T0
-    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
+    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:
         cost.record(n, ms / 1e3)
+    return cost
+
+
+def test_step_cost_sets_how_many_drafts_pay():
+    assert StepCost().c_over_t0() == StepCost.PRIOR_C_OVER_T0
+    cost = _fitted_cost()
     assert cost.c_over_t0() == pytest.approx(2 / 20, rel=1e-6)
     # With that fitted model (t0 = 20, c = 2): alone at acceptance 0.7 all 3 drafts pay,
     # 0.7^3 = 0.34 > c x 2.19 expected tokens / 26 time units. In a batch of 8 only each first
@@ -264,8 +269,6 @@ def test_acceptance_model_tells_long_matches_from_short_ones():
     (a copied passage beside common pairs of tokens): the model learns the difference, per
     match length and per request, and a batch of 8 verifies the likely drafts whole and the
     unlikely ones not at all."""
-    from pagedserve.scheduler.ngram_proposer import AcceptanceModel, StepCost
-
     model = AcceptanceModel(range(4, 1, -1), 4)
     copying, chatting = {}, {}
     for _ in range(30):
@@ -276,9 +279,7 @@ def test_acceptance_model_tells_long_matches_from_short_ones():
     assert short[0] < 0.1
     # Another request's first 2-token match: the shared rate, drawn toward no history of its own.
     assert model.probs({}, 2, 1)[0] < 0.5 and model.probs({}, 4, 1)[0] > 0.9
-    cost = StepCost()
-    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
-        cost.record(n, ms / 1e3)
+    cost = _fitted_cost()
     probs = {f"c{i}": model.probs(copying, 4, 4) for i in range(4)}
     probs.update({f"s{i}": model.probs(chatting, 2, 4) for i in range(4)})
     assert cost.select(probs, 8) == {**{f"c{i}": 4 for i in range(4)}, **{f"s{i}": 0 for i in range(4)}}
@@ -289,15 +290,12 @@ def test_drafting_gate_plans_ahead_when_stepping_in_turn_does_not_pay():
     worker sits idle between steps: drafts that save less than that close the gate (no
     request drafts, the engine plans ahead) for a while, longer each time; drafts that save
     more keep it open. Through the scheduler, a closed gate is a plan without drafts."""
-    from pagedserve.scheduler.ngram_proposer import DraftingGate, StepCost
-
-    cost = StepCost()
-    for n, ms in [(1, 22.0), (5, 30.0), (8, 36.0), (40, 100.0)] * 5:  # t0 = 20, c = 2 (ms)
-        cost.record(n, ms / 1e3)
+    cost = _fitted_cost()
     gate = DraftingGate(cost)
     gate.record_host_time(0.004)
-    # 8 decoding requests; a pipelined step's time per token: 20 / 8 + 2 = 4.5 ms. Each step
-    # verifies 8 draft rows (16 ms) and 5 of them are accepted (22.5 ms): 2.5 ms gained.
+    # In the synthetic fit's units: 8 decoding requests; a pipelined step's time per token
+    # 20 / 8 + 2 = 4.5 ms. Each step verifies 8 draft rows (16 ms) and 5 of them are
+    # accepted (22.5 ms): 2.5 ms gained.
     for step in range(20):
         assert gate.open(step)
         gate.note_step(step, 8, 8)
