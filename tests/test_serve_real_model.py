@@ -6,7 +6,8 @@ model): batched chat, beam search, prompt logprobs, /tokenize and /tokenizer_inf
 
 The app runs with speculative decoding on (prompt lookup, vLLM's --speculative-config), so
 every test here also shows that what users ask for keeps working with it: structured
-outputs, n > 1, logprobs, beam search; the last test drives the speculation itself."""
+outputs, n > 1, logprobs, beam search; the last tests drive the speculation itself, and
+a dropped client and overload while requests draft."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 PERSON = {"type": "object", "additionalProperties": False,
           "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
@@ -25,13 +27,16 @@ PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "city", "likes_pizza"]}
 
 
+COPY = [{"role": "user", "content": "Repeat this code exactly:\n\n"
+          "def area(width, height):\n    return width * height\n\n"
+          "def perimeter(width, height):\n    return 2 * (width + height)\n"}]
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
 @pytest.fixture(scope="module")
 def real_app(serve_url):
     """The default model behind Serve at /real (20 concurrent sequences: one n=20 request),
-    speculative decoding on."""
+    speculative decoding on; one request may wait, the next is refused (429)."""
     from ray import serve
 
     from conftest import delete_app
@@ -39,7 +44,8 @@ def real_app(serve_url):
     from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=None, dtype="float32", max_model_len=512, num_gpu_blocks_override=512,
-                       max_num_seqs=20, seed=0, speculative_config=SPEC)
+                       max_num_seqs=20, max_waiting_requests=1, max_queue_delay_s=None, seed=0,
+                       speculative_config=SPEC)
     serve.run(build_app(cfg, name_prefix="real-"), name="real-model", route_prefix="/real")
     yield f"{serve_url}/real"
     delete_app("real-model")
@@ -149,10 +155,7 @@ def test_real_model_speculative_decoding_through_serve(real_app):
 
     client = openai.OpenAI(base_url=f"{real_app}/v1", api_key="unused", max_retries=0, timeout=300)
     model = client.models.list().data[0].id
-    code = ("def area(width, height):\n    return width * height\n\n"
-            "def perimeter(width, height):\n    return 2 * (width + height)\n")
-    ask = dict(model=model, temperature=0, max_tokens=40,
-               messages=[{"role": "user", "content": f"Repeat this code exactly:\n\n{code}"}])
+    ask = dict(model=model, temperature=0, max_tokens=40, messages=COPY)
     before = counters()
     whole = client.chat.completions.create(**ask)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
@@ -168,3 +171,74 @@ def test_real_model_speculative_decoding_through_serve(real_app):
     assert drafts > 0 and accepted > drafts  # more than one token per draft on a copy
     per_pos = {k for k in after if "accepted_tokens_per_pos" in k}
     assert len(per_pos) == SPEC["num_speculative_tokens"]
+
+
+def test_dropped_client_and_overload_while_requests_draft(real_app):
+    """A user's view of failure with speculation on. An n=20 stream copying code fills the
+    batch (every sample drafts); one more request waits; the next is refused with 429,
+    Retry-After and OpenAI's error JSON. The n=20 client then drops mid-stream: the waiting
+    request runs and streams exactly what it answers alone, the n=20 request stopped early,
+    and no KV block or request is left behind."""
+    import asyncio
+    import time
+
+    from test_serve_cancel import scrape, wait_idle
+
+    url = f"{real_app}/v1/chat/completions"
+    ask = {"messages": COPY, "temperature": 0, "max_tokens": 40}
+    alone = httpx.post(url, json=ask, timeout=300).json()["choices"][0]["message"]["content"]
+    before = wait_idle(real_app)
+    assert before["pagedserve:kv_cache_usage_perc"] == 0
+
+    async def until(ac, test, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = (await ac.get(f"{real_app}/metrics")).text
+            m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if not s.labels.get("reason")}
+            if test(m):
+                return m
+            assert time.monotonic() < deadline, "the server never got there"
+            await asyncio.sleep(0.05)
+
+    async def read_stream(ac, body):
+        text = []
+        async with ac.stream("POST", url, json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    text.extend(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+        return "".join(text)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=300) as ac:
+            fill_cm = ac.stream("POST", url, json={**ask, "n": 20, "max_tokens": 200, "stream": True})
+            fill = await fill_cm.__aenter__()
+            try:
+                assert fill.status_code == 200
+                lines = fill.aiter_lines()
+                assert (await anext(lines)).startswith("data: ")
+                running = await until(ac, lambda m: m["pagedserve:num_requests_running"] >= 20)
+                waiter = asyncio.create_task(read_stream(ac, ask))
+                await until(ac, lambda m: m["pagedserve:num_requests_waiting"] >= 1)
+                refused = await ac.post(url, json=ask)
+                drafting = await until(ac, lambda m: m["vllm:spec_decode_num_drafts_total"]
+                                       > before["vllm:spec_decode_num_drafts_total"])
+                for _ in range(3):  # a few more chunks of the n=20 stream, then the client drops
+                    await anext(lines)
+            finally:
+                await fill_cm.__aexit__(None, None, None)
+            return running, refused, drafting, await waiter
+
+    running, refused, drafting, waited = asyncio.run(scenario())
+    assert running["pagedserve:num_requests_running"] == 20
+    assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+    err = refused.json()["error"]
+    assert err["type"] and "max_waiting_requests=1" in err["message"]
+    assert drafting["vllm:spec_decode_num_accepted_tokens_total"] > before["vllm:spec_decode_num_accepted_tokens_total"]
+    assert waited == alone
+    after = wait_idle(real_app)
+    assert after["pagedserve:kv_cache_usage_perc"] == 0
+    assert after["pagedserve:num_requests_running"] == after["pagedserve:num_requests_waiting"] == 0
+    generated = after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"]
+    assert generated < 20 * 200 // 2  # the dropped request was aborted, not run to its end
