@@ -1,5 +1,5 @@
 """fp32 ``y = x W^T + b`` on CPU over the weight in a panel layout of its own (a C++
-extension, AVX-512; built at worker start like cpu_fused.py):
+extension, AVX-512 or AVX2 with FMA; built at worker start like cpu_fused.py):
 
     panels [ceil(N/16), K, 16]    panels[p, k, j] = W[16 p + j, k]   (rows past N are zero)
 
@@ -19,8 +19,10 @@ M-blocked loop order, x's rows kept in L2 across panel groups, was slower: more 
 regions, less work in each.)
 Summation over k is in order, one FMA per k, as in a plain dot product: fp32 results differ
 from F.linear's in rounding only (~1e-6 relative).
-Without AVX-512 the module builds but reports ``supported() == False``, and the load-time
-probe (worker/layers/cpu_backend.py) never picks it.
+With AVX2 and FMA only (AMD Zen 2, Intel before Skylake-SP) a panel is two 256-bit vectors
+and a tile holds 2 rows of x by 3 panels (12 accumulators of the 16 registers). Without
+either the module builds but reports ``supported() == False``, and the load-time probe
+(worker/layers/cpu_backend.py) never picks it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from .cpu_build import LazyExtension
 
-PANEL = 16  # output columns per panel: one 512-bit vector of fp32
+PANEL = 16  # output columns per panel: one 512-bit vector of fp32 (two 256-bit ones)
 
 _SOURCE = r"""
 #include <ATen/Parallel.h>
@@ -116,9 +118,100 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optiona
 }
 
 bool supported() { return true; }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+// AVX2 (16 ymm registers): a panel is two 8-float vectors, a tile 2 rows x 3 panels
+// (12 accumulators, 2 broadcasts, the 6 weight vectors of one k loaded one at a time: 12
+// independent FMAs per k cover the FMA latency, and 3 streams of weights per thread). The accumulators are one flat array over restrict pointers, every loop
+// over them unrolled: written as acc[m][p][h], GCC 12 kept them in registers but also
+// stored all of them to the stack on every k, which made the tile store-bound.
+constexpr int64_t kPanel = 16;
+constexpr int kTileRows = 2;
+constexpr int kTilePanels = 3;
+
+// The first `n` of 8 lanes (n clamped to 0..8), for the masked stores of the last panel.
+static inline __m256i lanes(int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::max<int64_t>(0, std::min<int64_t>(8, n))), idx);
+}
+
+// y[0:MR, 0:16 NP] = x[0:MR, :] . panels[0:NP] (+ bias); the last panel stores only
+// `last_cols` of its 16 columns.
+template <int MR, int NP>
+static inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const float* __restrict w,
+                        float* __restrict y, int64_t ldy, const float* __restrict bias, int64_t last_cols) {
+  constexpr int NV = NP * 2;  // weight vectors per k
+  __m256 acc[MR * NV];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR * NV; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t ps = K * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) wv[j] = _mm256_loadu_ps(w + (j / 2) * ps + k * kPanel + 8 * (j % 2));
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) acc[m * NV + j] = _mm256_fmadd_ps(xb, wv[j], acc[m * NV + j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) {
+    const int64_t c0 = 8 * j;
+    const int64_t cols = (j / 2 == NP - 1 ? last_cols : kPanel) - 8 * (j % 2);  // of this vector's 8
+    if (cols >= 8) {
+      const __m256 b = bias ? _mm256_loadu_ps(bias + c0) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + m * ldy + c0, _mm256_add_ps(acc[m * NV + j], b));
+    } else {
+      const __m256i mk = lanes(cols);
+      const __m256 b = bias ? _mm256_maskload_ps(bias + c0, mk) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) _mm256_maskstore_ps(y + m * ldy + c0, mk, _mm256_add_ps(acc[m * NV + j], b));
+    }
+  }
+}
+
+template <int NP>
+static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
+                        int64_t ldy, const float* bias, int64_t last_cols) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile<kTileRows, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols);
+  if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols);
+}
+
+void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldx = x.stride(0), ldy = out.stride(0);
+  const int64_t np = panels.size(0);
+  TORCH_CHECK(panels.size(1) == K && panels.size(2) == kPanel && (N + kPanel - 1) / kPanel == np,
+              "panels do not match x and out");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t tail = N - (np - 1) * kPanel;  // columns of the last panel, 1..16
+  const int64_t groups = (np + kTilePanels - 1) / kTilePanels;
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+    for (int64_t g = gb; g < ge; ++g) {
+      const int64_t p0 = g * kTilePanels, n_p = std::min<int64_t>(kTilePanels, np - p0);
+      const int64_t last_cols = p0 + n_p == np ? tail : kPanel;
+      const float* w = wp + p0 * K * kPanel;
+      float* y = yp + p0 * kPanel;
+      const float* b = bp ? bp + p0 * kPanel : nullptr;
+      if (n_p == 3) rows<3>(M, xp, ldx, K, w, y, ldy, b, last_cols);
+      else if (n_p == 2) rows<2>(M, xp, ldx, K, w, y, ldy, b, last_cols);
+      else rows<1>(M, xp, ldx, K, w, y, ldy, b, last_cols);
+    }
+  });
+}
+
+bool supported() { return true; }
 #else
 void gemm(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "pagedserve's panel GEMM needs AVX-512");
+  TORCH_CHECK(false, "pagedserve's panel GEMM needs AVX-512 or AVX2 with FMA");
 }
 bool supported() { return false; }
 #endif
@@ -129,12 +222,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_EXT = LazyExtension("pagedserve_cpu_gemm_v1", _SOURCE, ["-O3", "-march=native"],
+_EXT = LazyExtension("pagedserve_cpu_gemm_v2", _SOURCE, ["-O3", "-march=native"],
                      "CPU panel-GEMM", "the linear layers use oneDNN or F.linear")
 
 
 def available() -> bool:
-    """The extension built and this CPU has AVX-512."""
+    """The extension built and this CPU has AVX-512, or AVX2 with FMA."""
     mod = _EXT.get()
     return mod is not None and bool(mod.supported())
 

@@ -10,7 +10,7 @@ choice is made by a probe at load time, not hard-coded:
     "onednn"  mkldnn._linear_pointwise(x, Wp, b)    Wp: W reordered once into oneDNN's
                                                     blocked layout (an opaque mkldnn tensor)
     "panel"   cpu_gemm.gemm(x, Wp, N, b)            Wp: W in 16-column panels, fp32 only,
-                                                    AVX-512 (kernels/cpu_gemm.py)
+                                                    AVX-512 or AVX2 (kernels/cpu_gemm.py)
 
 All compute x W^T + b with fp32 accumulation (bf16 inputs included), so fp32 results
 differ from each other only in summation order (~1e-6 relative). Each replaces the plain
@@ -34,10 +34,22 @@ BACKENDS = ("aten", "onednn", "panel")
 Alloc = Callable[[tuple[int, ...]], torch.Tensor]
 
 
-def onednn_available() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+_ONEDNN_DTYPES: dict[torch.dtype, bool] = {}
+
+
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """torch has oneDNN's linear ops and they pack ``dtype`` on this CPU (bf16 needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only part oneDNN refuses to pack it)."""
+    if dtype not in _ONEDNN_DTYPES:
+        ok = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+              and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+        if ok:
+            try:
+                pack_weight(torch.zeros(16, 16, dtype=dtype))
+            except RuntimeError:
+                ok = False
+        _ONEDNN_DTYPES[dtype] = ok
+    return _ONEDNN_DTYPES[dtype]
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -77,7 +89,7 @@ def pack_cpu_weight(weight: torch.Tensor, backend: str, alloc: Alloc | None = No
         return pack_weight(weight)
     if backend == "panel":
         if not panel_available(weight.dtype):
-            raise RuntimeError(f"the panel GEMM needs fp32 weights and AVX-512 (got {weight.dtype}).")
+            raise RuntimeError(f"the panel GEMM needs fp32 weights and AVX-512 or AVX2 with FMA (got {weight.dtype}).")
         return PanelWeight(weight, alloc)
     raise ValueError(f"no packed layout for CPU linear backend {backend!r}.")
 
@@ -113,7 +125,7 @@ def probe_linear_backends(weights: list[torch.Tensor], batch_sizes: tuple[int, .
     whole model shows the gap the steps see."""
     with torch.inference_mode():
         layouts: dict[str, list] = {"aten": weights}
-        if onednn_available():
+        if weights and onednn_available(weights[0].dtype):
             layouts["onednn"] = [pack_weight(w) for w in weights]
         if weights and all(panel_available(w.dtype) for w in weights):
             layouts["panel"] = [PanelWeight(w, alloc) for w in weights]

@@ -18,7 +18,8 @@ from pagedserve.kernels.cpu_linear import (cpu_linear, linear_onednn, onednn_ava
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.skipif(
+    not onednn_available(torch.bfloat16), reason="oneDNN packs bf16 only with AVX-512 BW/VL/DQ or AVX-NE-CONVERT"))])
 def test_onednn_linear_matches_f_linear(dtype, tol):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).to(dtype)
@@ -34,7 +35,7 @@ def test_onednn_linear_matches_f_linear(dtype, tol):
             assert torch.equal(linear_onednn(x, p), linear_onednn(x, p, None))
 
 
-needs_panel = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX-512 here, or no C++ compiler")
+needs_panel = pytest.mark.skipif(not cpu_gemm.available(), reason="no AVX-512 or AVX2 with FMA here, or no C++ compiler")
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -42,10 +43,11 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @needs_panel
-@pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (49, 768), (1280, 768)])
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768)])
 def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
-    """Row counts around the 8-row tile, column counts around the 16-column panel and the
-    3-panel tile (a masked last panel), with and without bias, batched inputs, strided rows."""
+    """Row counts around the tiles (8 rows with AVX-512, 2 with AVX2), column counts around
+    the 16-column panel (with AVX2 its two halves) and the 3-panel tile (a masked last
+    panel), with and without bias, batched inputs, strided rows."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
@@ -169,6 +171,30 @@ def test_the_probe_runs_once_per_machine_kind_and_model_shape(tmp_path, monkeypa
     (tmp_path / "cache" / "cpu-linear-v1.json").write_text("{not json")
     cpu_backend.choose_cpu_linear_backend(model)
     assert len(probes) == 4  # a damaged file is probed over, not an error
+
+
+def test_a_bf16_model_gets_a_backend_that_runs_on_this_cpu(tmp_path, monkeypatch):
+    """oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT: elsewhere
+    (AVX2 parts) the probe leaves it out instead of failing the load, and asking for it
+    by name says why."""
+    from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
+    from pagedserve.worker.layers.linear import PackableLinear
+    from pagedserve.worker.random_models import make_test_model
+
+    monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    model = _model(make_test_model("llama-mha", tmp_path / "a")).to(torch.bfloat16)
+    layer = next(m for m in model.modules() if isinstance(m, PackableLinear))
+    x = torch.randn(3, layer.weight.shape[1]).to(torch.bfloat16)
+    ref = F.linear(x.float(), layer.weight.float())
+    chosen = apply_cpu_linear_backend(model)
+    assert chosen in (("aten", "onednn") if onednn_available(torch.bfloat16) else ("aten",))
+    with torch.inference_mode():
+        assert _rel_err(layer(x).float(), ref) < 2e-2
+    if not onednn_available(torch.bfloat16):
+        with pytest.raises(RuntimeError, match="cannot pack torch.bfloat16"):
+            apply_cpu_linear_backend(_model(make_test_model("llama-mha", tmp_path / "b")).to(torch.bfloat16),
+                                     "onednn")
 
 
 @needs_panel

@@ -4,7 +4,7 @@
                                    256 MB) at batch sizes 1, 8, 32 and 128 with every
                                    backend that runs here, keep the fastest
                                    (by the geometric mean of the per-batch-size time ratios)
-    PAGEDSERVE_CPU_LINEAR=panel    the panel GEMM of kernels/cpu_gemm.py (fp32, AVX-512), no probe
+    PAGEDSERVE_CPU_LINEAR=panel    the panel GEMM of kernels/cpu_gemm.py (fp32; AVX-512 or AVX2), no probe
     PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
     PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
 
@@ -57,15 +57,16 @@ def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) ->
     requested = (requested or os.environ.get("PAGEDSERVE_CPU_LINEAR") or "auto").lower()
     if requested not in BACKENDS + ("auto",):
         raise ValueError(f"PAGEDSERVE_CPU_LINEAR must be 'auto' or one of {BACKENDS}, got {requested!r}.")
-    if requested == "onednn" and not onednn_available():
-        raise RuntimeError("PAGEDSERVE_CPU_LINEAR=onednn, but this torch build has no oneDNN (mkldnn).")
     dtype = next(model.parameters()).dtype
+    if requested == "onednn" and not onednn_available(dtype):
+        raise RuntimeError(f"PAGEDSERVE_CPU_LINEAR=onednn, but this torch build has no oneDNN (mkldnn), or it "
+                           f"cannot pack {dtype} weights on this CPU.")
     if requested == "panel" and not panel_available(dtype):
         raise RuntimeError(f"PAGEDSERVE_CPU_LINEAR=panel needs fp32 weights ({dtype} here) and a CPU with "
-                           "AVX-512 whose C++ extension builds.")
+                           "AVX-512 or AVX2 with FMA whose C++ extension builds.")
     if requested != "auto":
         return requested, {}
-    if not (onednn_available() or panel_available(dtype)):
+    if not (onednn_available(dtype) or panel_available(dtype)):
         return "aten", {}
     layers = [m for m in _packable(model) if isinstance(m, PackableLinear)]
     if not layers:
@@ -102,7 +103,7 @@ def _cpu_model() -> str:
 def _probe_key(weights: list[torch.Tensor]) -> str:
     """What the timings depend on; a different machine kind, torch or model shape probes anew."""
     parts = [_cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
-             str(weights[0].dtype), str(onednn_available()), str(panel_available(weights[0].dtype)),
+             str(weights[0].dtype), str(onednn_available(weights[0].dtype)), str(panel_available(weights[0].dtype)),
              ";".join("x".join(map(str, w.shape)) for w in weights)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
