@@ -90,34 +90,14 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
   }
 }
 
-// out [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) . panels^T (+ bias [N]).
-void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias) {
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldx = x.stride(0), ldy = out.stride(0);
-  const int64_t np = panels.size(0);
-  TORCH_CHECK(panels.size(1) == K && panels.size(2) == kPanel && (N + kPanel - 1) / kPanel == np,
-              "panels do not match x and out");
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
-  const int64_t tail = N - (np - 1) * kPanel;  // columns of the last panel, 1..16
-  const __mmask16 tail_mask = (__mmask16)((1u << tail) - 1u);
-  const int64_t groups = (np + kTilePanels - 1) / kTilePanels;
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
-    for (int64_t g = gb; g < ge; ++g) {
-      const int64_t p0 = g * kTilePanels, n_p = std::min<int64_t>(kTilePanels, np - p0);
-      const __mmask16 mask = p0 + n_p == np ? tail_mask : (__mmask16)0xFFFF;
-      const float* w = wp + p0 * K * kPanel;
-      float* y = yp + p0 * kPanel;
-      const float* b = bp ? bp + p0 * kPanel : nullptr;
-      if (n_p == 3) rows<3>(M, xp, ldx, K, w, y, ldy, b, mask);
-      else if (n_p == 2) rows<2>(M, xp, ldx, K, w, y, ldy, b, mask);
-      else rows<1>(M, xp, ldx, K, w, y, ldy, b, mask);
-    }
-  });
+// One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns.
+static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols) {
+  const __mmask16 mask = (__mmask16)((1u << last_cols) - 1u);
+  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, mask);
+  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, mask);
+  else rows<1>(M, x, ldx, K, w, y, ldy, bias, mask);
 }
-
-bool supported() { return true; }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
@@ -183,6 +163,17 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
   if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols);
 }
 
+static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols) {
+  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, last_cols);
+  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, last_cols);
+  else rows<1>(M, x, ldx, K, w, y, ldy, bias, last_cols);
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// out [M, N] (rows ldy apart) = x [M, K] (rows ldx apart) . panels^T (+ bias [N]); the tile
+// groups are split over torch's intra-op threads.
 void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldx = x.stride(0), ldy = out.stride(0);
   const int64_t np = panels.size(0);
@@ -197,13 +188,8 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optiona
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t g = gb; g < ge; ++g) {
       const int64_t p0 = g * kTilePanels, n_p = std::min<int64_t>(kTilePanels, np - p0);
-      const int64_t last_cols = p0 + n_p == np ? tail : kPanel;
-      const float* w = wp + p0 * K * kPanel;
-      float* y = yp + p0 * kPanel;
-      const float* b = bp ? bp + p0 * kPanel : nullptr;
-      if (n_p == 3) rows<3>(M, xp, ldx, K, w, y, ldy, b, last_cols);
-      else if (n_p == 2) rows<2>(M, xp, ldx, K, w, y, ldy, b, last_cols);
-      else rows<1>(M, xp, ldx, K, w, y, ldy, b, last_cols);
+      group(M, xp, ldx, K, wp + p0 * K * kPanel, yp + p0 * kPanel, ldy, bp ? bp + p0 * kPanel : nullptr, n_p,
+            p0 + n_p == np ? tail : kPanel);
     }
   });
 }
