@@ -26,8 +26,9 @@ into L1 with their scales folded in, so a quantised context reads a quarter of t
 Where the compiler targets AVX-512 (``-march=native``), a block is computed 16 tokens at a
 time: per query head, the 16 scores out of one transpose-and-add tree, the softmax with a
 vectorised exp (degree-7 polynomial, ~1 ulp), q and the accumulator in registers (D = 32, 64,
-128; other D load each K and V row once for all the group's heads). Elsewhere the portable
-loop runs. The calls release the GIL, so a serving process's event loop runs while a step is
+128; other D load each K and V row once for all the group's heads). With AVX2 and FMA only,
+the same block in 8-lane vectors (D % 8 == 0), the exp built in the exponent field.
+Elsewhere the portable loop runs. The calls release the GIL, so a serving process's event loop runs while a step is
 in attention. Anything else, or a machine where the extension cannot be built, falls back to
 the torch path. Built once per CPU kind into torch's extension cache (kernels/cpu_build.py).
 """
@@ -52,7 +53,16 @@ _SOURCE = r"""
 #define PF 2
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PS_AVX2_BLOCK 1
 #endif
+
+// The vector exps' constants: the clamp, log2(e), ln2 split in two (Cody-Waite), and the
+// degree-7 Taylor coefficients of e^r, highest first.
+constexpr float kExpMin = -87.3f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[8] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
 
 // Formats: 0 fp32; 1 fp8 e4m3fn, 2 fp8 e5m2, 3 int8 (dequant_block: cpu_kv_dequant.py).
 """ + DEQUANT_SOURCE + r"""
@@ -61,19 +71,13 @@ _SOURCE = r"""
 // polynomial (|r| <= ln2 / 2: relative error ~1e-7, 1 ulp), times 2^n by scalef. Lanes
 // below -87.3 come out ~1e-38, not 0: callers mask lanes that must be exactly 0.
 static inline __m512 exp_neg512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  x = _mm512_max_ps(x, _mm512_set1_ps(kExpMin));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -187,8 +191,94 @@ static inline void block_avx512_regs(const float* qs, const float* kb, const flo
 }
 #endif
 
+#if defined(PS_AVX2_BLOCK)
+// exp_neg512 in 8 lanes (AVX2 has no scalef: 2^n is built in the exponent field; n >= -126
+// after the clamp, so it is a normal float).
+static inline __m256 exp_neg256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(kExpMin));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax256(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// All lanes set below `n` (clamped to 0..8).
+static inline __m256 live_lanes(int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int c = (int)std::max<int64_t>(0, std::min<int64_t>(8, n));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), idx));
+}
+
+// block_avx512 in 8-lane vectors (AVX2 + FMA: AMD Zen 2, Intel before Skylake-SP): one block
+// of n <= 16 tokens for the G <= 16 query heads of one KV head, each K and V row loaded once
+// for all of them, the 16 scores' softmax in two vectors. D % 8 == 0, D <= 256.
+static inline void block_avx2(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
+                              int64_t G, int64_t D, float* acc, float* m, float* l) {
+  alignas(32) float dots[16 * 16];  // [G <= 16][16 tokens]
+  const int64_t C = D / 8;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kt = kb + t * row;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kt)), a1 = _mm256_setzero_ps();
+      int64_t c = 1;
+      for (; c + 1 < C; c += 2) {  // two chains: the FMA latency is not the loop's
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kt + 8 * c), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), _mm256_loadu_ps(kt + 8 * c + 8), a0);
+      }
+      if (c < C) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kt + 8 * c), a1);
+      dots[g * 16 + t] = hsum256(_mm256_add_ps(a0, a1));
+    }
+  }
+  const __m256 live0 = live_lanes(n), live1 = live_lanes(n - 8);
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(32) float probs[16 * 16];
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_load_ps(dots + g * 16), live0);
+    const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_load_ps(dots + g * 16 + 8), live1);
+    const float mb = std::max(m[g], hmax256(_mm256_max_ps(s0, s1)));
+    const __m256 mv = _mm256_set1_ps(mb);
+    const __m256 p0 = _mm256_and_ps(exp_neg256(_mm256_sub_ps(s0, mv)), live0);
+    const __m256 p1 = _mm256_and_ps(exp_neg256(_mm256_sub_ps(s1, mv)), live1);
+    _mm256_store_ps(probs + g * 16, p0);
+    _mm256_store_ps(probs + g * 16 + 8, p1);
+    const float corr = std::exp(m[g] - mb);  // 0 on the first block (m = -inf)
+    l[g] = l[g] * corr + hsum256(_mm256_add_ps(p0, p1));
+    m[g] = mb;
+    float* ag = acc + g * D;
+    const __m256 cg = _mm256_set1_ps(corr);
+    for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(ag + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), cg));
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = vb + t * row;
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 pg = _mm256_set1_ps(probs[g * 16 + t]);
+      float* ag = acc + g * D;
+      for (int64_t c = 0; c < C; ++c)
+        _mm256_storeu_ps(ag + 8 * c, _mm256_fmadd_ps(pg, _mm256_loadu_ps(vt + 8 * c), _mm256_loadu_ps(ag + 8 * c)));
+    }
+  }
+}
+#endif
+
 // The portable block (any D, G, BS): the same online softmax, one K row per (head, token)
-// and a scalar exp per score (slower than the AVX-512 blocks; kernels/bench_cpu_attention.py).
+// and a scalar exp per score (slower than the vector blocks; kernels/bench_cpu_attention.py).
 static inline void block_scalar(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
                                 int64_t G, int64_t D, int64_t BS, float* acc, float* m, float* l, float* s) {
   for (int64_t g = 0; g < G; ++g) {
@@ -241,6 +331,8 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
   const float fscale = static_cast<float>(scale);
 #if defined(__AVX512F__)
   const bool vec = D % 16 == 0 && D <= 256 && BS <= 16 && G <= 16;
+#elif defined(PS_AVX2_BLOCK)
+  const bool vec = D % 8 == 0 && D <= 256 && BS <= 16 && G <= 16;
 #else
   const bool vec = false;
 #endif
@@ -320,6 +412,11 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
             else block_avx512(qr, kb, vb, row, nr, G, D, ar, mr, lr);
             continue;
           }
+#elif defined(PS_AVX2_BLOCK)
+          if (vec) {
+            block_avx2(qr, kb, vb, row, nr, G, D, ar, mr, lr);
+            continue;
+          }
 #endif
           block_scalar(qr, kb, vb, row, nr, G, D, BS, ar, mr, lr, s.data());
         }
@@ -390,7 +487,7 @@ _NO_GROUPS = torch.empty(0, dtype=torch.int32)
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v11", _SOURCE,
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v12", _SOURCE,
                      ["-O3", "-march=native", "-fno-math-errno"],
                      "CPU decode-attention", "using the torch path")
 _load = _EXT.get

@@ -83,12 +83,13 @@ def test_mixed_batch_fp32_matches_reference(num_heads, num_kv_heads, head_dim, b
     (6, 2, 96),    # six chunks: the AVX-512 block that reads q and the accumulator from L1
     (32, 2, 64),   # 16 query heads per KV head: the widest group the 16-token block takes
     (64, 2, 64),   # 32 per KV head: the portable loop
-    (10, 2, 80),   # head_dim not a multiple of 16: the portable loop
+    (10, 2, 80),   # head_dim not a multiple of 16: the AVX2 block, or the portable loop
+    (6, 2, 36),    # nor of 8: the portable loop
 ])
 def test_fused_decode_other_shapes_match_reference(num_heads, num_kv_heads, head_dim):
     """The AVX-512 blocks (head_dim % 16 == 0, <= 16 heads per KV head, block <= 16; q and
-    the accumulator in registers at head_dim 32, 64 and 128) and the portable loop, each
-    where the others do not apply; tails of 1..15 tokens."""
+    the accumulator in registers at head_dim 32, 64 and 128), the AVX2 block (head_dim % 8
+    == 0) and the portable loop, each where the others do not apply; tails of 1..15 tokens."""
     batch = make_paged_batch([1] * 5, [1, 15, 16, 17, 250], num_heads, num_kv_heads, head_dim, 16,
                              seed=head_dim * 100 + num_heads)
     _check(batch, atol=1e-5, rtol=1e-5)
