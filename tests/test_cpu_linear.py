@@ -166,11 +166,16 @@ def test_the_probe_runs_once_per_machine_kind_and_model_shape(tmp_path, monkeypa
     finally:
         torch.set_num_threads(threads)
     assert len(probes) == 2  # another thread count times differently: probed anew
+    kernel = cpu_backend.cpu_gemm.SOURCE_ID
+    monkeypatch.setattr(cpu_backend.cpu_gemm, "SOURCE_ID", "another kernel")
+    cpu_backend.choose_cpu_linear_backend(model)
+    assert len(probes) == 3  # a changed panel kernel is timed anew
+    monkeypatch.setattr(cpu_backend.cpu_gemm, "SOURCE_ID", kernel)
     cpu_backend.choose_cpu_linear_backend(_model(make_test_model("qwen2-tied", tmp_path / "c")))
-    assert len(probes) == 3  # other weight shapes
+    assert len(probes) == 4  # other weight shapes
     (tmp_path / "cache" / "cpu-linear-v1.json").write_text("{not json")
     cpu_backend.choose_cpu_linear_backend(model)
-    assert len(probes) == 4  # a damaged file is probed over, not an error
+    assert len(probes) == 5  # a damaged file is probed over, not an error
 
 
 def test_a_bf16_model_gets_a_backend_that_runs_on_this_cpu(tmp_path, monkeypatch):

@@ -31,6 +31,7 @@ import tempfile
 import torch
 from torch import nn
 
+from pagedserve.kernels import cpu_gemm
 from pagedserve.kernels.cpu_linear import (BACKENDS, onednn_available, panel_available, probe_linear_backends,
                                            relative_time)
 from pagedserve.worker import cpu_memory
@@ -101,9 +102,11 @@ def _cpu_model() -> str:
 
 
 def _probe_key(weights: list[torch.Tensor]) -> str:
-    """What the timings depend on; a different machine kind, torch or model shape probes anew."""
+    """What the timings depend on; a different machine kind, torch, panel kernel or model
+    shape probes anew."""
     parts = [_cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
              str(weights[0].dtype), str(onednn_available(weights[0].dtype)), str(panel_available(weights[0].dtype)),
+             cpu_gemm.SOURCE_ID,
              ";".join("x".join(map(str, w.shape)) for w in weights)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
