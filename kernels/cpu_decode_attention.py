@@ -28,9 +28,9 @@ time: per query head, the 16 scores out of one transpose-and-add tree, the softm
 vectorised exp (degree-7 polynomial, ~1 ulp), q and the accumulator in registers (D = 32, 64,
 128; other D load each K and V row once for all the group's heads). With AVX2 and FMA only,
 the same block in 8-lane vectors (D % 8 == 0), the exp built in the exponent field.
-Elsewhere the portable loop runs. The calls release the GIL, so a serving process's event loop runs while a step is
-in attention. Anything else, or a machine where the extension cannot be built, falls back to
-the torch path. Built once per CPU kind into torch's extension cache (kernels/cpu_build.py).
+Elsewhere the portable loop runs. The calls release the GIL, so a serving process's event
+loop runs while a step is in attention. Anything else, or a machine where the extension
+cannot be built, falls back to the torch path. Built once per CPU kind into torch's extension cache (kernels/cpu_build.py).
 """
 
 from __future__ import annotations

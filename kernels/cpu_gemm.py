@@ -103,10 +103,10 @@ static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, cons
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-// AVX2 (16 ymm registers): a panel is two 8-float vectors, a tile 2 rows x 3 panels
-// (12 accumulators, 2 broadcasts, the 6 weight vectors of one k loaded one at a time: 12
-// independent FMAs per k cover the FMA latency, and 3 streams of weights per thread). The accumulators are one flat array over restrict pointers, every loop
-// over them unrolled: written as acc[m][p][h], GCC 12 kept them in registers but also
+// AVX2 (16 ymm registers): a panel is two 8-float vectors, a tile 2 rows x 3 panels: 12
+// accumulators, 12 independent FMAs per k (enough to cover the FMA latency) and 3 streams
+// of weights per thread. The accumulators are one flat array over restrict pointers, every
+// loop over them unrolled: written as acc[m][p][h], GCC 12 kept them in registers but also
 // stored all of them to the stack on every k, which made the tile store-bound.
 constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 2;

@@ -182,7 +182,7 @@ def test_dropped_client_and_overload_while_requests_draft(real_app):
     import asyncio
     import time
 
-    from test_serve_cancel import scrape, wait_idle
+    from test_serve_cancel import wait_idle
 
     url = f"{real_app}/v1/chat/completions"
     ask = {"messages": COPY, "temperature": 0, "max_tokens": 40}
