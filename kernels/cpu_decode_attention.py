@@ -30,7 +30,8 @@ vectorised exp (degree-7 polynomial, ~1 ulp), q and the accumulator in registers
 the same block in 8-lane vectors (D % 8 == 0), the exp built in the exponent field.
 Elsewhere the portable loop runs. The calls release the GIL, so a serving process's event
 loop runs while a step is in attention. Anything else, or a machine where the extension
-cannot be built, falls back to the torch path. Built once per CPU kind into torch's extension cache (kernels/cpu_build.py).
+cannot be built, falls back to the torch path. Built once per CPU kind into torch's
+extension cache (kernels/cpu_build.py).
 """
 
 from __future__ import annotations

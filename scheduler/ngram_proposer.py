@@ -27,8 +27,8 @@ batch, so the probabilities must tell likely drafts from unlikely ones.
 
 The probability that a draft's token i is accepted. The length n of the suffix that matched
 tells most: a long match is likely to sit inside a passage being copied, a short one may be
-a common pair of tokens followed by something else (BENCHMARKS.md has the rates). ``AcceptanceModel`` keeps, per n, the rate at which draft token i is
-accepted once the ones before it were (shared by all requests: decayed counts), and per
+a common pair of tokens followed by something else (BENCHMARKS.md has the rates).
+``AcceptanceModel`` keeps, per n, the rate at which draft token i is accepted once the ones before it were (shared by all requests: decayed counts), and per
 request and n the rate of its first tokens, drawn toward the shared one while the request
 has few drafts of its own. A draft's tokens are then accepted with the cumulative products
 of these rates.
@@ -170,6 +170,27 @@ class AcceptanceModel:
         cell[1] = _REQUEST_DECAY * cell[1] + 1.0
 
 
+class Backoff:
+    """A pause that doubles each time it is taken (_FIRST_PAUSE_STEPS, twice that, ... up to
+    _MAX_PAUSE_STEPS) and is short again once what it paused pays."""
+
+    __slots__ = ("until", "steps")
+
+    def __init__(self) -> None:
+        self.until = -1  # step id from which the pause is over
+        self.steps = _FIRST_PAUSE_STEPS  # the next pause's length
+
+    def pause(self, step_id: int) -> None:
+        self.until = step_id + self.steps
+        self.steps = min(2 * self.steps, _MAX_PAUSE_STEPS)
+
+    def reset(self) -> None:
+        self.steps = _FIRST_PAUSE_STEPS
+
+    def over(self, step_id: int) -> bool:
+        return step_id >= self.until
+
+
 class DraftingGate:
     """Whether stepping in turn to draft pays, where the engine could plan ahead instead
     (see the module docstring). The scheduler notes each step it plans in turn to draft
@@ -181,8 +202,7 @@ class DraftingGate:
         self.host_s = 0.0  # EWMA: the worker's idle time between two steps taken in turn
         self.net_s = 0.0  # EWMA: seconds a step in turn gained by drafting (< 0: lost)
         self.num_steps = 0  # steps in turn seen since the gate last opened
-        self.closed_until = -1
-        self.close_steps = _FIRST_PAUSE_STEPS
+        self.backoff = Backoff()  # how long it stays closed
         self._pending: tuple[int, int] | None = None  # (decoding requests, draft rows) of the last step
         self._accepted = 0
 
@@ -192,7 +212,7 @@ class DraftingGate:
 
     def open(self, step_id: int) -> bool:
         self._settle(step_id)
-        return step_id >= self.closed_until
+        return self.backoff.over(step_id)
 
     def note_step(self, step_id: int, num_decoding: int, num_rows: int) -> None:
         """A step planned in turn to draft: its decoding requests, the draft rows it verifies."""
@@ -219,29 +239,26 @@ class DraftingGate:
         if self.num_steps < _GATE_MIN_STEPS:
             return
         if self.net_s < 0.0:
-            self.closed_until = step_id + self.close_steps
-            self.close_steps = min(2 * self.close_steps, _MAX_PAUSE_STEPS)
+            self.backoff.pause(step_id)
             self.net_s, self.num_steps = 0.0, 0
         else:
-            self.close_steps = _FIRST_PAUSE_STEPS
+            self.backoff.reset()
 
 
 class _RequestIndex:
-    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "paused_until", "pause_steps", "draft_n", "own")
+    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "backoff", "draft_n", "own")
 
     def __init__(self, ns: range) -> None:
         self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: where they first end}
         self.num_indexed = 0  # n-grams ending at positions < this are in the maps
         self.alpha = _PRIOR_ALPHA  # smoothed probability that a draft token is accepted
         self.num_empty = 0  # proposals in a row that found no match
-        self.paused_until = -1  # step id from which it drafts again
-        self.pause_steps = _FIRST_PAUSE_STEPS
+        self.backoff = Backoff()  # its drafting pauses
         self.draft_n = 0  # the match length of its last draft
         self.own: dict[int, list[float]] = {}  # n -> its first draft tokens' decayed [accepted, verified]
 
     def pause(self, step_id: int) -> None:
-        self.paused_until = step_id + self.pause_steps
-        self.pause_steps = min(2 * self.pause_steps, _MAX_PAUSE_STEPS)
+        self.backoff.pause(step_id)
         self.alpha = max(self.alpha, 0.5)  # a fresh chance after the pause, not a blank cheque
         self.num_empty = 0
 
@@ -268,7 +285,7 @@ class NgramProposer:
     def active(self, req_id: str, step_id: int) -> bool:
         """Whether the request drafts at this step (not paused)."""
         index = self._index.get(req_id)
-        return index is None or step_id >= index.paused_until
+        return index is None or index.backoff.over(step_id)
 
     def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int) -> list[int]:
         """Up to ``max_k`` tokens that followed the first earlier occurrence of the
@@ -336,7 +353,7 @@ class NgramProposer:
         if index.alpha < ACCEPTANCE_FLOOR:
             index.pause(step_id)
         elif num_accepted:
-            index.pause_steps = _FIRST_PAUSE_STEPS
+            index.backoff.reset()
 
     def free(self, req_id: str) -> None:
         self._index.pop(req_id, None)

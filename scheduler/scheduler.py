@@ -314,10 +314,9 @@ class Scheduler(TenantScheduling, StepResults):
     def drafting(self) -> bool:
         """Whether the next plan may hold drafts: speculation is on, fewer requests run
         than its ``disable_by_batch_size``, some of them has not paused drafting and, where
-        the engine could plan ahead, drafting has been paying for the steps it takes in
-        turn (ngram_proposer.DraftingGate). Such
-        a plan needs the previous step's tokens, so the engine does not plan a step ahead
-        of the one running while this holds."""
+        the engine could plan ahead, drafting has been paying for the steps it takes in turn
+        (ngram_proposer.DraftingGate). Such a plan needs the previous step's tokens, so the
+        engine does not plan a step ahead of the one running while this holds."""
         proposer = self.proposer
         if proposer is None:
             return False

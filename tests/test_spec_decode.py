@@ -321,7 +321,7 @@ def test_drafting_gate_plans_ahead_when_stepping_in_turn_does_not_pay():
     _add(s, "r", PROMPT, max_tokens=100)
     _run(s, s.schedule(), {"r": [12]})
     assert s.drafting()
-    s.proposer.gate.closed_until = s.step_id + 5
+    s.proposer.gate.backoff.until = s.step_id + 5
     assert not s.drafting() and not s.schedule().scheduled_spec_decode_tokens
     s.proposer.pause_when_idle = False  # stepping in turn anyway: drafting costs no idle worker
     assert s.drafting()
