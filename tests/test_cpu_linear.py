@@ -67,6 +67,21 @@ def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     assert cpu_linear(torch.empty(0, k), packed).shape == (0, n)
 
 
+
+@needs_panel
+def test_panel_gemm_gives_a_row_the_same_bits_at_every_batch_size():
+    """Speculative decoding's greedy tokens equal those without it only if a row's logits do
+    not depend on the rows beside it (a step verifying drafts has 2 to k + 1 rows a request
+    where a plain step has one): every row count, through every tile shape, sums in k order."""
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((100, 64), (48, 1536), (17, 33)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        packed = pack_cpu_weight(w, "panel")
+        x = torch.randn(17, k, generator=g)
+        alone = torch.cat([cpu_linear(x[i:i + 1], packed, b) for i in range(17)])
+        for m in range(2, 18):
+            assert torch.equal(cpu_linear(x[:m], packed, b), alone[:m]), (n, k, m)
+
 @needs_panel
 def test_panel_gemm_uses_the_threads_and_packs_into_the_callers_memory():
     g = torch.Generator().manual_seed(1)
