@@ -20,7 +20,7 @@ regions, less work in each.)
 Summation over k is in order, one FMA per k, as in a plain dot product: fp32 results differ
 from F.linear's in rounding only (~1e-6 relative).
 With AVX2 and FMA only (AMD Zen 2, Intel before Skylake-SP) a panel is two 256-bit vectors
-and a tile holds 2 rows of x by 3 panels (12 accumulators of the 16 registers); 3 to 6 rows
+and a tile holds 2 rows of x by 3 panels (12 accumulators of the 16 registers); 5 or 6 rows
 (a step that verifies drafts) run one panel at a time in chunks of k, all rows in one pass
 over the weights. Without
 either the module builds but reports ``supported() == False``, and the load-time probe
@@ -170,11 +170,12 @@ static inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const
   }
 }
 
-// 3 to 6 rows (a step verifying drafts) take one pass over the weights: per chunk of kChunk
-// k, each panel of the group in turn with all the rows (up to 12 accumulators), the partial
-// sums kept in y between chunks. In 2-row tiles they would take a pass per row pair, the
-// later ones reading the panels again from L2 at the pace of the FMA units. The sums stay in
-// k order: a row's result is the same bits whatever M.
+// 5 or 6 rows (a step verifying 4 or 5 drafts) take one pass over the weights: per chunk of
+// kChunk k, each panel of the group in turn with all the rows (up to 12 accumulators), the
+// partial sums kept in y between chunks. In 2-row tiles they would take three passes, the
+// later ones reading the panels again from L2 at the pace of the FMA units (3 or 4 rows, two
+// passes, lose less that way than chunking costs them on one thread). The sums stay in k
+// order: a row's result is the same bits whatever M.
 constexpr int64_t kChunk = 16;
 
 template <int MR, int NP>
@@ -192,8 +193,6 @@ template <int NP>
 static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
                         int64_t ldy, const float* bias, int64_t last_cols) {
   switch (M) {
-    case 3: return chunked<3, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
-    case 4: return chunked<4, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
     case 5: return chunked<5, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
     case 6: return chunked<6, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
   }
