@@ -173,9 +173,9 @@ static inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const
 // 5 or 6 rows (a step verifying 4 or 5 drafts) take one pass over the weights: per chunk of
 // kChunk k, each panel of the group in turn with all the rows (up to 12 accumulators), the
 // partial sums kept in y between chunks. In 2-row tiles they would take three passes, the
-// later ones reading the panels again from L2 at the pace of the FMA units (3 or 4 rows, two
-// passes, lose less that way than chunking costs them on one thread). The sums stay in k
-// order: a row's result is the same bits whatever M.
+// later ones reading the panels again from L2 at the pace of the FMA units. 3 or 4 rows keep
+// the 2-row tiles: their two passes cost less than chunking does on one thread. The sums stay
+// in k order: a row's result is the same bits whatever M.
 constexpr int64_t kChunk = 16;
 
 template <int MR, int NP>

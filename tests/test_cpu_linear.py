@@ -67,7 +67,6 @@ def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     assert cpu_linear(torch.empty(0, k), packed).shape == (0, n)
 
 
-
 @needs_panel
 def test_panel_gemm_gives_a_row_the_same_bits_at_every_batch_size():
     """Speculative decoding's greedy tokens equal those without it only if a row's logits do
@@ -81,6 +80,7 @@ def test_panel_gemm_gives_a_row_the_same_bits_at_every_batch_size():
         alone = torch.cat([cpu_linear(x[i:i + 1], packed, b) for i in range(17)])
         for m in range(2, 18):
             assert torch.equal(cpu_linear(x[:m], packed, b), alone[:m]), (n, k, m)
+
 
 @needs_panel
 def test_panel_gemm_uses_the_threads_and_packs_into_the_callers_memory():
