@@ -28,10 +28,10 @@ batch, so the probabilities must tell likely drafts from unlikely ones.
 The probability that a draft's token i is accepted. The length n of the suffix that matched
 tells most: a long match is likely to sit inside a passage being copied, a short one may be
 a common pair of tokens followed by something else (BENCHMARKS.md has the rates).
-``AcceptanceModel`` keeps, per n, the rate at which draft token i is accepted once the ones before it were (shared by all requests: decayed counts), and per
-request and n the rate of its first tokens, drawn toward the shared one while the request
-has few drafts of its own. A draft's tokens are then accepted with the cumulative products
-of these rates.
+``AcceptanceModel`` keeps, per n, the rate at which draft token i is accepted once the ones
+before it were (shared by all requests: decayed counts), and per request and n the rate of
+its first tokens, drawn toward the shared one while the request has few drafts of its own. A
+draft's tokens are then accepted with the cumulative products of these rates.
 
 Pauses: a request whose smoothed per-token acceptance falls below ACCEPTANCE_FLOOR, or none
 of whose draft pays, pauses drafting for a number of steps that doubles with each pause,
