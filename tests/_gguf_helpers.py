@@ -5,6 +5,8 @@ another architecture for the refusal test. Used by tests only."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 
@@ -23,6 +25,22 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight
           "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
+
+
+@contextlib.contextmanager
+def parse_gguf_once():
+    """transformers' own GGUF load, as it is, but with the file parsed once: it builds a
+    ``gguf.GGUFReader`` for the config, another for the tokenizer and a third for the
+    weights (each reads every vocab and merges string, seconds apiece on a 49k-token
+    vocab), and ggml's tensor-name table once per tensor. Both are pure functions of their
+    arguments, so memoizing them changes nothing transformers computes, only how often."""
+    import gguf
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
 
 
 def _gguf_name(hf_name: str) -> str:

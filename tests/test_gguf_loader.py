@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from _gguf_helpers import write_foreign_gguf, write_gguf_from_hf
+from _gguf_helpers import parse_gguf_once, write_foreign_gguf, write_gguf_from_hf
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.gguf_loader import iter_gguf_weights
 from pagedserve.worker.model_config import ModelConfig
@@ -43,8 +43,9 @@ def _gguf(root, shape: str, qtype: str) -> str:
 def _hf_gguf(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    with parse_gguf_once():
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
 
 
 def _hf_greedy(hf, prompts) -> list[list[int]]:

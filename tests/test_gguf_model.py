@@ -8,7 +8,7 @@ transformers' own GGUF load of the same file (``from_pretrained(dir, gguf_file=.
 and served as a user runs it (``pagedserve serve`` with no --model, the openai SDK):
 "What is the capital of France?" answers Paris and stops at <|im_end|>, streamed or not.
 The model is 135M parameters in fp32 on a 2-core box: prompts and outputs stay short, and
-the transformers load (~20 s) happens once for the module."""
+the transformers load happens once for the module."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.model_source import DEFAULT_MODEL_NAME, default_model_file, resolve_model
+from _gguf_helpers import parse_gguf_once
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = [
@@ -48,8 +49,9 @@ def oracle():
 
     path = default_model_file()
     where, name = os.path.dirname(path), os.path.basename(path)
-    tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    hf = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32).eval()
+    with parse_gguf_once():
+        tok = AutoTokenizer.from_pretrained(where, gguf_file=name)
+        hf = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32).eval()
     prompts, refs = [], []
     for q in QUESTIONS:
         text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
