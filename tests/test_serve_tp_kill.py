@@ -24,18 +24,29 @@ from conftest import SERVE_ENGINE, delete_app
 APP, PREFIX = "tp-kill-test", "/tpkill"
 
 
-def worker_pids() -> set[int]:
-    """Processes of TP worker actors (Ray titles them ``ray::RayWorkerWrapper...``)."""
+def worker_pids(raylet: int | None = None) -> set[int]:
+    """Processes of TP worker actors (Ray titles them ``ray::RayWorkerWrapper...``); with
+    ``raylet``, only that raylet's (another Ray on the machine, a script's private one,
+    may run workers of its own meanwhile)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes()
-            except OSError:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if cmd.startswith(b"ray::RayWorkerWrapper"):
+            if cmd.startswith(b"ray::RayWorkerWrapper") and raylet in (None, ppid):
                 pids.add(int(entry.name))
     return pids
+
+
+def session_raylet() -> int:
+    """The raylet of this session's Ray: ray.init() started it as a child of this process."""
+    import psutil
+
+    [raylet] = [p.pid for p in psutil.Process().children() if p.name() == "raylet"]
+    return raylet
 
 
 def alive(pid: int) -> bool:
@@ -53,11 +64,12 @@ def base(serve_url, serve_model):
     from pagedserve.cluster.app import build_app
     from pagedserve.config import EngineConfig
 
-    before = worker_pids()
+    raylet = session_raylet()
+    before = worker_pids(raylet)
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "tensor_parallel_size": 2,
                                              "max_waiting_requests": None})
     serve.run(build_app(cfg, name_prefix="tpkill-", engine_num_cpus=0.5), name=APP, route_prefix=PREFIX)
-    yield serve_url + PREFIX, worker_pids() - before
+    yield serve_url + PREFIX, worker_pids(raylet) - before, raylet
     delete_app(APP)
 
 
@@ -74,7 +86,7 @@ async def _stream(ac: httpx.AsyncClient, url: str, started: asyncio.Event) -> tu
 
 
 def test_sigkill_one_worker_fails_in_flight_fast_and_serve_recovers(base):
-    url, workers = base
+    url, workers, raylet = base
     assert len(workers) == 2, workers
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
@@ -122,5 +134,5 @@ def test_sigkill_one_worker_fails_in_flight_fast_and_serve_recovers(base):
     while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not any(alive(p) for p in workers), [p for p in workers if alive(p)]
-    fresh = {p for p in worker_pids() if alive(p)} - workers
+    fresh = {p for p in worker_pids(raylet) if alive(p)} - workers
     assert len(fresh) == 2, fresh
