@@ -16,6 +16,8 @@ On SmolLM2-135M-Instruct (the default model), greedy:
     python -m pagedserve.loadtest.bench_spec                 # everything (minutes on 2 cores)
     python -m pagedserve.loadtest.bench_spec --no-http --no-vllm
     python -m pagedserve.loadtest.bench_spec --prompts my_prompts.json
+    python -m pagedserve.loadtest.bench_spec --speculative-config '{"method": "ngram",
+        "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 Also: greedy outputs with and without speculation compared token for token offline
 (``greedy_equal``) and text for text over HTTP (reported per part: a batch of 8 is not
@@ -201,13 +203,13 @@ def b1(engine: str, model: str, prompts, max_tokens: int, engine_args: dict) -> 
 
 
 def b1_pair(engine: str, model: str, prompts, max_tokens: int, label: str,
-            repeats: int = 1) -> tuple[dict, list, list]:
+            repeats: int = 1, spec_config: dict = SPEC) -> tuple[dict, list, list]:
     """Speculation off, then on, ``repeats`` times in turn (a fresh process each): the
     median tok/s of each, so a slow spell of the machine lands on both sides."""
     bases, specs = [], []
     for _ in range(repeats):
         bases.append(b1(engine, model, prompts, max_tokens, {}))
-        specs.append(b1(engine, model, prompts, max_tokens, {"speculative_config": SPEC}))
+        specs.append(b1(engine, model, prompts, max_tokens, {"speculative_config": spec_config}))
     base, spec = bases[0], specs[0]
     out = {**_medians([r["output_throughput"] for r in bases], [r["output_throughput"] for r in specs]),
            **acceptance(spec.get("stats", {})), "output_tokens": spec["num_output_tokens"]}
@@ -238,15 +240,16 @@ def _spec_counters(base_url: str) -> dict:
         ("spec_num_accepted_tokens", "num_accepted_tokens"))}
 
 
-def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "pagedserve",
+def c8_run(model: str, prompts, max_tokens: int, spec: dict | None, engine: str = "pagedserve",
            bind: str | None = None) -> tuple[dict, list[str]]:
+    """One server, with ``spec`` as its --speculative-config (None: without)."""
     specs = [RequestSpec(f"r{i}", p, len(p), max_tokens, ignore_eos=False) for i, p in enumerate(prompts)]
     if engine == "pagedserve":
-        args = {"speculative_config": json.dumps(SPEC)} if spec else {}
+        args = {"speculative_config": json.dumps(spec)} if spec else {}
         server = pagedserve_server(model, max_model_len=MAX_MODEL_LEN, cpu_omp_threads_bind=bind, **args)
     else:  # eager, as its b1 run (a far shorter start-up), plus the same n-gram config
         server = vllm_server(model, max_model_len=MAX_MODEL_LEN, enforce_eager=True,
-                             extra_args=["--speculative-config", json.dumps(SPEC)] if spec else [])
+                             extra_args=["--speculative-config", json.dumps(spec)] if spec else [])
     with server as srv:
         warm = [RequestSpec("warm", prompts[0], len(prompts[0]), 16, ignore_eos=False)]
         asyncio.run(run_benchmark(srv.base_url, warm, max_concurrency=1, progress=False))
@@ -261,13 +264,13 @@ def c8_run(model: str, prompts, max_tokens: int, spec: bool, engine: str = "page
 
 
 def c8_pair(model: str, prompts, max_tokens: int, label: str, engine: str = "pagedserve",
-            bind: str | None = None, repeats: int = 1) -> dict:
+            bind: str | None = None, repeats: int = 1, spec_config: dict = SPEC) -> dict:
     """Servers with speculation off, then on, ``repeats`` times in turn: the median tok/s
     of each (as b1_pair)."""
     bases, specs = [], []
     for _ in range(repeats):
-        bases.append(c8_run(model, prompts, max_tokens, False, engine, bind))
-        specs.append(c8_run(model, prompts, max_tokens, True, engine, bind))
+        bases.append(c8_run(model, prompts, max_tokens, None, engine, bind))
+        specs.append(c8_run(model, prompts, max_tokens, spec_config, engine, bind))
     (base, base_texts), (spec, spec_texts) = bases[0], specs[0]
     same = sum(a == b for a, b in zip(base_texts, spec_texts))
     out = {**_medians([r["tok_s"] for r, _ in bases], [r["tok_s"] for r, _ in specs]),
@@ -294,41 +297,45 @@ def main(argv=None) -> int:
     ap.add_argument("--b1-repeats", type=int, default=3,
                     help="off/on pairs per b1 part (fresh processes, in turn); the medians are reported")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--speculative-config", default=json.dumps(SPEC), metavar="JSON",
+                    help=f"the n-gram config of the speculating runs, both engines (default: {json.dumps(SPEC)})")
     ap.add_argument("--cpu-omp-threads-bind", default=None,
                     help="the c8 servers' --cpu-omp-threads-bind (default: the server's, auto)")
     args = ap.parse_args(argv)
+    spec = json.loads(args.speculative_config)
     from pagedserve.worker.model_source import resolve_model
 
     model = str(resolve_model(None).path)
     grounded = GROUNDED if args.prompts is None else json.load(open(args.prompts))
     workloads = {"grounded": chat_token_ids(model, grounded), "no_repeat": chat_token_ids(model, NO_REPEAT)}
     summary: dict = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                     "speculative_config": SPEC, "max_tokens": args.max_tokens}
+                     "speculative_config": spec, "max_tokens": args.max_tokens}
     print(f"# {summary['cpu']}; SmolLM2-135M-Instruct, greedy, max_tokens {args.max_tokens}; "
-          f"{json.dumps(SPEC)}", flush=True)
+          f"{json.dumps(spec)}", flush=True)
     equal = True
     for name, prompts in workloads.items():
         summary[name] = {}
         if not args.no_b1:
             part, base_ids, spec_ids = b1_pair("pagedserve", model, prompts, args.max_tokens, name,
-                                               args.b1_repeats)
+                                               args.b1_repeats, spec)
             summary[name]["b1"] = part
             equal &= base_ids == spec_ids
     if not args.no_http:
         summary["cpu_omp_threads_bind"] = args.cpu_omp_threads_bind or "auto"
         for name, prompts in workloads.items():
             summary[name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens, name,
-                                          bind=args.cpu_omp_threads_bind, repeats=args.c8_pairs)
+                                          bind=args.cpu_omp_threads_bind, repeats=args.c8_pairs,
+                                          spec_config=spec)
     summary["greedy_equal"] = equal  # offline (b1); c8's text equality is in each c8 part
     if not args.no_vllm and vllm_available():
         summary["vllm"] = {}
         for name, prompts in workloads.items():
             try:
-                part, _, _ = b1_pair("vllm", model, prompts, args.max_tokens, name, args.b1_repeats)
+                part, _, _ = b1_pair("vllm", model, prompts, args.max_tokens, name, args.b1_repeats, spec)
                 summary["vllm"][name] = {"b1": part}
                 if not args.no_http:
                     summary["vllm"][name]["c8"] = c8_pair(model, prompts * args.c8_repeats, args.max_tokens,
-                                                          name, "vllm", repeats=args.c8_pairs)
+                                                          name, "vllm", repeats=args.c8_pairs, spec_config=spec)
             except Exception as e:  # its CPU build may not run n-gram speculation: say so, go on
                 summary["vllm"][name] = {"error": str(e)[-500:]}
                 print(f"{name:10s} b1 vLLM: {str(e)[-300:]}", flush=True)
