@@ -29,7 +29,7 @@ def test_a_stale_torch_build_lock_does_not_hang_the_next_load():
     # In the real build directory, where the module is built already (a copy elsewhere
     # would make torch rebuild it: its ninja file names the directory).
     assert F.available()
-    lock = Path(build_directory(f"pagedserve_cpu_fused_v1_{cpu_kind_tag()}")) / "lock"
+    lock = Path(build_directory(f"{F._EXT.name}_{cpu_kind_tag()}")) / "lock"
     lock.touch()
     try:
         code = ("from pagedserve.kernels import cpu_fused; import sys; "
@@ -94,4 +94,4 @@ def test_extension_builds_are_per_cpu_kind():
     cpu_build.cpu_kind_tag.cache_clear()
     assert cpu_build.cpu_kind_tag() == tag
     assert F.available()
-    assert os.path.isdir(cpu_build.build_directory(f"pagedserve_cpu_fused_v1_{tag}"))
+    assert os.path.isdir(cpu_build.build_directory(f"{F._EXT.name}_{tag}"))
