@@ -24,19 +24,24 @@ from conftest import SERVE_ENGINE, delete_app
 APP, PREFIX = "tp-kill-test", "/tpkill"
 
 
-def worker_pids(raylet: int | None = None) -> set[int]:
-    """Processes of TP worker actors (Ray titles them ``ray::RayWorkerWrapper...``); with
-    ``raylet``, only that raylet's (another Ray on the machine, a script's private one,
-    may run workers of its own meanwhile)."""
+def _stat(pid: int | str) -> list[str]:
+    """/proc/<pid>/stat after the command name: state, ppid, ... (OSError once it is gone)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def worker_pids(raylet: int) -> set[int]:
+    """Processes of TP worker actors (Ray titles them ``ray::RayWorkerWrapper...``) under
+    ``raylet`` (another Ray on the machine, a script's private one, may run workers of its
+    own meanwhile)."""
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes()
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(_stat(entry.name)[1])
             except (OSError, ValueError, IndexError):
                 continue
-            if cmd.startswith(b"ray::RayWorkerWrapper") and raylet in (None, ppid):
+            if cmd.startswith(b"ray::RayWorkerWrapper") and ppid == raylet:
                 pids.add(int(entry.name))
     return pids
 
@@ -51,10 +56,9 @@ def session_raylet() -> int:
 
 def alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return _stat(pid)[0] != "Z"
     except OSError:
         return False
-    return state != "Z"
 
 
 @pytest.fixture(scope="module")
