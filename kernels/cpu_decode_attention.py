@@ -26,8 +26,10 @@ into L1 with their scales folded in, so a quantised context reads a quarter of t
 Where the compiler targets AVX-512 (``-march=native``), a block is computed 16 tokens at a
 time: per query head, the 16 scores out of one transpose-and-add tree, the softmax with a
 vectorised exp (degree-7 polynomial, ~1 ulp), q and the accumulator in registers (D = 32, 64,
-128; other D load each K and V row once for all the group's heads). With AVX2 and FMA only,
-the same block in 8-lane vectors (D % 8 == 0), the exp built in the exponent field.
+128; other D load each K and V row once for all the group's heads). With AVX2 and FMA only
+(D % 8 == 0), a block's K is transposed once in L1 and every row's heads score 8 tokens per
+broadcast FMA, no horizontal sums; P.V keeps each head's accumulator in registers; the exp
+is built in the exponent field.
 Elsewhere the portable loop runs. The calls release the GIL, so a serving process's event
 loop runs while a step is in attention. Anything else, or a machine where the extension
 cannot be built, falls back to the torch path. Built once per CPU kind into torch's
@@ -226,53 +228,128 @@ static inline __m256 live_lanes(int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), idx));
 }
 
-// block_avx512 in 8-lane vectors (AVX2 + FMA: AMD Zen 2, Intel before Skylake-SP): one block
-// of n <= 16 tokens for the G <= 16 query heads of one KV head, each K and V row loaded once
-// for all of them, the 16 scores' softmax in two vectors. D % 8 == 0, D <= 256.
-static inline void block_avx2(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
-                              int64_t G, int64_t D, float* acc, float* m, float* l) {
-  alignas(32) float dots[16 * 16];  // [G <= 16][16 tokens]
-  const int64_t C = D / 8;
-  for (int64_t t = 0; t < n; ++t) {
-    const float* kt = kb + t * row;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qs + g * D;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kt)), a1 = _mm256_setzero_ps();
-      int64_t c = 1;
-      for (; c + 1 < C; c += 2) {  // two chains: the FMA latency is not the loop's
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kt + 8 * c), a1);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c + 8), _mm256_loadu_ps(kt + 8 * c + 8), a0);
-      }
-      if (c < C) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(kt + 8 * c), a1);
-      dots[g * 16 + t] = hsum256(_mm256_add_ps(a0, a1));
+// r[0..7] (8 rows of 8) into its transpose, in place.
+static inline void transpose8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// The scores of HN query heads against the block's 16 token slots: s[h][t] = q[h] . k[t],
+// summed over d in order (one FMA per d: a head's scores do not depend on which heads share
+// its pass). kt [D][16]: the block's K transposed; 2 HN accumulators (HN <= 6).
+template <int HN>
+static inline void scores_avx2(const float* __restrict q, const float* __restrict kt, int64_t D,
+                               float* __restrict s) {
+  __m256 a[2 * HN];
+#pragma GCC unroll 12
+  for (int i = 0; i < 2 * HN; ++i) a[i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_load_ps(kt + d * 16), k1 = _mm256_load_ps(kt + d * 16 + 8);
+#pragma GCC unroll 6
+    for (int h = 0; h < HN; ++h) {
+      const __m256 b = _mm256_broadcast_ss(q + h * D + d);
+      a[2 * h] = _mm256_fmadd_ps(b, k0, a[2 * h]);
+      a[2 * h + 1] = _mm256_fmadd_ps(b, k1, a[2 * h + 1]);
     }
   }
-  const __m256 live0 = live_lanes(n), live1 = live_lanes(n - 8);
-  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(32) float probs[16 * 16];
-  for (int64_t g = 0; g < G; ++g) {
-    const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_load_ps(dots + g * 16), live0);
-    const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_load_ps(dots + g * 16 + 8), live1);
-    const float mb = std::max(m[g], hmax256(_mm256_max_ps(s0, s1)));
-    const __m256 mv = _mm256_set1_ps(mb);
-    const __m256 p0 = _mm256_and_ps(exp_neg256(_mm256_sub_ps(s0, mv)), live0);
-    const __m256 p1 = _mm256_and_ps(exp_neg256(_mm256_sub_ps(s1, mv)), live1);
-    _mm256_store_ps(probs + g * 16, p0);
-    _mm256_store_ps(probs + g * 16 + 8, p1);
-    const float corr = std::exp(m[g] - mb);  // 0 on the first block (m = -inf)
-    l[g] = l[g] * corr + hsum256(_mm256_add_ps(p0, p1));
-    m[g] = mb;
-    float* ag = acc + g * D;
-    const __m256 cg = _mm256_set1_ps(corr);
-    for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(ag + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ag + 8 * c), cg));
-  }
+#pragma GCC unroll 12
+  for (int i = 0; i < 2 * HN; ++i) _mm256_storeu_ps(s + 8 * i, a[i]);
+}
+
+// acc[0:8 NV] = acc * corr + sum over t < n of p[t] v[t][0:8 NV], in registers (one FMA per
+// t and lane, t in order).
+template <int NV>
+static inline void pv_avx2(float* __restrict acc, float corr, const float* __restrict p,
+                           const float* __restrict vb, int64_t row, int64_t n) {
+  __m256 a[NV];
+  const __m256 c = _mm256_set1_ps(corr);
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) a[j] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * j), c);
   for (int64_t t = 0; t < n; ++t) {
+    const __m256 pt = _mm256_set1_ps(p[t]);
     const float* vt = vb + t * row;
-    for (int64_t g = 0; g < G; ++g) {
-      const __m256 pg = _mm256_set1_ps(probs[g * 16 + t]);
-      float* ag = acc + g * D;
-      for (int64_t c = 0; c < C; ++c)
-        _mm256_storeu_ps(ag + 8 * c, _mm256_fmadd_ps(pg, _mm256_loadu_ps(vt + 8 * c), _mm256_loadu_ps(ag + 8 * c)));
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), a[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+}
+
+// One block of n <= 16 tokens for R rows (query positions of one sequence, or one decode row)
+// of G query heads each, all of one KV head, with AVX2 + FMA (AMD Zen 2, Intel before
+// Skylake-SP): K is transposed once into kt, so the scores of all R G heads are broadcast
+// FMAs against whole rows of 8 tokens, with no horizontal sums; each head's softmax runs on
+// its row's first nr[r] tokens (nr[r] <= 0: the row has ended, it skips the block); P.V keeps
+// the head's accumulator in registers. qs [R G, D] (pre-scaled), acc [R G, D], m / l [R G];
+// kb / vb rows `row` floats apart; kt [D, 16] (32-byte aligned) and sc [R G, 16] scratch.
+// D % 8 == 0. A head's arithmetic is the same whatever R, G and the other rows' lengths.
+static inline void block_avx2(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
+                              int64_t R, const int64_t* nr, int64_t G, int64_t D, float* acc, float* m,
+                              float* l, float* kt, float* sc) {
+  const int64_t H = R * G;
+  for (int64_t tg = 0; tg < 2; ++tg)
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      __m256 r8[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t t = 8 * tg + i;
+        r8[i] = t < n ? _mm256_loadu_ps(kb + t * row + d0) : _mm256_setzero_ps();
+      }
+      transpose8(r8);
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(kt + (d0 + i) * 16 + 8 * tg, r8[i]);
+    }
+  int64_t h0 = 0;
+  for (; h0 + 6 <= H; h0 += 6) scores_avx2<6>(qs + h0 * D, kt, D, sc + h0 * 16);
+  switch (H - h0) {
+    case 5: scores_avx2<5>(qs + h0 * D, kt, D, sc + h0 * 16); break;
+    case 4: scores_avx2<4>(qs + h0 * D, kt, D, sc + h0 * 16); break;
+    case 3: scores_avx2<3>(qs + h0 * D, kt, D, sc + h0 * 16); break;
+    case 2: scores_avx2<2>(qs + h0 * D, kt, D, sc + h0 * 16); break;
+    case 1: scores_avx2<1>(qs + h0 * D, kt, D, sc + h0 * 16); break;
+  }
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(32) float probs[16];
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t nv = nr[r];
+    if (nv <= 0) continue;
+    const __m256 live0 = live_lanes(nv), live1 = live_lanes(nv - 8);
+    for (int64_t h = r * G; h < (r + 1) * G; ++h) {
+      const __m256 s0 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sc + h * 16), live0);
+      const __m256 s1 = _mm256_blendv_ps(ninf, _mm256_loadu_ps(sc + h * 16 + 8), live1);
+      const float mb = std::max(m[h], hmax256(_mm256_max_ps(s0, s1)));
+      const __m256 mv = _mm256_set1_ps(mb);
+      const __m256 p0 = _mm256_and_ps(exp_neg256(_mm256_sub_ps(s0, mv)), live0);
+      const __m256 p1 = _mm256_and_ps(exp_neg256(_mm256_sub_ps(s1, mv)), live1);
+      _mm256_store_ps(probs, p0);
+      _mm256_store_ps(probs + 8, p1);
+      const float corr = std::exp(m[h] - mb);  // 0 on the first block (m = -inf)
+      l[h] = l[h] * corr + hsum256(_mm256_add_ps(p0, p1));
+      m[h] = mb;
+      float* ah = acc + h * D;
+      int64_t c = 0;
+      for (; c + 64 <= D; c += 64) pv_avx2<8>(ah + c, corr, probs, vb + c, row, nv);
+      switch ((D - c) / 8) {
+        case 7: pv_avx2<7>(ah + c, corr, probs, vb + c, row, nv); break;
+        case 6: pv_avx2<6>(ah + c, corr, probs, vb + c, row, nv); break;
+        case 5: pv_avx2<5>(ah + c, corr, probs, vb + c, row, nv); break;
+        case 4: pv_avx2<4>(ah + c, corr, probs, vb + c, row, nv); break;
+        case 3: pv_avx2<3>(ah + c, corr, probs, vb + c, row, nv); break;
+        case 2: pv_avx2<2>(ah + c, corr, probs, vb + c, row, nv); break;
+        case 1: pv_avx2<1>(ah + c, corr, probs, vb + c, row, nv); break;
+      }
     }
   }
 }
@@ -347,6 +424,11 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
   at::parallel_for(0, NG * KVH * P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc, m, l, s(G * BS), qs;
     std::vector<float> kbuf(FMT ? BS * D : 0), vbuf(FMT ? BS * D : 0);
+#if defined(PS_AVX2_BLOCK)
+    std::vector<int64_t> nrow;
+    std::vector<float> sc;                       // [R G, 16] scores
+    alignas(32) float kt[256 * 16];              // the block's K transposed, [D, 16]
+#endif
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t grp = idx / (KVH * P), kh = idx / P % KVH, part = idx % P;
       const int64_t first_row = gp ? gp[grp] : grp, group_rows = gp ? gp[grp + 1] - first_row : 1;
@@ -358,6 +440,10 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
       m.assign(R * G, -std::numeric_limits<float>::infinity());
       l.assign(R * G, 0.f);
       qs.resize(R * G * D);
+#if defined(PS_AVX2_BLOCK)
+      nrow.resize(R);
+      sc.resize(R * G * 16);
+#endif
       int64_t len = 0;
       for (int64_t r = 0; r < R; ++r) {
         len = std::max<int64_t>(len, lens[seq + r]);
@@ -398,6 +484,14 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
           vb = vbuf.data();
           row = D;
         }
+#if defined(PS_AVX2_BLOCK)
+        if (vec) {  // all rows in one pass over the block
+          for (int64_t r = 0; r < R; ++r) nrow[r] = std::min<int64_t>(n, lens[seq + r] - b * BS);
+          block_avx2(qs.data(), kb, vb, row, n, R, nrow.data(), G, D, acc.data(), m.data(), l.data(), kt,
+                     sc.data());
+          continue;
+        }
+#endif
         for (int64_t r = 0; r < R; ++r) {  // each row up to its own length; the block stays in cache
           const int64_t nr = std::min<int64_t>(n, lens[seq + r] - b * BS);
           if (nr <= 0) continue;
@@ -411,11 +505,6 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
             else if (D == 128) block_avx512_regs<8>(qr, kb, vb, row, nr, G, ar, mr, lr);
             else if (D == 32) block_avx512_regs<2>(qr, kb, vb, row, nr, G, ar, mr, lr);
             else block_avx512(qr, kb, vb, row, nr, G, D, ar, mr, lr);
-            continue;
-          }
-#elif defined(PS_AVX2_BLOCK)
-          if (vec) {
-            block_avx2(qr, kb, vb, row, nr, G, D, ar, mr, lr);
             continue;
           }
 #endif
@@ -488,7 +577,7 @@ _NO_GROUPS = torch.empty(0, dtype=torch.int32)
 # cache dtype -> the extension's format code
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v12", _SOURCE,
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v13", _SOURCE,
                      ["-O3", "-march=native", "-fno-math-errno"],
                      "CPU decode-attention", "using the torch path")
 _load = _EXT.get

@@ -243,3 +243,10 @@ def test_rows_of_one_sequence_read_its_context_once(num_heads, num_kv_heads, hea
         torch.set_num_threads(threads)
     assert calls and calls[0] is grouped.decode_row_groups  # the fused kernel took the groups
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    # Greedy speculation equals plain decoding only if a verify row's attention is the same
+    # bits as that row's alone (a plain step's one row per sequence).
+    for i in range(len(src)):
+        alone_out = torch.empty_like(q[i:i + 1])
+        assert cpu_decode_attention.decode_attention_cpu(q[i:i + 1], base.k_cache, base.v_cache, block_table[i:i + 1],
+                                                         seq_lens[i:i + 1], base.scale, alone_out)
+        assert torch.equal(alone_out, got[i:i + 1]), i
