@@ -45,10 +45,10 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @needs_panel
 @pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768)])
 def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
-    """Row counts around the tiles (8 rows with AVX-512; 2 with AVX2, whose 3 to 6 rows go
-    in chunks of k), column counts around the 16-column panel (with AVX2 its two halves) and
-    the 3-panel tile (a masked last panel), with and without bias, batched inputs, strided
-    rows."""
+    """Row counts around the tiles (8 rows with AVX-512; 2 with AVX2, whose 3 to 6 and 7 to
+    10 rows go in chunks of k), column counts around the 16-column panel (with AVX2 its two
+    halves) and the 3-panel tile (a masked last panel), with and without bias, batched
+    inputs, strided rows."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
@@ -56,7 +56,7 @@ def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     assert tuple(packed.panels.shape) == ((n + 15) // 16, k, 16) and packed.n == n
     if n % 16:
         assert packed.panels[-1, :, n % 16:].abs().sum() == 0  # the padding columns are zeros
-    for m in (1, 3, 4, 5, 6, 7, 8, 9, 16, 17, 130):
+    for m in (1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 130):
         x = torch.randn(m, k, generator=g)
         assert _rel_err(cpu_linear(x, packed, b), F.linear(x, w, b)) < 5e-5
         assert _rel_err(cpu_linear(x, packed), F.linear(x, w)) < 5e-5
