@@ -194,7 +194,7 @@ static inline void chunked(const float* x, int64_t ldx, int64_t K, const float* 
     const int64_t k1 = std::min<int64_t>(K, k0 + kChunk);
     for (int p = 0; p < NP; ++p)
       tile<MR, 1, true>(x, ldx, K, w + p * K * kPanel, y + p * kPanel, ldy, bias ? bias + p * kPanel : nullptr,
-                  p == NP - 1 ? last_cols : kPanel, k0, k1);
+                        p == NP - 1 ? last_cols : kPanel, k0, k1);
   }
 }
 
