@@ -234,10 +234,11 @@ static inline void transpose8(__m256* r) {
   const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
   const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
   const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)), s1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)), s3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0)), s5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0)), s7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+  constexpr int kLo = _MM_SHUFFLE(1, 0, 1, 0), kHi = _MM_SHUFFLE(3, 2, 3, 2);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, kLo), s1 = _mm256_shuffle_ps(t0, t2, kHi);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, kLo), s3 = _mm256_shuffle_ps(t1, t3, kHi);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, kLo), s5 = _mm256_shuffle_ps(t4, t6, kHi);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, kLo), s7 = _mm256_shuffle_ps(t5, t7, kHi);
   r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
   r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
   r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
