@@ -14,9 +14,9 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from conftest import SERVE_ENGINE, delete_app
@@ -24,40 +24,30 @@ from conftest import SERVE_ENGINE, delete_app
 APP, PREFIX = "tp-kill-test", "/tpkill"
 
 
-def _stat(pid: int | str) -> list[str]:
-    """/proc/<pid>/stat after the command name: state, ppid, ... (OSError once it is gone)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
 def worker_pids(raylet: int) -> set[int]:
     """Processes of TP worker actors (Ray titles them ``ray::RayWorkerWrapper...``) under
     ``raylet`` (another Ray on the machine, a script's private one, may run workers of its
     own meanwhile)."""
     pids = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-                ppid = int(_stat(entry.name)[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if cmd.startswith(b"ray::RayWorkerWrapper") and ppid == raylet:
-                pids.add(int(entry.name))
+    for child in psutil.Process(raylet).children():
+        try:
+            if " ".join(child.cmdline()).startswith("ray::RayWorkerWrapper"):
+                pids.add(child.pid)
+        except psutil.Error:  # gone meanwhile
+            pass
     return pids
 
 
 def session_raylet() -> int:
     """The raylet of this session's Ray: ray.init() started it as a child of this process."""
-    import psutil
-
     [raylet] = [p.pid for p in psutil.Process().children() if p.name() == "raylet"]
     return raylet
 
 
 def alive(pid: int) -> bool:
     try:
-        return _stat(pid)[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
