@@ -1,29 +1,37 @@
 """Prompt lookup (n-gram) drafting for speculative decoding, and how many drafts pay.
 
 A decoding request whose last n tokens occurred earlier in its own tokens (prompt or
-output) proposes the tokens that followed its first occurrence; one forward pass then checks
-them all (worker/model_runner.py), and every draft token the model agrees with is a token
-gained for free:
+output) proposes the tokens that followed one of those occurrences; one forward pass then
+checks them all (worker/model_runner.py), and every draft token the model agrees with is a
+token gained for free:
 
     tokens:   ... the quick brown fox jumps over ... | the quick brown   (last n = 3)
                   └─ earlier "the quick brown" ─┘ └ proposed: "fox jumps over"
 
-The first occurrence, as vLLM's proposer: it has the longest continuation, which matters
-in a loop (a repeated phrase's latest occurrence ends right before the suffix and could
-propose one token). The search is an index, not a scan: per request and per n, a dict
-from the hash of each n-gram to the position where it first ended, extended by the tokens
-appended since the previous proposal. A step costs O(new tokens x number of n) dict
-operations, whatever the prompt length; the first proposal indexes the prompt once. A hash
-collision only makes a wrong draft, which verification rejects like any other.
+Which occurrence, where the n tokens occurred more than once (a common pair of tokens, a
+phrase the text repeats): the one whose tokens before it match the suffix's own for the
+longest stretch (up to _CONTEXT_CAP), since the request is most likely copying that
+passage; on a tie, the one with the longer continuation (up to the draft's length: in a
+loop the latest occurrence ends right before the suffix and could propose one token), then
+the latest. vLLM's proposer takes the first occurrence, which is the same choice where the
+n tokens occur once. The search is an index, not a scan: per request and per n, a dict from
+the hash of each n-gram to the positions where it ended, extended by the tokens appended
+since the previous proposal. A step costs O(new tokens x number of n) dict operations plus
+the comparison of the last _MAX_OCCURRENCES occurrences' contexts, whatever the prompt
+length; the first proposal indexes the prompt once. A hash collision only makes a wrong
+draft, which verification rejects like any other.
 
 How many drafts pay. A draft token is not free: it runs through the model. A step costs
 about t0 + c x (tokens in it): t0 reads the weights, c is the compute of one more token
 (large on a CPU, small on a GPU until big batches). ``StepCost`` fits t0 and c to the steps
-the engine times. ``select`` keeps, over the whole step, the draft tokens whose probability
-of acceptance beats what the step's time buys anyway: most likely first, each while
-p > c x (expected tokens so far) / (time so far), the choice that maximises the step's
-expected tokens per second. Nearly every draft pays at batch 1, only likely ones in a big
-batch, so the probabilities must tell likely drafts from unlikely ones.
+the engine times, and keeps each small step size's own measured time too: on a CPU the
+cost is a staircase, not a line (a second row rides free on the weights' stream, a few
+more cost one step up), and the line alone would draw the cut in the wrong place. ``select``
+ranks the step's draft tokens by their probability of acceptance, most likely first, and
+verifies the prefix of that ranking with the most expected tokens per second of step
+(measured time where the size was seen, the line elsewhere). Nearly every draft pays at
+batch 1, only likely ones in a big batch, so the probabilities must tell likely drafts
+from unlikely ones.
 
 The probability that a draft's token i is accepted. The length n of the suffix that matched
 tells most: a long match is likely to sit inside a passage being copied, a short one may be
@@ -68,6 +76,11 @@ _SHARED_DECAY = 0.995  # per verdict: the shared rates follow the last few hundr
 _REQUEST_DECAY = 0.9  # per draft: a request's own rate follows its last ten or so drafts
 _GATE_WEIGHT = 0.2  # EWMA weight of one step in turn in the gate's net gain
 _GATE_MIN_STEPS = 8  # steps in turn the gate sees before it may close
+_MAX_OCCURRENCES = 16  # the latest occurrences of a suffix whose contexts are compared
+_CONTEXT_CAP = 32  # tokens before an occurrence compared with those before the suffix
+_TABLE_MAX_TOKENS = 64  # step sizes (tokens) whose own measured time StepCost keeps
+_TABLE_WEIGHT = 0.2  # EWMA weight of one step in its size's measured time
+_TABLE_MIN_STEPS = 3  # steps of a size seen before its measured time replaces the line's
 # Proposals that found no match in a row before a request pauses (with pause_when_idle).
 MAX_EMPTY_PROPOSALS = 8
 _FIRST_PAUSE_STEPS = 8
@@ -76,13 +89,15 @@ _MAX_PAUSE_STEPS = 256
 
 class StepCost:
     """Step time ~ t0 + c x tokens, fitted by least squares with exponential forgetting to
-    the steps the engine reports; until it has seen two sizes, a prior c / t0."""
+    the steps the engine reports, and per step size up to _TABLE_MAX_TOKENS the size's own
+    measured time (EWMA); until it has seen two sizes, a prior c / t0."""
 
     PRIOR_C_OVER_T0 = 0.05
     _DECAY = 0.98
 
     def __init__(self) -> None:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._table: dict[int, list[float]] = {}  # tokens -> [steps seen, EWMA seconds]
 
     def record(self, num_tokens: int, seconds: float) -> None:
         d = self._DECAY
@@ -91,6 +106,13 @@ class StepCost:
         self._t = d * self._t + seconds
         self._nn = d * self._nn + num_tokens * num_tokens
         self._nt = d * self._nt + num_tokens * seconds
+        if num_tokens <= _TABLE_MAX_TOKENS:
+            cell = self._table.get(num_tokens)
+            if cell is None:
+                self._table[num_tokens] = [1.0, seconds]
+            else:
+                cell[0] += 1.0
+                cell[1] += _TABLE_WEIGHT * (seconds - cell[1])
 
     def fit(self) -> tuple[float, float] | None:
         """(t0, c) in seconds, or None before two step sizes were seen (all steps the same
@@ -105,33 +127,45 @@ class StepCost:
         c = (self._nt / w - mean_n * mean_t) / var
         return mean_t - c * mean_n, c
 
-    def c_over_t0(self) -> float:
+    def step_time(self):
+        """A function: tokens -> the expected time of a step of that many tokens, in
+        seconds once the line is fitted (a size's own measured time where it was seen
+        often enough), before that (or on a fit that says nothing) in units of t0 from
+        the prior."""
         fit = self.fit()
-        if fit is None:  # no slope to see yet
-            return self.PRIOR_C_OVER_T0
-        t0, c = fit
-        if c <= 0.0:
-            return 0.0
-        if t0 <= 0.0:  # compute-bound at every size seen: a token's compute is the whole cost
-            return 1.0
-        return c / t0
+        if fit is None or (fit[0] <= 0.0 and fit[1] <= 0.0):
+            x = self.PRIOR_C_OVER_T0
+            return lambda n: 1.0 + x * n
+        t0, c = fit[0], max(fit[1], 0.0)
+        table = self._table
+
+        def time(n: int) -> float:
+            cell = table.get(n)
+            if cell is not None and cell[0] >= _TABLE_MIN_STEPS:
+                return cell[1]
+            return max(t0 + c * n, 1e-9)
+        return time
 
     def select(self, probs: dict[str, list[float]], num_base_tokens: int) -> dict[str, int]:
         """How many tokens of each draft to verify (see the module docstring), for a step
         of ``num_base_tokens`` decoding requests, given the probability that each draft's
         first 1, 2, ... tokens are all accepted (non-increasing): req_id -> a count, 0 for
         none."""
-        x = self.c_over_t0()
-        candidates = sorted(((p, r) for r, ps in probs.items() for p in ps), reverse=True)
-        keep = dict.fromkeys(probs, 0)
         tokens = max(num_base_tokens, 1)
-        gain, time_units = float(tokens), 1.0 + x * tokens  # expected tokens; time in units of t0
-        for p, r in candidates:
-            if p * time_units <= x * gain:  # p / (x t0) <= gain / time: it does not pay
+        time = self.step_time()
+        candidates = sorted(((p, r) for r, ps in probs.items() for p in ps), reverse=True)
+        gain = float(tokens)  # expected tokens of the step with the first i candidates
+        best, best_rate = 0, gain / time(tokens)
+        for i, (p, _) in enumerate(candidates, 1):
+            if p <= 0.0:
                 break
-            keep[r] += 1
             gain += p
-            time_units += x
+            rate = gain / time(tokens + i)
+            if rate > best_rate:
+                best, best_rate = i, rate
+        keep = dict.fromkeys(probs, 0)
+        for _, r in candidates[:best]:
+            keep[r] += 1
         return keep
 
 
@@ -245,11 +279,28 @@ class DraftingGate:
             self.backoff.reset()
 
 
+def _best_occurrence(tokens: list[int], ends: list[int], n: int, max_k: int) -> int:
+    """Of the occurrences of the last n tokens that end at ``ends``, the one to draft from
+    (module docstring): the longest matching context before it, then the longer
+    continuation, then the latest."""
+    num_tokens = len(tokens)
+    suffix_start = num_tokens - n
+
+    def rank(end: int) -> tuple[int, int, int]:
+        start = end - n + 1
+        m = 0
+        while m < _CONTEXT_CAP and m < start and tokens[start - 1 - m] == tokens[suffix_start - 1 - m]:
+            m += 1
+        return m, min(num_tokens - 1 - end, max_k), end
+
+    return max(ends, key=rank)
+
+
 class _RequestIndex:
     __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "backoff", "draft_n", "own")
 
     def __init__(self, ns: range) -> None:
-        self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: where they first end}
+        self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: [where they end, ascending]}
         self.num_indexed = 0  # n-grams ending at positions < this are in the maps
         self.alpha = _PRIOR_ALPHA  # smoothed probability that a draft token is accepted
         self.num_empty = 0  # proposals in a row that found no match
@@ -288,9 +339,9 @@ class NgramProposer:
         return index is None or index.backoff.over(step_id)
 
     def propose(self, req_id: str, tokens: list[int], max_k: int, step_id: int) -> list[int]:
-        """Up to ``max_k`` tokens that followed the first earlier occurrence of the
-        longest suffix of ``tokens`` (between prompt_lookup_min and _max tokens long);
-        [] if none occurred."""
+        """Up to ``max_k`` tokens that followed an earlier occurrence (the module docstring
+        says which) of the longest suffix of ``tokens`` between prompt_lookup_min and _max
+        tokens long; [] if none occurred."""
         t0 = time.perf_counter()
         index = self._index.get(req_id)
         if index is None:
@@ -300,14 +351,15 @@ class NgramProposer:
         # match an earlier occurrence, never itself.
         for n, table in index.maps.items():
             for end in range(max(index.num_indexed, n - 1), num_tokens - 1):
-                table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), end)
+                table.setdefault(hash(tuple(tokens[end - n + 1:end + 1])), []).append(end)
         index.num_indexed = max(index.num_indexed, num_tokens - 1)
         draft: list[int] = []
         for n, table in index.maps.items():
             if num_tokens < n:
                 continue
-            end = table.get(hash(tuple(tokens[num_tokens - n:])))
-            if end is not None:
+            ends = table.get(hash(tuple(tokens[num_tokens - n:])))
+            if ends:
+                end = ends[-1] if len(ends) == 1 else _best_occurrence(tokens, ends[-_MAX_OCCURRENCES:], n, max_k)
                 draft = tokens[end + 1:end + 1 + max_k]
                 index.draft_n = n
                 break

@@ -60,19 +60,29 @@ def test_cli_flag_is_vllms():
 
 
 # ---------------------------------------------------------------- proposer
-def test_proposer_takes_the_first_occurrence_of_the_longest_suffix():
+def test_proposer_drafts_from_the_longest_suffix_and_the_passage_being_copied():
     p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2))
     #         0  1  2  3  4  5  6  7  8  9 10 11 12
-    tokens = [5, 1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 2, 3]
-    # Suffix [2, 3] first ends at 3 -> [9, 8, 1]; the 3-gram [6, 2, 3] never occurred.
-    assert p.propose("a", tokens, 3, 0) == [9, 8, 1]
-    tokens += [9, 8]  # suffix [3, 9, 8] first ends at 5 -> 1, 2, 3 (longest n wins)
-    assert p.propose("a", tokens, 3, 1) == [1, 2, 3]
-    assert p.propose("a", tokens, 1, 2) == [1]  # max_k caps it
+    tokens = [5, 1, 2, 3, 9, 8, 4, 2, 3, 7, 6, 2, 3]
+    # Suffix [2, 3] ends at 3 and at 8 (the 3-gram [6, 2, 3] never occurred). Neither is
+    # preceded by the suffix's own 6, both have 3 tokens after them: the latest -> [7, 6, 2].
+    assert p.propose("a", tokens, 3, 0) == [7, 6, 2]
+    tokens += [9, 8]  # suffix [3, 9, 8] ended at 5 -> 4, 2, 3 (the longest n wins)
+    assert p.propose("a", tokens, 3, 1) == [4, 2, 3]
+    assert p.propose("a", tokens, 1, 2) == [4]  # max_k caps it
     # A suffix only matches an earlier occurrence, never itself; a 1-gram is below min.
     assert p.propose("b", [4, 4], 3, 0) == []
-    assert p.propose("c", [4, 4, 4], 3, 0) == [4]  # [4, 4] first ends at 1 -> continuation [4]
+    assert p.propose("c", [4, 4, 4], 3, 0) == [4]  # [4, 4] ended at 1 -> continuation [4]
     assert p.num_proposals == 5
+    q = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=2))
+    # The occurrence whose tokens before it match the suffix's wins over the first and the
+    # latest: [1, 2] ends at 1, at 5 (after 7, as the suffix) and at 9 (after 8).
+    #                      0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    assert q.propose("d", [1, 2, 5, 7, 1, 2, 6, 8, 1, 2, 4, 7, 1, 2], 3, 0) == [6, 8, 1]
+    # On equal contexts, the longer continuation: [1, 2] ends at 1 (3 tokens follow) and
+    # at 6, right before the suffix (2 follow).
+    #                      0  1  2  3  4  5  6  7  8
+    assert q.propose("e", [1, 2, 9, 3, 5, 1, 2, 1, 2], 3, 0) == [9, 3, 5]
 
 
 # ---------------------------------------------------------------- scheduler
@@ -236,9 +246,9 @@ def _fitted_cost():
 
 
 def test_step_cost_sets_how_many_drafts_pay():
-    assert StepCost().c_over_t0() == StepCost.PRIOR_C_OVER_T0
+    assert StepCost().fit() is None
     cost = _fitted_cost()
-    assert cost.c_over_t0() == pytest.approx(2 / 20, rel=1e-6)
+    assert cost.fit() == pytest.approx((0.020, 0.002), rel=1e-6)
     # With that fitted model (t0 = 20, c = 2): alone at acceptance 0.7 all 3 drafts pay,
     # 0.7^3 = 0.34 > c x 2.19 expected tokens / 26 time units. In a batch of 8 only each first
     # draft does: after them 0.49 < c x 13.6 / 52.
@@ -262,6 +272,24 @@ def test_step_cost_sets_how_many_drafts_pay():
     _add(alone, "r", PROMPT)
     _run(alone, alone.schedule(), {"r": [12]})
     assert alone.schedule().scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
+
+
+def test_step_cost_follows_the_measured_staircase_where_the_line_would_not():
+    """On a CPU a second row rides free on the weights' stream and the next few cost one
+    step up: the sizes seen often enough are priced at their own measured time, others on
+    the fitted line. The staircase verifies a long-shot single draft token (free) and
+    stops an unlikely draft after its first token (the next one climbs the step); on the
+    line alone (the same ends, no sizes between) the first is not worth a row and the
+    second's next token looks worth one."""
+    staircase, line = StepCost(), StepCost()
+    for n, ms in [(1, 20.0), (2, 20.0), (3, 24.0), (4, 24.0), (5, 24.0), (9, 30.0), (40, 80.0)] * 5:
+        staircase.record(n, ms / 1e3)
+    for n, ms in [(1, 20.0), (40, 80.0)] * 5:
+        line.record(n, ms / 1e3)
+    assert staircase.step_time()(2) == pytest.approx(0.020) and staircase.step_time()(5) == pytest.approx(0.024)
+    long_shot, unlikely, likely = [0.03], [0.4, 0.1, 0.05, 0.02], [0.5, 0.4, 0.35, 0.3]
+    assert [staircase.select({"r": d}, 1) for d in (long_shot, unlikely, likely)] == [{"r": 1}, {"r": 1}, {"r": 4}]
+    assert [line.select({"r": d}, 1) for d in (long_shot, unlikely, likely)] == [{"r": 0}, {"r": 2}, {"r": 4}]
 
 
 def test_acceptance_model_tells_long_matches_from_short_ones():
