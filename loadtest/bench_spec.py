@@ -17,7 +17,11 @@ On SmolLM2-135M-Instruct (the default model), greedy:
     python -m pagedserve.loadtest.bench_spec --no-http --no-vllm
     python -m pagedserve.loadtest.bench_spec --prompts my_prompts.json
     python -m pagedserve.loadtest.bench_spec --speculative-config '{"method": "ngram",
-        "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+The default config drafts up to 8 tokens: a draft from a 4-token match in a passage being
+copied is often right far beyond 4 tokens, and the engine cuts each draft to what pays over
+the step (scheduler/ngram_proposer.py), so a short match's draft is not verified whole.
 
 Also: greedy outputs with and without speculation compared token for token offline
 (``greedy_equal``) and text for text over HTTP (reported per part: a batch of 8 is not
@@ -48,7 +52,7 @@ from pagedserve.loadtest.runner import run_benchmark
 from pagedserve.loadtest.servers import ROOT, pagedserve_server
 from pagedserve.loadtest.workloads import RequestSpec
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MAX_MODEL_LEN = 2048
 
 _PROSE = [
