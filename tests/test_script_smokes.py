@@ -1,8 +1,10 @@
-"""The prepared scripts end to end, as a user runs them: ``compare --quick`` and
-``bench_frontend`` against real pagedserve servers, and ``gpu_check --cpu-smoke``.
+"""The prepared scripts end to end, as a user runs them: ``pagedserve serve`` with no
+--model (the default model, SmolLM2), ``compare --quick`` and ``bench_frontend`` against
+real pagedserve servers, ``gpu_check --cpu-smoke``, and ``bench_vs_vllm --quick`` (no
+vLLM peer in CI: --no-vllm).
 
-They run two at a time, started together by the module's fixture: compare in one lane,
-bench_frontend then gpu_check in the other. A script that starts a server waits on it much
+They run two at a time, started together by the module's fixture: compare then the serve
+CLI in one lane, bench_frontend, gpu_check and bench_vs_vllm in the other. A script that starts a server waits on it much
 of the time (Ray, Serve and the engine coming up), which the other lane fills. Each asserts
 structure and accounting, never the speed of this machine, so sharing the cores changes no
 assertion."""
@@ -11,28 +13,35 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
+from pagedserve.worker.model_source import DEFAULT_MODEL_NAME
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPARE_SCENARIOS = ["prefix-caching", "mixed-saturation", "rate-sweep"]
 
 
-def _lane(jobs: list[tuple[Future, dict]]) -> None:
-    for fut, kw in jobs:
+def _lane(jobs: list[tuple[Future, dict | Callable[[], None]]]) -> None:
+    """Each job in turn: a script's subprocess.run arguments, or a check to run here."""
+    for fut, job in jobs:
         try:
-            fut.set_result(subprocess.run(capture_output=True, text=True, **kw))
-        except Exception as e:  # a timeout: the test that waits on it reports it
+            fut.set_result(job() if callable(job) else subprocess.run(capture_output=True, text=True, **job))
+        except Exception as e:  # a timeout or a failed check: the test that waits on it reports it
             fut.set_exception(e)
 
 
 TESTS = {"test_compare_quick_smoke": "compare", "test_bench_frontend_prices_each_kind_by_process": "bench_frontend",
-         "test_gpu_check_cpu_smoke": "gpu_check"}
+         "test_gpu_check_cpu_smoke": "gpu_check", "test_bench_vs_vllm_quick_prints_the_summary": "bench_vs_vllm",
+         "test_serve_cli_answers_paris_streamed_or_not_and_leaves_nothing_behind": "serve_cli"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +49,7 @@ def runs(request, tmp_path_factory) -> dict[str, tuple[Future, Path]]:
     """Every selected test's script, started at once in two lanes."""
     from pagedserve.worker.random_models import make_random_llama
 
-    work = {name: tmp_path_factory.mktemp(name) for name in ("compare", "bench_frontend", "gpu_check")}
+    work = {name: tmp_path_factory.mktemp(name) for name in set(TESTS.values())}
     model = work["bench_frontend"] / "m"
     make_random_llama(model, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
@@ -54,10 +63,14 @@ def runs(request, tmp_path_factory) -> dict[str, tuple[Future, Path]]:
                                cwd=ROOT, timeout=280),
         "gpu_check": dict(args=[sys.executable, "-m", "pagedserve.loadtest.gpu_check", "--cpu-smoke", "--json",
                                 str(work["gpu_check"] / "gpu.json")], cwd=work["gpu_check"], env=no_path, timeout=600),
+        "bench_vs_vllm": dict(args=[sys.executable, "-m", "pagedserve.loadtest.bench_vs_vllm", "--quick", "--no-vllm",
+                                    "--hf-prompts", "2"], cwd=work["bench_vs_vllm"], timeout=600,
+                              env={"PAGEDSERVE_CACHE": str(work["bench_vs_vllm"]), **no_path}),
+        "serve_cli": lambda: _serve_cli(work["serve_cli"]),
     }
     wanted = {TESTS[i.name] for i in request.session.items if i.module is request.module and i.name in TESTS}
     futures = {name: Future() for name in cmds if name in wanted}
-    for lane in (["compare"], ["bench_frontend", "gpu_check"]):
+    for lane in (["compare", "serve_cli"], ["bench_frontend", "gpu_check", "bench_vs_vllm"]):
         jobs = [(futures[n], cmds[n]) for n in lane if n in futures]
         threading.Thread(target=_lane, args=(jobs,), daemon=True).start()
     yield {name: (futures[name], work[name]) for name in futures}
@@ -138,3 +151,105 @@ def test_gpu_check_cpu_smoke(runs):
         assert e2e[k]["spec_tok_s"] > 0 and e2e[k]["seqs_equal"] == e2e[k]["seqs"], e2e[k]
     assert e2e["spec batch 1"]["acceptance_rate"] > 0
     assert "=== pagedserve gpu_check" in proc.stdout
+
+
+@pytest.mark.timeout(900)
+def test_bench_vs_vllm_quick_prints_the_summary(runs):
+    """Its last line is the JSON summary, with the b1 step's bounds in sane ranges."""
+    proc, _ = _finished(runs, "bench_vs_vllm")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("cpu", "pagedserve_tok_s", "ratio_vs_hf_static", "b1_tok_s", "b1_bound_tok_s",
+                "b1_fraction_of_bound", "b1_fraction_of_read_bound", "cpu_linear_backend"):
+        assert key in summary, key
+    # The copy bound counts each byte once, while a copy moves it up to three times (it reads
+    # the source, reads the destination's line before writing it, writes it back): a step that
+    # only reads can beat it by up to that. (The panel GEMM reads its weights from huge pages,
+    # the copy runs on 4 KB ones: on an AVX2 Zen 2 a step beats twice the copy bound.)
+    assert summary["pagedserve_tok_s"] > 0 and 0 < summary["b1_fraction_of_bound"] < 3.0
+    # A step reads its weights: the read bound is at least the copy one (a copy moves bytes 2-3 times).
+    assert 0 < summary["b1_fraction_of_read_bound"] <= summary["b1_fraction_of_bound"] * 1.2
+    assert 220 < summary["weight_mb_per_step"] < 235  # the 63M bench Llama's 226.5 MB, packed or not
+
+
+@pytest.mark.timeout(900)
+def test_serve_cli_answers_paris_streamed_or_not_and_leaves_nothing_behind(runs):
+    """``pagedserve serve`` as a user runs it, with no --model: a subprocess that starts its
+    own Ray on 127.0.0.1, logs the URL and the KV sizing once ready, places its processes
+    (cores, nice), answers the openai client, and on SIGTERM exits 0 leaving none of the
+    processes it started (Ray's GCS, raylet, workers)."""
+    fut, _ = runs["serve_cli"]
+    fut.result(timeout=900)
+
+
+def _serve_cli(tmp_path: Path) -> None:
+    import openai
+    import psutil
+
+    from pagedserve.cluster.ray_utils import get_open_port
+
+    port = get_open_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "pagedserve.cluster.cli.main", "serve", "--port", str(port),
+           "--num-gpu-blocks-override", "64", "--max-model-len", "1024"]
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    tree = []
+    try:
+        while "ready in" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() - t0 < 240, log.read_text()[-3000:]
+            time.sleep(0.5)
+        print(f"serve: ready {time.monotonic() - t0:.1f} s after start")
+        text = log.read_text()
+        assert f"http://127.0.0.1:{port}/v1" in text
+        assert "KV cache per replica: 64 blocks x 16 tokens = 1024 tokens" in text
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert any("raylet" in p.name() for p in tree)  # it started its own Ray
+        _check_placement(proc, tree, text)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        # vLLM's id and root: the model as named (the CLI resolved it, and must not show that).
+        [card] = client.models.list().data
+        assert card.id == card.root == DEFAULT_MODEL_NAME
+        ask = dict(model=DEFAULT_MODEL_NAME, max_tokens=32, temperature=0,
+                   messages=[{"role": "user", "content": "What is the capital of France?"}])
+        r = client.chat.completions.create(**ask)
+        answer = r.choices[0].message.content
+        assert "Paris" in answer and r.choices[0].finish_reason == "stop", r
+        assert r.usage.completion_tokens < 32  # stopped at <|im_end|>, not at the limit
+        chunks = list(client.chat.completions.create(stream=True, **ask))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, log.read_text()[-3000:]
+        time.sleep(1.0)
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _check_placement(proc, tree, text: str) -> None:
+    """--cpu-omp-threads-bind auto: the model on its cores, the rest on the first; the
+    serving path may use every core at nice 19 (--serving-nice)."""
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return
+    assert f"CPU cores: serving path {cores[0]}, model ranks {','.join(map(str, cores[1:]))}" in text
+    assert f"may also use cores {','.join(map(str, cores))} at nice 19" in text
+    procs = {p.pid: (" ".join(p.cmdline()), p.cpu_affinity(), p.nice()) for p in tree}
+    procs[proc.pid] = ("cli", psutil.Process(proc.pid).cpu_affinity(), psutil.Process(proc.pid).nice())
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this test's nice: what the CLI started with
+    workers = [(m, n) for name, m, n in procs.values() if "RayWorkerWrapper" in name]
+    assert workers == [(cores[1:], base)], procs  # above the serving path, alone on its cores
+    titles = ("cli", "ray::ProxyActor", "ray::ServeController", "ray::ServeReplica:pagedserve:OpenAIIngress",
+              "ray::ServeReplica:pagedserve:EngineDeployment")
+    for t in titles:
+        assert [(m, n) for name, m, n in procs.values() if name.startswith(t)] == [(cores, 19)], (t, procs)
+    # the raylet starts workers: its nice is theirs, so it keeps it (and the first core)
+    assert [(m, n) for name, m, n in procs.values() if name.split(" ")[0].endswith("/raylet")] == \
+        [(cores[:1], base)], procs
