@@ -4,10 +4,10 @@ real pagedserve servers, ``gpu_check --cpu-smoke``, and ``bench_vs_vllm --quick`
 vLLM peer in CI: --no-vllm).
 
 They run two at a time, started together by the module's fixture: compare then the serve
-CLI in one lane, bench_frontend, gpu_check and bench_vs_vllm in the other. A script that starts a server waits on it much
-of the time (Ray, Serve and the engine coming up), which the other lane fills. Each asserts
-structure and accounting, never the speed of this machine, so sharing the cores changes no
-assertion."""
+CLI in one lane, bench_frontend, gpu_check and bench_vs_vllm in the other. A script that
+starts a server waits on it much of the time (Ray, Serve and the engine coming up), which
+the other lane fills. Each asserts structure and accounting, never the speed of this
+machine, so sharing the cores changes no assertion."""
 
 from __future__ import annotations
 
