@@ -20,7 +20,9 @@ regions, less work in each.)
 Summation over k is in order, one FMA per k, as in a plain dot product: fp32 results differ
 from F.linear's in rounding only (~1e-6 relative).
 With AVX2 and FMA only (AMD Zen 2, Intel before Skylake-SP) a panel is two 256-bit vectors
-and a tile holds 2 rows of x by 3 panels (12 accumulators of the 16 registers); 3 to 6 rows
+and a tile holds 2 rows of x by 3 panels (12 accumulators of the 16 registers), each weight
+vector loaded once a k into a register and used by both rows (left to itself, GCC loads it
+again for each row, and the tile waits on the load ports instead of the FMA units); 3 to 6 rows
 (a step that verifies drafts) run one panel at a time in chunks of k, all rows in one pass
 over the weights, prefetching each panel's stream; 7 to 10 rows run their 2-row tiles chunk by
 chunk of k, so the panels are read from memory once and then from L1. Without
@@ -115,6 +117,12 @@ constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 2;
 constexpr int kTilePanels = 3;
 
+// Makes `v` a register value to the compiler: without it GCC folds a weight load into each
+// FMA that uses it (vfmadd231ps mem, ...), loading every weight vector once per row of the
+// tile, and a 2-row tile then issues more loads than FMAs (14 for 12 a k), bound by the load
+// ports instead of the FMA units.
+static inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
+
 // The first `n` of 8 lanes (n clamped to 0..8), for the masked stores of the last panel.
 static inline __m256i lanes(int64_t n) {
   const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -151,14 +159,27 @@ static inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const
 #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) _mm_prefetch((const char*)(w + p * ps + (k + kPrefetch) * kPanel), _MM_HINT_T0);
     }
-    __m256 wv[NV];
+    if constexpr (MR * NV + NV + 1 <= 16) {  // the k's weight vectors in registers, a row at a time
+      __m256 wv[NV];
 #pragma GCC unroll 8
-    for (int j = 0; j < NV; ++j) wv[j] = _mm256_loadu_ps(w + (j / 2) * ps + k * kPanel + 8 * (j % 2));
+      for (int j = 0; j < NV; ++j) wv[j] = _mm256_loadu_ps(w + (j / 2) * ps + k * kPanel + 8 * (j % 2));
 #pragma GCC unroll 8
-    for (int m = 0; m < MR; ++m) {
-      const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
 #pragma GCC unroll 8
-      for (int j = 0; j < NV; ++j) acc[m * NV + j] = _mm256_fmadd_ps(xb, wv[j], acc[m * NV + j]);
+        for (int j = 0; j < NV; ++j) acc[m * NV + j] = _mm256_fmadd_ps(xb, wv[j], acc[m * NV + j]);
+      }
+    } else {  // too many for that: the rows' broadcasts in registers, a weight vector at a time
+      __m256 xb[MR];
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(x + m * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        __m256 wv = _mm256_loadu_ps(w + (j / 2) * ps + k * kPanel + 8 * (j % 2));
+        in_register(wv);
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) acc[m * NV + j] = _mm256_fmadd_ps(xb[m], wv, acc[m * NV + j]);
+      }
     }
   }
 #pragma GCC unroll 8
