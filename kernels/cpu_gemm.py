@@ -25,7 +25,10 @@ vector loaded once a k into a register and used by both rows (left to itself, GC
 again for each row, and the tile waits on the load ports instead of the FMA units); 3 to 6 rows
 (a step that verifies drafts) run one panel at a time in chunks of k, all rows in one pass
 over the weights, prefetching each panel's stream; 7 to 10 rows run their 2-row tiles chunk by
-chunk of k, so the panels are read from memory once and then from L1. Without
+chunk of k, so the panels are read from memory once and then from L1; 11 to 48 rows (drafts
+verified for several sequences) run a panel at a time in blocks of 5 or 6 rows read from L2,
+each block prefetching its share of the next panel, so that the stream from memory overlaps
+the FMAs instead of preceding them. Without
 either the module builds but reports ``supported() == False``, and the load-time probe
 (worker/layers/cpu_backend.py) never picks it.
 """
@@ -97,9 +100,10 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
   }
 }
 
-// One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns.
+// One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns. (`next`, the
+// thread's next group, is for the AVX2 path's prefetches: 32 registers hold 8-row tiles here.)
 static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols) {
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* /*next*/) {
   const __mmask16 mask = (__mmask16)((1u << last_cols) - 1u);
   if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, mask);
   else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, mask);
@@ -133,12 +137,15 @@ static inline __m256i lanes(int64_t n) {
 // k0 == 0, else on from the partial sums y holds; the bias is added when k1 == K. The last
 // panel loads and stores only `last_cols` of its 16 columns. PF: prefetch each panel
 // kPrefetch k (lines) ahead, for callers that hop between panels every few k (chunked).
+// PN: also prefetch `pn_lines` lines from `pn` on, `pn_rate` of them every K k, evenly spaced
+// (a weight another tile reads next; see blocked).
 constexpr int64_t kPrefetch = 8;
 
-template <int MR, int NP, bool PF = false>
+template <int MR, int NP, bool PF = false, bool PN = false>
 static inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const float* __restrict w,
                         float* __restrict y, int64_t ldy, const float* __restrict bias, int64_t last_cols,
-                        int64_t k0, int64_t k1) {
+                        int64_t k0, int64_t k1, const char* pn = nullptr, int64_t pn_lines = 0,
+                        int64_t pn_rate = 0) {
   constexpr int NV = NP * 2;  // weight vectors per k
   __m256 acc[MR * NV];
   if (k0 == 0) {
@@ -154,7 +161,19 @@ static inline void tile(const float* __restrict x, int64_t ldx, int64_t K, const
   }
   if (k1 < K) bias = nullptr;
   const int64_t ps = K * kPanel;
+  const char* const pn_end = pn + 64 * pn_lines;
+  int64_t pn_due = K - 1;  // a line is due each time this passes K (a counter: no division a k)
   for (int64_t k = k0; k < k1; ++k) {
+    if (PN) {
+      pn_due += pn_rate;
+      if (pn_due >= K) {
+        pn_due -= K;
+        if (pn < pn_end) {
+          _mm_prefetch(pn, _MM_HINT_T0);
+          pn += 64;
+        }
+      }
+    }
     if (PF) {  // a prefetch never faults: past the panel's end it only wastes a line
 #pragma GCC unroll 4
       for (int p = 0; p < NP; ++p) _mm_prefetch((const char*)(w + p * ps + (k + kPrefetch) * kPanel), _MM_HINT_T0);
@@ -236,9 +255,46 @@ static inline void paired(int64_t M, const float* x, int64_t ldx, int64_t K, con
   }
 }
 
+// 11 to 48 rows (drafts verified for several sequences): a panel at a time, its rows in
+// blocks of 5 or 6 (10-12 accumulators, the panel's two vectors of a k in registers), each
+// block over the whole K, the panel in L2 after the first. Whole-K 2-row tiles instead stream
+// the group from memory at the pace of one tile and then compute the other rows from L2: the
+// two phases add up. Here every block also prefetches its share of the next panel (the next
+// group's first after the last), so the stream runs under the FMAs of the current one. The
+// rows that 5- and 6-row blocks cannot cover (13, 14 and 19: one or two) take whole-K tiles
+// over the group after its blocks. From about 64 rows on the 2-row tiles are faster again.
+template <int NP>
+static inline void blocked(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
+                           int64_t ldy, const float* bias, int64_t last_cols, const float* next) {
+  const int64_t in_blocks = (M == 13 || M == 14 || M == 19) ? M - M % 6 : M;
+  const int64_t blocks = (in_blocks + 5) / 6, ps = K * kPanel;
+  for (int p = 0; p < NP; ++p) {
+    const float* wp = w + p * ps;
+    const char* pn = (const char*)(p + 1 < NP ? wp + ps : next);
+    const int64_t per = pn ? (K + blocks - 1) / blocks : 0;  // next-panel lines per block
+    const int64_t cols = p == NP - 1 ? last_cols : kPanel;
+    const float* bp = bias ? bias + p * kPanel : nullptr;
+    int64_t m = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r = (in_blocks - m) / (blocks - b);  // 5 or 6
+      const char* q = pn ? pn + 64 * b * per : nullptr;
+      const int64_t n = pn ? std::min<int64_t>(per, K - b * per) : 0;
+      if (r == 5)
+        tile<5, 1, false, true>(x + m * ldx, ldx, K, wp, y + m * ldy + p * kPanel, ldy, bp, cols, 0, K, q, n, per);
+      else
+        tile<6, 1, false, true>(x + m * ldx, ldx, K, wp, y + m * ldy + p * kPanel, ldy, bp, cols, 0, K, q, n, per);
+      m += r;
+    }
+  }
+  int64_t m = in_blocks;
+  for (; m + 2 <= M; m += 2) tile<2, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
+  if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
+}
+
 template <int NP>
 static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                        int64_t ldy, const float* bias, int64_t last_cols) {
+                        int64_t ldy, const float* bias, int64_t last_cols, const float* next) {
+  if (M >= 11 && M <= 48) return blocked<NP>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
   if (M >= 7 && M <= 10) return paired<NP>(M, x, ldx, K, w, y, ldy, bias, last_cols);
   switch (M) {
     case 3: return chunked<3, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
@@ -252,11 +308,12 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
   if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
 }
 
+// `next`: the panels of the thread's next group, or null after its last.
 static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols) {
-  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, last_cols);
-  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, last_cols);
-  else rows<1>(M, x, ldx, K, w, y, ldy, bias, last_cols);
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* next) {
+  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
+  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
+  else rows<1>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
 }
 #endif
 
@@ -278,7 +335,7 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optiona
     for (int64_t g = gb; g < ge; ++g) {
       const int64_t p0 = g * kTilePanels, n_p = std::min<int64_t>(kTilePanels, np - p0);
       group(M, xp, ldx, K, wp + p0 * K * kPanel, yp + p0 * kPanel, ldy, bp ? bp + p0 * kPanel : nullptr, n_p,
-            p0 + n_p == np ? tail : kPanel);
+            p0 + n_p == np ? tail : kPanel, g + 1 < ge ? wp + (p0 + kTilePanels) * K * kPanel : nullptr);
     }
   });
 }

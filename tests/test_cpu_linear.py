@@ -46,9 +46,9 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768)])
 def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     """Row counts around the tiles (8 rows with AVX-512; 2 with AVX2, whose 3 to 6 and 7 to
-    10 rows go in chunks of k), column counts around the 16-column panel (with AVX2 its two
-    halves) and the 3-panel tile (a masked last panel), with and without bias, batched
-    inputs, strided rows."""
+    10 rows go in chunks of k and 11 to 48 in blocks of 5 or 6 a panel, 13, 14 and 19 with
+    a rest), column counts around the 16-column panel (with AVX2 its two halves) and the
+    3-panel tile (a masked last panel), with and without bias, batched inputs, strided rows."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
@@ -56,7 +56,7 @@ def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     assert tuple(packed.panels.shape) == ((n + 15) // 16, k, 16) and packed.n == n
     if n % 16:
         assert packed.panels[-1, :, n % 16:].abs().sum() == 0  # the padding columns are zeros
-    for m in (1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 130):
+    for m in (1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 16, 17, 19, 23, 48, 49, 130):
         x = torch.randn(m, k, generator=g)
         assert _rel_err(cpu_linear(x, packed, b), F.linear(x, w, b)) < 5e-5
         assert _rel_err(cpu_linear(x, packed), F.linear(x, w)) < 5e-5
@@ -77,9 +77,9 @@ def test_panel_gemm_gives_a_row_the_same_bits_at_every_batch_size():
     for n, k in ((100, 64), (48, 1536), (17, 33)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         packed = pack_cpu_weight(w, "panel")
-        x = torch.randn(17, k, generator=g)
-        alone = torch.cat([cpu_linear(x[i:i + 1], packed, b) for i in range(17)])
-        for m in range(2, 18):
+        x = torch.randn(50, k, generator=g)
+        alone = torch.cat([cpu_linear(x[i:i + 1], packed, b) for i in range(50)])
+        for m in range(2, 51):
             assert torch.equal(cpu_linear(x[:m], packed, b), alone[:m]), (n, k, m)
 
 
