@@ -41,9 +41,11 @@ before it were (shared by all requests: decayed counts), and per request and n t
 its first tokens, drawn toward the shared one while the request has few drafts of its own. A
 draft's tokens are then accepted with the cumulative products of these rates.
 
-Pauses: a request whose smoothed per-token acceptance falls below ACCEPTANCE_FLOOR, or none
-of whose draft pays, pauses drafting for a number of steps that doubles with each pause,
-then tries again.
+Pauses: a request whose smoothed per-token acceptance falls below ACCEPTANCE_FLOOR pauses
+drafting for a number of steps that doubles with each pause, then tries again; so do the
+requests of a step none of whose drafts pays (the step could then be planned ahead). A
+draft cut to nothing beside others that pay costs no pause: the step goes in turn anyway,
+and the request's next draft may pay.
 With ``pause_when_idle`` (set when the engine may plan ahead) one that finds nothing to
 propose for a while pauses too: a request that does not draft leaves the engine free to
 plan a step ahead (cluster/engine/llm_engine.py).
@@ -375,15 +377,17 @@ class NgramProposer:
 
     def select(self, drafts: dict[str, list[int]], num_base_tokens: int, step_id: int) -> None:
         """Cut each draft (in place; emptied if nothing of it pays) to the tokens worth
-        verifying in a step of ``num_base_tokens`` decoding requests; a request none of
-        whose draft pays pauses."""
+        verifying in a step of ``num_base_tokens`` decoding requests; if nothing of any
+        draft pays, the requests pause."""
         probs = {}
         for r, d in drafts.items():
             index = self._index[r]
             probs[r] = self.acceptance.probs(index.own, index.draft_n, len(d))
-        for r, n in self.cost.select(probs, num_base_tokens).items():
+        keep = self.cost.select(probs, num_base_tokens)
+        for r, n in keep.items():
             del drafts[r][n:]
-            if n == 0:
+        if not any(keep.values()):
+            for r in keep:
                 self._index[r].pause(step_id)
 
     def record(self, req_id: str, num_draft: int, num_accepted: int, step_id: int) -> None:

@@ -261,7 +261,7 @@ def test_step_cost_sets_how_many_drafts_pay():
     # A likelier request gets more of its draft; an unlikely one none.
     mixed = {"hi": geometric(0.95, 3), "lo": geometric(0.3, 3), **{f"r{i}": [] for i in range(6)}}
     assert cost.select(mixed, 8) == {"hi": 3, "lo": 0, **{f"r{i}": 0 for i in range(6)}}
-    # Through the scheduler: the same cut, and a request none of whose draft pays pauses.
+    # Through the scheduler: the same cut.
     s = _sched()
     s.proposer.cost = cost
     reqs = [_add(s, f"r{i}", PROMPT) for i in range(8)]
@@ -272,6 +272,24 @@ def test_step_cost_sets_how_many_drafts_pay():
     _add(alone, "r", PROMPT)
     _run(alone, alone.schedule(), {"r": [12]})
     assert alone.schedule().scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
+
+
+def test_a_draft_cut_to_nothing_pauses_only_in_a_step_where_no_draft_pays():
+    """Beside a draft that pays the step goes in turn anyway, so the request whose draft was
+    cut drafts again at the next step; where nothing of any draft pays, the requests pause
+    (the step could be planned ahead)."""
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=2))
+    p.cost = _fitted_cost()
+    tokens = [1, 2, 3, 4, 1, 2]  # [1, 2] ended at 1: drafts [3, 4, 1]
+    for step, likely in ((1, True), (2, False)):
+        drafts = {}
+        for r in ("hi", "lo"):
+            drafts[r] = p.propose(r, tokens, 3, step)
+            # the request's own record: its first draft tokens always / never accepted
+            p._index[r].own = {2: [20.0, 20.0] if r == "hi" and likely else [0.0, 20.0]}
+        p.select(drafts, 8, step)
+        assert (len(drafts["hi"]) > 0, drafts["lo"]) == (likely, [])
+        assert (p.active("hi", step + 1), p.active("lo", step + 1)) == (likely, likely)
 
 
 def test_step_cost_follows_the_measured_staircase_where_the_line_would_not():
