@@ -101,7 +101,7 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
 }
 
 // One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns. (`next`, the
-// thread's next group, is for the AVX2 path's prefetches: 32 registers hold 8-row tiles here.)
+// thread's next group, is unused here: only the AVX2 path prefetches it.)
 static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
                          int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* /*next*/) {
   const __mmask16 mask = (__mmask16)((1u << last_cols) - 1u);
