@@ -255,6 +255,15 @@ static inline void paired(int64_t M, const float* x, int64_t ldx, int64_t K, con
   }
 }
 
+// Rows [m, M) in whole-K 2-row tiles over the group (a 1-row tile for an odd last row).
+template <int NP>
+static inline void whole_k(int64_t m, int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
+                           int64_t ldy, const float* bias, int64_t last_cols) {
+  for (; m + kTileRows <= M; m += kTileRows)
+    tile<kTileRows, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
+  if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
+}
+
 // 11 to 48 rows (drafts verified for several sequences): a panel at a time, its rows in
 // blocks of 5 or 6 (10-12 accumulators, the panel's two vectors of a k in registers), each
 // block over the whole K, the panel in L2 after the first. Whole-K 2-row tiles instead stream
@@ -286,9 +295,7 @@ static inline void blocked(int64_t M, const float* x, int64_t ldx, int64_t K, co
       m += r;
     }
   }
-  int64_t m = in_blocks;
-  for (; m + 2 <= M; m += 2) tile<2, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
-  if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
+  whole_k<NP>(in_blocks, M, x, ldx, K, w, y, ldy, bias, last_cols);
 }
 
 template <int NP>
@@ -302,10 +309,7 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
     case 5: return chunked<5, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
     case 6: return chunked<6, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
   }
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows)
-    tile<kTileRows, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
-  if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
+  whole_k<NP>(0, M, x, ldx, K, w, y, ldy, bias, last_cols);
 }
 
 // `next`: the panels of the thread's next group, or null after its last.
