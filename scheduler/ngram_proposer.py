@@ -33,13 +33,16 @@ verifies the prefix of that ranking with the most expected tokens per second of 
 batch 1, only likely ones in a big batch, so the probabilities must tell likely drafts
 from unlikely ones.
 
-The probability that a draft's token i is accepted. The length n of the suffix that matched
-tells most: a long match is likely to sit inside a passage being copied, a short one may be
-a common pair of tokens followed by something else (BENCHMARKS.md has the rates).
-``AcceptanceModel`` keeps, per n, the rate at which draft token i is accepted once the ones
-before it were (shared by all requests: decayed counts), and per request and n the rate of
-its first tokens, drawn toward the shared one while the request has few drafts of its own. A
-draft's tokens are then accepted with the cumulative products of these rates.
+The probability that a draft's token i is accepted. Two things tell most, together the
+draft's kind: the length n of the suffix that matched (a long match is likely to sit inside a
+passage being copied, a short one may be a common pair of tokens followed by something else),
+and whether the request's last verified draft was accepted whole (a request in the middle of
+copying a passage goes on copying it; a long match right after a rejection is often where the
+output left the passage). ``AcceptanceModel`` keeps, per kind, the rate at which draft token
+i is accepted once the ones before it were (shared by all requests: decayed counts), and per
+request and kind the rate of its first tokens, drawn toward the shared one while the request
+has few drafts of its own. A draft's tokens are then accepted with the cumulative products of
+these rates.
 
 Pauses: a request whose smoothed per-token acceptance falls below ACCEPTANCE_FLOOR pauses
 drafting for a number of steps that doubles with each pause, then tries again; so do the
@@ -173,18 +176,19 @@ class StepCost:
 
 class AcceptanceModel:
     """The probability that each token of a draft is accepted (see the module docstring):
-    per match length n, the shared rate of draft token i given the tokens before it (decayed
+    per kind of draft (the match length n; whether the request's last verified draft was
+    accepted whole), the shared rate of draft token i given the tokens before it (decayed
     counts), and per request the rate of its first tokens, shrunk toward the shared one."""
 
     def __init__(self, ns: range, k: int) -> None:
         prior = (_PRIOR_WEIGHT * _PRIOR_ALPHA, _PRIOR_WEIGHT)  # (accepted, verified)
-        self._shared = {n: [list(prior) for _ in range(k)] for n in ns}
+        self._shared = {(n, whole): [list(prior) for _ in range(k)] for n in ns for whole in (False, True)}
 
-    def probs(self, own: dict[int, list[float]], n: int, length: int) -> list[float]:
-        """P(the first 1, 2, ... ``length`` tokens are all accepted) for a draft from a
-        match of n tokens; ``own``: the request's first-token counts per n."""
-        shared = self._shared[n]
-        hits, trials = own.get(n, (0.0, 0.0))
+    def probs(self, own: dict[tuple[int, bool], list[float]], kind: tuple[int, bool], length: int) -> list[float]:
+        """P(the first 1, 2, ... ``length`` tokens are all accepted) for a draft of this
+        kind (n, last draft accepted whole); ``own``: the request's first-token counts per kind."""
+        shared = self._shared[kind]
+        hits, trials = own.get(kind, (0.0, 0.0))
         first_hits, first_trials = shared[0]
         p = (hits + _PRIOR_WEIGHT * first_hits / first_trials) / (trials + _PRIOR_WEIGHT)
         out = [p]
@@ -194,14 +198,15 @@ class AcceptanceModel:
             out.append(p)
         return out
 
-    def record(self, own: dict[int, list[float]], n: int, num_draft: int, num_accepted: int) -> None:
+    def record(self, own: dict[tuple[int, bool], list[float]], kind: tuple[int, bool], num_draft: int,
+               num_accepted: int) -> None:
         """Token i of the draft was verified when all before it were accepted."""
-        shared = self._shared[n]
+        shared = self._shared[kind]
         for i in range(min(num_accepted + 1, num_draft)):
             cell = shared[i]
             cell[0] = _SHARED_DECAY * cell[0] + (i < num_accepted)
             cell[1] = _SHARED_DECAY * cell[1] + 1.0
-        cell = own.setdefault(n, [0.0, 0.0])
+        cell = own.setdefault(kind, [0.0, 0.0])
         cell[0] = _REQUEST_DECAY * cell[0] + (num_accepted > 0)
         cell[1] = _REQUEST_DECAY * cell[1] + 1.0
 
@@ -299,7 +304,7 @@ def _best_occurrence(tokens: list[int], ends: list[int], n: int, max_k: int) -> 
 
 
 class _RequestIndex:
-    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "backoff", "draft_n", "own")
+    __slots__ = ("maps", "num_indexed", "alpha", "num_empty", "backoff", "whole", "draft_kind", "own")
 
     def __init__(self, ns: range) -> None:
         self.maps = {n: {} for n in ns}  # n -> {hash of n tokens: [where they end, ascending]}
@@ -307,8 +312,9 @@ class _RequestIndex:
         self.alpha = _PRIOR_ALPHA  # smoothed probability that a draft token is accepted
         self.num_empty = 0  # proposals in a row that found no match
         self.backoff = Backoff()  # its drafting pauses
-        self.draft_n = 0  # the match length of its last draft
-        self.own: dict[int, list[float]] = {}  # n -> its first draft tokens' decayed [accepted, verified]
+        self.whole = False  # whether its last verified draft was accepted whole
+        self.draft_kind = (0, False)  # its last draft's (match length, whole before it)
+        self.own: dict[tuple[int, bool], list[float]] = {}  # kind -> its first draft tokens' decayed [accepted, verified]
 
     def pause(self, step_id: int) -> None:
         self.backoff.pause(step_id)
@@ -363,7 +369,7 @@ class NgramProposer:
             if ends:
                 end = ends[-1] if len(ends) == 1 else _best_occurrence(tokens, ends[-_MAX_OCCURRENCES:], n, max_k)
                 draft = tokens[end + 1:end + 1 + max_k]
-                index.draft_n = n
+                index.draft_kind = (n, index.whole)
                 break
         if draft:
             index.num_empty = 0
@@ -382,7 +388,7 @@ class NgramProposer:
         probs = {}
         for r, d in drafts.items():
             index = self._index[r]
-            probs[r] = self.acceptance.probs(index.own, index.draft_n, len(d))
+            probs[r] = self.acceptance.probs(index.own, index.draft_kind, len(d))
         keep = self.cost.select(probs, num_base_tokens)
         for r, n in keep.items():
             del drafts[r][n:]
@@ -403,7 +409,8 @@ class NgramProposer:
         index = self._index.get(req_id)
         if index is None:
             return
-        self.acceptance.record(index.own, index.draft_n, num_draft, num_accepted)
+        self.acceptance.record(index.own, index.draft_kind, num_draft, num_accepted)
+        index.whole = num_accepted == num_draft
         trials = num_accepted + (num_accepted < num_draft)
         index.alpha += _EWMA_WEIGHT * (num_accepted / trials - index.alpha)
         if index.alpha < ACCEPTANCE_FLOOR:

@@ -286,7 +286,7 @@ def test_a_draft_cut_to_nothing_pauses_only_in_a_step_where_no_draft_pays():
         for r in ("hi", "lo"):
             drafts[r] = p.propose(r, tokens, 3, step)
             # the request's own record: its first draft tokens always / never accepted
-            p._index[r].own = {2: [20.0, 20.0] if r == "hi" and likely else [0.0, 20.0]}
+            p._index[r].own = {(2, False): [20.0, 20.0] if r == "hi" and likely else [0.0, 20.0]}
         p.select(drafts, 8, step)
         assert (len(drafts["hi"]) > 0, drafts["lo"]) == (likely, [])
         assert (p.active("hi", step + 1), p.active("lo", step + 1)) == (likely, likely)
@@ -317,18 +317,43 @@ def test_acceptance_model_tells_long_matches_from_short_ones():
     unlikely ones not at all."""
     model = AcceptanceModel(range(4, 1, -1), 4)
     copying, chatting = {}, {}
+    long_kind, short_kind = (4, True), (2, False)
     for _ in range(30):
-        model.record(copying, 4, 4, 4)  # all 4 accepted
-        model.record(chatting, 2, 4, 0)  # the first rejected
-    long, short = model.probs(copying, 4, 4), model.probs(chatting, 2, 4)
+        model.record(copying, long_kind, 4, 4)  # all 4 accepted
+        model.record(chatting, short_kind, 4, 0)  # the first rejected
+    long, short = model.probs(copying, long_kind, 4), model.probs(chatting, short_kind, 4)
     assert long == sorted(long, reverse=True) and long[-1] > 0.9
     assert short[0] < 0.1
     # Another request's first 2-token match: the shared rate, drawn toward no history of its own.
-    assert model.probs({}, 2, 1)[0] < 0.5 and model.probs({}, 4, 1)[0] > 0.9
+    assert model.probs({}, short_kind, 1)[0] < 0.5 and model.probs({}, long_kind, 1)[0] > 0.9
     cost = _fitted_cost()
-    probs = {f"c{i}": model.probs(copying, 4, 4) for i in range(4)}
-    probs.update({f"s{i}": model.probs(chatting, 2, 4) for i in range(4)})
+    probs = {f"c{i}": model.probs(copying, long_kind, 4) for i in range(4)}
+    probs.update({f"s{i}": model.probs(chatting, short_kind, 4) for i in range(4)})
     assert cost.select(probs, 8) == {**{f"c{i}": 4 for i in range(4)}, **{f"s{i}": 0 for i in range(4)}}
+
+
+def test_a_draft_after_one_accepted_whole_is_its_own_kind():
+    """A request copying a passage has its drafts accepted whole, one after another; a 4-token
+    match after a rejection is often a passage that diverged. The proposer keys the rates by
+    both (match length, last draft accepted whole): after a whole draft the next one is priced
+    at the copying rate and verified whole in a batch of 8; after a rejection, with the same
+    match length, at the diverging one, and not verified at all."""
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=4))
+    p.cost = _fitted_cost()
+    text = list(range(100, 140))
+    for step in range(40):
+        # "copy": its drafts are all accepted; "diverge": its first token never is.
+        for r in ("copy", "diverge"):
+            assert p.propose(r, text + text[:8], 4, step) == text[8:12]
+            p.record(r, 4, 4 if r == "copy" else 0, step)
+    assert p._index["copy"].whole and not p._index["diverge"].whole
+    drafts = {f"{r}{i}": [] for r in ("copy", "diverge") for i in range(4)}
+    for r in drafts:
+        drafts[r] = p.propose(r, text + text[:8], 4, 40)
+        p._index[r].draft_kind = (4, r.startswith("copy"))  # a new request, as if after such a draft
+    p.select(drafts, 8, 40)
+    assert {r: len(d) for r, d in drafts.items()} == {
+        **{f"copy{i}": 4 for i in range(4)}, **{f"diverge{i}": 0 for i in range(4)}}
 
 
 def test_drafting_gate_plans_ahead_when_stepping_in_turn_does_not_pay():
