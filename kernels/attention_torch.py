@@ -16,12 +16,15 @@ built for a 2-core CPU where memory traffic, not flops, sets the time:
   tensor per layer costs more in page faults than the copy itself (several times more).
   Groups are split into chunks of at most ``_CHUNK_TOKENS`` tokens so the buffers stay
   small and the gathered K/V are still in cache when the matmul reads them.
-* Prefill/chunk rows go one sequence at a time through ``F.scaled_dot_product_attention``
+* Prefill/chunk rows go one sequence at a time through the fused C++ loop as one row group
+  (cpu_decode_attention.py: what verifies drafts; row j of a chunk is a decode row of
+  length seq_len - q_len + j + 1), faster than SDPA at prompt lengths; where that loop
+  cannot run (bf16/fp16 q, no extension), through ``F.scaled_dot_product_attention``
   (``enable_gqa``), ``is_causal`` when the chunk is the whole context, an explicit
   offset-causal mask otherwise.
 
 Decode math runs in fp32 (bf16/fp16 K/V are gathered, then converted in one copy); prefill runs
-SDPA in fp32 or bf16 (CPU SDPA accumulates bf16 in fp32) and upcasts fp16.
+the fused loop in fp32, SDPA in bf16 (CPU SDPA accumulates bf16 in fp32), and upcasts fp16.
 A quantised cache (kv_quant.py): decode gathers the 1-byte values and their scales with the
 same row index (a scale sits at [slot, head], a value row at [slot, head, :]), converts the
 values in the same one copy, and applies the scales to the scores and the probabilities;
@@ -106,7 +109,8 @@ class _StepPlan:
     key: tuple
     md_ref: weakref.ref
     decode: list[_DecodeGroup]
-    prefill: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len)
+    # (seq, first row, q_len, seq_len, each row's length, the rows as one group) per prefill
+    prefill: list[tuple[int, int, int, int, torch.Tensor, torch.Tensor]]
 
 
 # One plan per step, built by the first layer and reused by the others (the index
@@ -151,7 +155,7 @@ def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int, first_seq: 
     # Any sequence with one query row takes the batched decode path, wherever it sits
     # (the runner puts them first, but nothing here depends on that).
     row_of: dict[int, int] = {}
-    prefill: list[tuple[int, int, int, int]] = []
+    prefill: list[tuple[int, int, int, int, torch.Tensor, torch.Tensor]] = []
     row = 0
     for i, ql in enumerate(q_lens):
         if i < first_seq:
@@ -159,7 +163,10 @@ def _plan(md: AttentionMetadata, block_size: int, num_kv_heads: int, first_seq: 
         elif ql == 1:
             row_of[i] = row
         elif ql > 0:
-            prefill.append((i, row, ql, lens[i]))
+            dev = md.block_table.device
+            prefill.append((i, row, ql, lens[i],
+                            torch.arange(lens[i] - ql + 1, lens[i] + 1, dtype=torch.int32, device=dev),
+                            torch.tensor([0, ql], dtype=torch.int32, device=dev)))
         row += ql
     decode = [
         _build_decode_group(md.block_table, ids, [row_of[i] for i in ids], [lens[i] for i in ids], block_size,
@@ -275,7 +282,11 @@ def paged_attention_torch(
     plan = _plan(md, k_cache.shape[1], k_cache.shape[2], first_seq=nd)
     for g in plan.decode:
         _decode_group(q, k_cache, v_cache, g, scale, out, k_scale, v_scale)
-    for i, r0, ql, seq_len in plan.prefill:
-        out[r0:r0 + ql] = _prefill_seq(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i], seq_len, scale,
-                                       k_scale, v_scale)
+    for i, r0, ql, seq_len, row_lens, group in plan.prefill:
+        # A chunk's rows are a verify group as long as the chunk: the fused loop reads each
+        # K/V block once for all of them, each row up to its own position (causal).
+        if not decode_attention_cpu(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i:i + 1], row_lens, scale,
+                                    out[r0:r0 + ql], k_scale, v_scale, group):
+            out[r0:r0 + ql] = _prefill_seq(q[r0:r0 + ql], k_cache, v_cache, md.block_table[i], seq_len, scale,
+                                           k_scale, v_scale)
     return out

@@ -56,7 +56,8 @@ def decode_path(request):
 
 def test_fused_cpu_decode_kernel_builds_and_is_used(monkeypatch):
     """g++ is on every machine of this project's kind: the fused loop must build, and the
-    torch backend must route fp32 leading decode rows through it."""
+    torch backend must route fp32 leading decode rows through it, then each prefill chunk as
+    one row group (7 rows at the end of a 20-token context: causal from position 13)."""
     from pagedserve.kernels import attention_torch, cpu_decode_attention
 
     assert cpu_decode_attention.available()
@@ -65,7 +66,7 @@ def test_fused_cpu_decode_kernel_builds_and_is_used(monkeypatch):
     monkeypatch.setattr(attention_torch, "decode_attention_cpu",
                         lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     _check(make_paged_batch([1, 1, 1, 7], [40, 3, 333, 20], 12, 4, 64, 16, seed=21), atol=1e-5, rtol=1e-5)
-    assert calls == [3]
+    assert calls == [3, 7]
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (12, 4), (8, 2), (16, 2)])  # GQA 1, 3, 4, 8
