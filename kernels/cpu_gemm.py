@@ -26,9 +26,10 @@ again for each row, and the tile waits on the load ports instead of the FMA unit
 (a step that verifies drafts) run one panel at a time in chunks of k, all rows in one pass
 over the weights, prefetching each panel's stream; 7 to 10 rows run their 2-row tiles chunk by
 chunk of k, so the panels are read from memory once and then from L1; 11 to 48 rows (drafts
-verified for several sequences) run a panel at a time in blocks of 5 or 6 rows read from L2,
-each block prefetching its share of the next panel, so that the stream from memory overlaps
-the FMAs instead of preceding them. Without
+verified for several sequences), and 9 or 10 where the weight has many panel groups a
+thread, run a panel at a time in blocks of 4 to 6 rows read from L2, each block prefetching
+its share of the next panel, so that the stream from memory overlaps the FMAs instead of
+preceding them. Without
 either the module builds but reports ``supported() == False``, and the load-time probe
 (worker/layers/cpu_backend.py) never picks it.
 """
@@ -103,7 +104,8 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
 // One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns. (`next`, the
 // thread's next group, is unused here: only the AVX2 path prefetches it.)
 static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* /*next*/) {
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* /*next*/,
+                         bool /*wide*/) {
   const __mmask16 mask = (__mmask16)((1u << last_cols) - 1u);
   if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, mask);
   else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, mask);
@@ -264,8 +266,9 @@ static inline void whole_k(int64_t m, int64_t M, const float* x, int64_t ldx, in
   if (M - m == 1) tile<1, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_cols, 0, K);
 }
 
-// 11 to 48 rows (drafts verified for several sequences): a panel at a time, its rows in
-// blocks of 5 or 6 (10-12 accumulators, the panel's two vectors of a k in registers), each
+// 11 to 48 rows (drafts verified for several sequences), and 9 or 10 of a wide weight (see
+// rows): a panel at a time, its rows in blocks of 4 to 6 (8-12 accumulators, the panel's two
+// vectors of a k in registers), each
 // block over the whole K, the panel in L2 after the first. Whole-K 2-row tiles instead stream
 // the group from memory at the pace of one tile and then compute the other rows from L2: the
 // two phases add up. Here every block also prefetches its share of the next panel (the next
@@ -285,10 +288,12 @@ static inline void blocked(int64_t M, const float* x, int64_t ldx, int64_t K, co
     const float* bp = bias ? bias + p * kPanel : nullptr;
     int64_t m = 0;
     for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t r = (in_blocks - m) / (blocks - b);  // 5 or 6
+      const int64_t r = (in_blocks - m) / (blocks - b);  // 5 or 6 (4 for the first of 9 rows)
       const char* q = pn ? pn + 64 * b * per : nullptr;
       const int64_t n = pn ? std::min<int64_t>(per, K - b * per) : 0;
-      if (r == 5)
+      if (r == 4)
+        tile<4, 1, false, true>(x + m * ldx, ldx, K, wp, y + m * ldy + p * kPanel, ldy, bp, cols, 0, K, q, n, per);
+      else if (r == 5)
         tile<5, 1, false, true>(x + m * ldx, ldx, K, wp, y + m * ldy + p * kPanel, ldy, bp, cols, 0, K, q, n, per);
       else
         tile<6, 1, false, true>(x + m * ldx, ldx, K, wp, y + m * ldy + p * kPanel, ldy, bp, cols, 0, K, q, n, per);
@@ -298,10 +303,13 @@ static inline void blocked(int64_t M, const float* x, int64_t ldx, int64_t K, co
   whole_k<NP>(in_blocks, M, x, ldx, K, w, y, ldy, bias, last_cols);
 }
 
+// `wide`: the weight has many groups per thread. Then 9 and 10 rows go in blocks too: a
+// thread's first group streams without the previous one's prefetch, which a few groups a
+// thread (the model's square and down projections) cannot amortise and many can.
 template <int NP>
 static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                        int64_t ldy, const float* bias, int64_t last_cols, const float* next) {
-  if (M >= 11 && M <= 48) return blocked<NP>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
+                        int64_t ldy, const float* bias, int64_t last_cols, const float* next, bool wide) {
+  if ((M >= 11 || (wide && M >= 9)) && M <= 48) return blocked<NP>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
   if (M >= 7 && M <= 10) return paired<NP>(M, x, ldx, K, w, y, ldy, bias, last_cols);
   switch (M) {
     case 3: return chunked<3, NP>(x, ldx, K, w, y, ldy, bias, last_cols);
@@ -314,10 +322,11 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
 
 // `next`: the panels of the thread's next group, or null after its last.
 static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* next) {
-  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
-  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
-  else rows<1>(M, x, ldx, K, w, y, ldy, bias, last_cols, next);
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* next,
+                         bool wide) {
+  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, last_cols, next, wide);
+  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, last_cols, next, wide);
+  else rows<1>(M, x, ldx, K, w, y, ldy, bias, last_cols, next, wide);
 }
 #endif
 
@@ -335,11 +344,12 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, c10::optiona
   float* yp = out.data_ptr<float>();
   const int64_t tail = N - (np - 1) * kPanel;  // columns of the last panel, 1..16
   const int64_t groups = (np + kTilePanels - 1) / kTilePanels;
+  const bool wide = groups >= 16 * static_cast<int64_t>(at::get_num_threads());
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
     for (int64_t g = gb; g < ge; ++g) {
       const int64_t p0 = g * kTilePanels, n_p = std::min<int64_t>(kTilePanels, np - p0);
       group(M, xp, ldx, K, wp + p0 * K * kPanel, yp + p0 * kPanel, ldy, bp ? bp + p0 * kPanel : nullptr, n_p,
-            p0 + n_p == np ? tail : kPanel, g + 1 < ge ? wp + (p0 + kTilePanels) * K * kPanel : nullptr);
+            p0 + n_p == np ? tail : kPanel, g + 1 < ge ? wp + (p0 + kTilePanels) * K * kPanel : nullptr, wide);
     }
   });
 }

@@ -43,11 +43,13 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @needs_panel
-@pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768)])
+@pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768),
+                                  (1600, 40)])
 def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     """Row counts around the tiles (8 rows with AVX-512; 2 with AVX2, whose 3 to 6 and 7 to
     10 rows go in chunks of k and 11 to 48 in blocks of 5 or 6 a panel, 13, 14 and 19 with
-    a rest), column counts around the 16-column panel (with AVX2 its two halves) and the
+    a rest, and 9 and 10 in blocks of 4 or 5 where the weight has 16 panel groups a thread
+    or more: 1600 columns), column counts around the 16-column panel (with AVX2 its two halves) and the
     3-panel tile (a masked last panel), with and without bias, batched inputs, strided rows."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
@@ -74,7 +76,7 @@ def test_panel_gemm_gives_a_row_the_same_bits_at_every_batch_size():
     not depend on the rows beside it (a step verifying drafts has 2 to k + 1 rows a request
     where a plain step has one): every row count, through every tile shape, sums in k order."""
     g = torch.Generator().manual_seed(7)
-    for n, k in ((100, 64), (48, 1536), (17, 33)):
+    for n, k in ((100, 64), (48, 1536), (17, 33), (1600, 64)):
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         packed = pack_cpu_weight(w, "panel")
         x = torch.randn(50, k, generator=g)
