@@ -494,7 +494,10 @@ def test_greedy_equals_hf_with_speculation(shape_case, mode):
         assert engine.scheduler.proposer.gate.host_s > 0
 
 
-def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_factory):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_factory, async_scheduling):
+    """Also where the engine may plan ahead: there a step with drafts is sent before the last
+    step's outputs are detokenized, so a stop string is found while the next step runs."""
     from pagedserve.cluster.llm import LLM
     from pagedserve.worker.random_models import make_test_model
 
@@ -502,7 +505,8 @@ def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_f
     prompts = oracle._prompts(256)[4:12]
     runs = {}
     for name, cfg in (("off", None), ("on", SPEC)):
-        llm = LLM(model=path, max_model_len=512, num_gpu_blocks_override=256, speculative_config=cfg)
+        llm = LLM(model=path, max_model_len=512, num_gpu_blocks_override=256, speculative_config=cfg,
+                  async_scheduling=async_scheduling)
         greedy = SamplingParams(temperature=0.0, max_tokens=40, logprobs=2, n=2, detokenize=False)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         runs[name] = [[(c.token_ids, c.finish_reason, [(lp.token_ids, lp.logprobs) for lp in c.logprobs])
@@ -512,6 +516,8 @@ def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_f
         runs[name + "_stop"] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate(
             prompts, [SamplingParams(temperature=0.0, max_tokens=40, stop=[s]) for s in stops], use_tqdm=False)]
         runs[name + "_stats"] = llm.engine.get_stats()
+        if cfg and async_scheduling:  # steps were taken in turn, each sent before the last one's outputs
+            assert llm.engine.scheduler.proposer.gate.host_s > 0
     assert runs["on_stats"].spec_num_accepted_tokens > 20
     for got, want in zip(runs["on"], runs["off"]):
         for (ids, reason, lps), (ids0, reason0, lps0) in zip(got, want):

@@ -114,6 +114,8 @@ class LLMEngine:
         # async_scheduling: (plan, wait for its result) of the step running now
         self._inflight: tuple | None = None
         self._last_step_end: float | None = None  # when the last step waited for in turn ended
+        self._submitted_at = 0.0  # when the step in flight was sent, if it was sent in turn
+        self._in_turn = False  # whether the step in flight was sent in turn (drafts): waited for first
         self._epoch = 0  # failed steps seen (step_containment.py): stamped on every plan
         if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the isolation tests
             from pagedserve.worker import faults
@@ -290,15 +292,28 @@ class LLMEngine:
         plan of step N+1 is made and sent while step N runs, then N's outputs are
         processed (detokenized, stop strings, streamed) while N+1 runs: this call
         returns step N's outputs, and the first call none. Structured outputs need each
-        token before the next step's grammar mask, and a plan with drafts needs the tokens
-        they follow, so while either may happen steps run in turn."""
+        token before the next step's grammar mask, so while one may run steps run in turn.
+        A plan with drafts needs the tokens they follow, not their text: while requests
+        draft, step N+1 is planned and sent as soon as the scheduler has N's tokens, and
+        N's outputs are processed while it runs."""
         inflight = self._inflight
+        if inflight is not None and self._in_turn:
+            # A step sent in turn (drafts) is waited for before anything else is planned;
+            # whether the next one drafts is asked once its verdicts are in.
+            self._inflight = None
+            plan, result = inflight[0], self._wait(*inflight)
+            self._record_in_turn(plan, result, time.perf_counter(), self._submitted_at, overlapped=True)
+            settled = self._settle(plan, result)
+            early = self._submit_in_turn() if self._overlaps_outputs() and self.scheduler.drafting() else []
+            return self._emit(*settled) + early
         pipelined = (self.config.async_scheduling and not self.structured.matchers
                      and not self.scheduler.drafting())
         if inflight is not None and not pipelined:
             self._inflight = None
             self._last_step_end = None
             return self._finish_step(inflight[0], self._wait(*inflight))
+        if not pipelined and self._overlaps_outputs():
+            return self._submit_in_turn()
         plan = self.scheduler.schedule()
         plan.epoch = self._epoch
         self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
@@ -310,19 +325,48 @@ class LLMEngine:
                 return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
             t0 = time.perf_counter()
             result = self._wait(plan, lambda: self.executor.execute_model(plan))
-            t1 = time.perf_counter()
-            self.scheduler.record_step_time(plan.total_num_scheduled_tokens, t1 - t0)
-            if self._last_step_end is not None:
-                # How long the worker sat idle since the last step ended (the host's work, the
-                # plan's and the result's trips): what planning ahead overlaps with the step,
-                # up to the step's own length (beyond it the engine had nothing to run).
-                busy = result.execute_s or t1 - t0
-                self.scheduler.record_host_time(min(max(t1 - self._last_step_end - busy, 0.0), busy))
-            self._last_step_end = t1
+            self._record_in_turn(plan, result, time.perf_counter(), t0)
             return self._finish_step(plan, result)
         self._last_step_end = None
+        self._in_turn = False
         self._inflight = (plan, self.executor.submit(plan)) if has_work else None
         return self._finish_step(inflight[0], self._wait(*inflight)) if inflight is not None else []
+
+    def _overlaps_outputs(self) -> bool:
+        """Whether steps in turn (drafts) send the next plan before the last step's outputs are
+        processed: where the engine may run a step while the host works (async_scheduling)
+        and no grammar needs the outputs first."""
+        return bool(self.config.async_scheduling) and not self.structured.matchers
+
+    def _submit_in_turn(self) -> list[RequestOutput]:
+        """Plan the next step from the scheduler's current state and send it, in turn (the
+        next call waits for it before planning another). A plan with nothing to run is
+        settled at once: its outputs, if any."""
+        plan = self.scheduler.schedule()
+        plan.epoch = self._epoch
+        self.last_plan = plan
+        if not (plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+            self._last_step_end = None
+            return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
+        self._submitted_at = time.perf_counter()
+        self._in_turn = True
+        self._inflight = (plan, self.executor.submit(plan))
+        return []
+
+    def _record_in_turn(self, plan, result: ModelRunnerOutput, t1: float, t0: float,
+                        overlapped: bool = False) -> None:
+        """A step taken in turn, sent at t0, waited for until t1: its time for the cost model,
+        and how long the worker sat idle since the last one ended (the host's work, the
+        plan's and the result's trips), what planning ahead overlaps with the step, up to the
+        step's own length (beyond it the engine had nothing to run). Where the host processed
+        outputs meanwhile (``overlapped``), t1 - t0 may hold some of that work: the worker's
+        own time stands for the step."""
+        step_s = result.execute_s or t1 - t0 if overlapped else t1 - t0
+        self.scheduler.record_step_time(plan.total_num_scheduled_tokens, step_s)
+        if self._last_step_end is not None:
+            busy = result.execute_s or t1 - t0
+            self.scheduler.record_host_time(min(max(t1 - self._last_step_end - busy, 0.0), busy))
+        self._last_step_end = t1
 
     def _wait(self, plan, result) -> ModelRunnerOutput:
         """``result()`` (the step's result), or, if the step raised in the workers, the
@@ -355,6 +399,11 @@ class LLMEngine:
         self.executor.execute_model(ProbePlan(step_id=self.scheduler.step_id, epoch=self._epoch))
 
     def _finish_step(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
+        return self._emit(*self._settle(plan, result))
+
+    def _settle(self, plan, result: ModelRunnerOutput) -> tuple[float, dict, list]:
+        """The step's result into the scheduler (what the next plan needs); returns what
+        ``_emit`` turns into outputs."""
         now = time.time()
         self.num_admitted += len(plan.scheduled_new_reqs) + sum(
             plan.scheduled_cached_reqs.resumed_from_preemption)
@@ -373,9 +422,13 @@ class LLMEngine:
             entry = self._samples.get(rid)
             if entry is not None:
                 failed[entry[0].request_id] = self._fail_group(entry[0], message)
+        return now, failed, list(self.scheduler.update_from_output(plan, result))
+
+    def _emit(self, now: float, failed: dict, core_outputs: list) -> list[RequestOutput]:
+        """Detokenize, stop strings, the outputs of the requests a settled step touched."""
         touched: dict[str, _Group] = {}
         deltas: dict[str, tuple[str, list[int], list | None]] = {}
-        for out in self.scheduler.update_from_output(plan, result):
+        for out in core_outputs:
             entry = self._samples.get(out.req_id)
             if entry is None:
                 continue  # aborted while the step ran (or failed above)
