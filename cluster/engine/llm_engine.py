@@ -361,7 +361,7 @@ class LLMEngine:
         step's own length (beyond it the engine had nothing to run). Where the host processed
         outputs meanwhile (``overlapped``), t1 - t0 may hold some of that work: the worker's
         own time stands for the step."""
-        step_s = result.execute_s or t1 - t0 if overlapped else t1 - t0
+        step_s = (result.execute_s or t1 - t0) if overlapped else t1 - t0
         self.scheduler.record_step_time(plan.total_num_scheduled_tokens, step_s)
         if self._last_step_end is not None:
             busy = result.execute_s or t1 - t0
