@@ -268,13 +268,13 @@ static inline void whole_k(int64_t m, int64_t M, const float* x, int64_t ldx, in
 
 // 11 to 48 rows (drafts verified for several sequences), and 9 or 10 of a wide weight (see
 // rows): a panel at a time, its rows in blocks of 4 to 6 (8-12 accumulators, the panel's two
-// vectors of a k in registers), each
-// block over the whole K, the panel in L2 after the first. Whole-K 2-row tiles instead stream
-// the group from memory at the pace of one tile and then compute the other rows from L2: the
-// two phases add up. Here every block also prefetches its share of the next panel (the next
-// group's first after the last), so the stream runs under the FMAs of the current one. The
-// rows that 5- and 6-row blocks cannot cover (13, 14 and 19: one or two) take whole-K tiles
-// over the group after its blocks. From about 64 rows on the 2-row tiles are faster again.
+// vectors of a k in registers), each block over the whole K, the panel in L2 after the
+// first. Whole-K 2-row tiles instead stream the group from memory at the pace of one tile
+// and then compute the other rows from L2: the two phases add up. Here every block also
+// prefetches its share of the next panel (the next group's first after the last), so the
+// stream runs under the FMAs of the current one. The rows that 5- and 6-row blocks cannot
+// cover (13, 14 and 19: one or two) take whole-K tiles over the group after its blocks.
+// From about 64 rows on the 2-row tiles are faster again.
 template <int NP>
 static inline void blocked(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
                            int64_t ldy, const float* bias, int64_t last_cols, const float* next) {

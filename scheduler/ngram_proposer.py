@@ -314,7 +314,8 @@ class _RequestIndex:
         self.backoff = Backoff()  # its drafting pauses
         self.whole = False  # whether its last verified draft was accepted whole
         self.draft_kind = (0, False)  # its last draft's (match length, whole before it)
-        self.own: dict[tuple[int, bool], list[float]] = {}  # kind -> its first draft tokens' decayed [accepted, verified]
+        # kind -> its first draft tokens' decayed [accepted, verified]
+        self.own: dict[tuple[int, bool], list[float]] = {}
 
     def pause(self, step_id: int) -> None:
         self.backoff.pause(step_id)

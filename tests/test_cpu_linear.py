@@ -49,8 +49,9 @@ def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     """Row counts around the tiles (8 rows with AVX-512; 2 with AVX2, whose 3 to 6 and 7 to
     10 rows go in chunks of k and 11 to 48 in blocks of 5 or 6 a panel, 13, 14 and 19 with
     a rest, and 9 and 10 in blocks of 4 or 5 where the weight has 16 panel groups a thread
-    or more: 1600 columns), column counts around the 16-column panel (with AVX2 its two halves) and the
-    3-panel tile (a masked last panel), with and without bias, batched inputs, strided rows."""
+    or more: 1600 columns), column counts around the 16-column panel (with AVX2 its two
+    halves) and the 3-panel tile (a masked last panel), with and without bias, batched
+    inputs, strided rows."""
     g = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g)
