@@ -304,7 +304,10 @@ class LLMEngine:
             plan, result = inflight[0], self._wait(*inflight)
             self._record_in_turn(plan, result, time.perf_counter(), self._submitted_at, overlapped=True)
             settled = self._settle(plan, result)
-            early = self._submit_in_turn() if self._overlaps_outputs() and self.scheduler.drafting() else []
+            if self._overlaps_outputs() and self.scheduler.drafting():
+                early = self._submit_in_turn()
+            else:  # no next step in turn: the worker's wait until the next one is not the host's work
+                early, self._last_step_end = [], None
             return self._emit(*settled) + early
         pipelined = (self.config.async_scheduling and not self.structured.matchers
                      and not self.scheduler.drafting())
