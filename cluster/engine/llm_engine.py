@@ -114,8 +114,8 @@ class LLMEngine:
         # async_scheduling: (plan, wait for its result) of the step running now
         self._inflight: tuple | None = None
         self._last_step_end: float | None = None  # when the last step waited for in turn ended
-        self._submitted_at = 0.0  # when the step in flight was sent, if it was sent in turn
-        self._in_turn = False  # whether the step in flight was sent in turn (drafts): waited for first
+        # When the step in flight was sent, if it was sent in turn (drafts: waited for first); else None
+        self._sent_in_turn: float | None = None
         self._epoch = 0  # failed steps seen (step_containment.py): stamped on every plan
         if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the isolation tests
             from pagedserve.worker import faults
@@ -297,12 +297,12 @@ class LLMEngine:
         draft, step N+1 is planned and sent as soon as the scheduler has N's tokens, and
         N's outputs are processed while it runs."""
         inflight = self._inflight
-        if inflight is not None and self._in_turn:
+        if inflight is not None and self._sent_in_turn is not None:
             # A step sent in turn (drafts) is waited for before anything else is planned;
             # whether the next one drafts is asked once its verdicts are in.
             self._inflight = None
             plan, result = inflight[0], self._wait(*inflight)
-            self._record_in_turn(plan, result, time.perf_counter(), self._submitted_at, overlapped=True)
+            self._record_in_turn(plan, result, time.perf_counter(), self._sent_in_turn, overlapped=True)
             settled = self._settle(plan, result)
             if self._overlaps_outputs() and self.scheduler.drafting():
                 early = self._submit_in_turn()
@@ -317,12 +317,10 @@ class LLMEngine:
             return self._finish_step(inflight[0], self._wait(*inflight))
         if not pipelined and self._overlaps_outputs():
             return self._submit_in_turn()
-        plan = self.scheduler.schedule()
-        plan.epoch = self._epoch
-        self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
+        plan = self._schedule()
         if self.structured.matchers:
             self.structured.fill_bitmask(plan, self.scheduler.get_request)
-        has_work = plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids
+        has_work = self._has_work(plan)
         if not pipelined:
             if not has_work:
                 return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
@@ -331,7 +329,7 @@ class LLMEngine:
             self._record_in_turn(plan, result, time.perf_counter(), t0)
             return self._finish_step(plan, result)
         self._last_step_end = None
-        self._in_turn = False
+        self._sent_in_turn = None
         self._inflight = (plan, self.executor.submit(plan)) if has_work else None
         return self._finish_step(inflight[0], self._wait(*inflight)) if inflight is not None else []
 
@@ -345,16 +343,23 @@ class LLMEngine:
         """Plan the next step from the scheduler's current state and send it, in turn (the
         next call waits for it before planning another). A plan with nothing to run is
         settled at once: its outputs, if any."""
-        plan = self.scheduler.schedule()
-        plan.epoch = self._epoch
-        self.last_plan = plan
-        if not (plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids):
+        plan = self._schedule()
+        if not self._has_work(plan):
             self._last_step_end = None
             return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
-        self._submitted_at = time.perf_counter()
-        self._in_turn = True
+        self._sent_in_turn = time.perf_counter()
         self._inflight = (plan, self.executor.submit(plan))
         return []
+
+    def _schedule(self):
+        plan = self.scheduler.schedule()
+        plan.epoch = self._epoch
+        self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
+        return plan
+
+    @staticmethod
+    def _has_work(plan) -> bool:
+        return bool(plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids)
 
     def _record_in_turn(self, plan, result: ModelRunnerOutput, t1: float, t0: float,
                         overlapped: bool = False) -> None:
