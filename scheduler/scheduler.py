@@ -273,7 +273,8 @@ class Scheduler(TenantScheduling, StepResults):
     def _propose_drafts(self) -> dict[str, list[int]]:
         """This step's drafts, req_id -> tokens, for the decoding requests that draft:
         each no longer than its max_tokens (the step yields drafts + 1 tokens) or its
-        longest sequence allow, and cut to what pays over the step (ngram_proposer.py).
+        longest sequence allow, ending before a token that would stop the request, and cut
+        to what pays over the step (ngram_proposer.py).
         None for a request with a token in flight (its drafts would follow a token not
         known yet), a constrained one (its grammar masks each token before it is drawn),
         or one that paused drafting."""
@@ -290,6 +291,12 @@ class Scheduler(TenantScheduling, StepResults):
                     or not proposer.active(req.req_id, step_id)):
                 continue
             draft = proposer.propose(req.req_id, tokens, max_k, step_id)
+            # A token that would end the request ends its draft before it: no row past it
+            # is ever used, and the last row samples that token anyway if the model agrees.
+            for j, t in enumerate(draft):
+                if t in req.stop_token_ids or (t == req.eos_token_id and not req.ignore_eos):
+                    del draft[j:]
+                    break
             if draft:
                 drafts[req.req_id] = draft
         if drafts:

@@ -194,15 +194,32 @@ def test_a_prefill_chunk_cut_to_one_token_does_not_draft():
     assert req.num_computed_tokens == 14
 
 
-def test_eos_inside_an_accepted_run_ends_the_request_there():
+def test_with_ignore_eos_the_eos_is_drafted_like_any_token():
+    s = _sched()
+    _add(s, "r", PROMPT, eos=14, ignore_eos=True, max_tokens=4)
+    _run(s, s.schedule(), {"r": [12]})
+    plan = s.schedule()
+    assert plan.scheduled_spec_decode_tokens == {"r": [13, 14]}  # max_tokens: 3 left, 2 drafts
+    outs = _run(s, plan, {"r": [13, 14, 15]})  # accepted through the EOS, then max_tokens
+    assert outs["r"].new_token_ids == [13, 14, 15] and outs["r"].finish_reason == "length"
+    assert not s.requests and s.kv_cache_manager.num_free_blocks == 32
+
+
+def test_a_draft_ends_before_a_token_that_would_stop_the_request():
+    """No row past a stopping token is ever used: the draft stops short of it, and the
+    step's last row samples it if the model agrees (then the request ends there)."""
     s = _sched()
     _add(s, "r", PROMPT, eos=14)
     _run(s, s.schedule(), {"r": [12]})
     plan = s.schedule()
-    assert plan.scheduled_spec_decode_tokens == {"r": [13, 14, 15]}
-    outs = _run(s, plan, {"r": [13, 14, 15, 16]})  # the worker accepted past the EOS
+    assert plan.scheduled_spec_decode_tokens == {"r": [13]}  # not 13 14 15
+    outs = _run(s, plan, {"r": [13, 14]})  # 13 accepted, the EOS sampled by the last row
     assert outs["r"].new_token_ids == [13, 14] and outs["r"].finish_reason == "stop"
     assert not s.requests and s.kv_cache_manager.num_free_blocks == 32
+    s = _sched()
+    _add(s, "r", PROMPT, stop_token_ids=[13])  # a stop token at the draft's head: no draft
+    _run(s, s.schedule(), {"r": [12]})
+    assert s.schedule().scheduled_spec_decode_tokens == {}
 
 
 def test_rejected_drafts_pause_drafting_and_the_engine_may_plan_ahead():
