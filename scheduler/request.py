@@ -106,6 +106,11 @@ class Request:
         self.min_tokens = self.sampling_params.min_tokens
         self.ignore_eos = self.sampling_params.ignore_eos
 
+    def stops_on(self, token: int) -> bool:
+        """Whether ``token`` ends the request once past min_tokens: its EOS (unless
+        ignore_eos) or one of its stop_token_ids."""
+        return (token == self.eos_token_id and not self.ignore_eos) or token in self.stop_token_ids
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)

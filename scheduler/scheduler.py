@@ -294,7 +294,7 @@ class Scheduler(TenantScheduling, StepResults):
             # A token that would end the request ends its draft before it: no row past it
             # is ever used, and the last row samples that token anyway if the model agrees.
             for j, t in enumerate(draft):
-                if t in req.stop_token_ids or (t == req.eos_token_id and not req.ignore_eos):
+                if req.stops_on(t):
                     del draft[j:]
                     break
             if draft:

@@ -79,9 +79,7 @@ class StepResults:
             all_ids.append(token)
             num_output = len(output_ids)
             # Order: min_tokens gates EOS / stop tokens; then the length caps.
-            if num_output >= req.min_tokens and (
-                    (token == req.eos_token_id and not req.ignore_eos)
-                    or (req.stop_token_ids and token in req.stop_token_ids)):
+            if num_output >= req.min_tokens and req.stops_on(token):
                 req.status = _STOPPED
                 if token != req.eos_token_id or req.ignore_eos:
                     req.stop_reason = token
