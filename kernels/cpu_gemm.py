@@ -6,9 +6,12 @@ extension, AVX-512 or AVX2 with FMA; built at worker start like cpu_fused.py):
 A step at decode batch sizes streams every weight once from memory, so the GEMM's speed is
 the speed at which it reads W. In this layout a tile of 3 panels (48 output columns) reads
 three contiguous streams, each k's 16 floats one 64-byte line, and every broadcast of
-``x[m, k]`` feeds 3 FMAs; a tile holds 8 rows of x (24 accumulators in registers). The tiles
-of one GEMM are split over torch's intra-op threads by panel group, so each thread streams
-its own part of W and x stays in cache. The caller allocates the panels (pass ``out``) in
+``x[m, k]`` feeds 3 FMAs; with AVX-512 a tile holds up to 9 rows of x (27 accumulators in
+registers), so a step verifying 8 drafts reads each weight once. The tiles of one GEMM are
+split over torch's intra-op threads by panel group, so each thread streams its own part of
+W and x stays in cache. A tile prefetches its streams some lines ahead, and with more rows
+than a tile holds, the tiles after the first (which read the group from L2) prefetch the
+thread's next group. The caller allocates the panels (pass ``out``) in
 transparent huge pages (worker/cpu_memory.py), which a stream of weights wants as much as
 the KV pool does.
 
@@ -51,21 +54,47 @@ _SOURCE = r"""
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+// AVX-512 (32 zmm registers): a tile is up to 9 rows x 3 panels, 27 accumulators + 3 weight
+// vectors + 1 broadcast, so a step verifying 8 drafts (9 rows) reads the weights once.
 constexpr int64_t kPanel = 16;
-constexpr int kTileRows = 8;    // rows of x per tile
-constexpr int kTilePanels = 3;  // panels per tile: 8 x 3 accumulators + 3 weight vectors + 1 broadcast
+constexpr int kTileRows = 9;    // rows of x per tile
+constexpr int kTilePanels = 3;  // panels per tile
+// Lines (k) ahead that a tile prefetches each of its panel streams: the hardware prefetcher
+// alone keeps too few of a core's misses in flight to reach the memory's bandwidth.
+constexpr int64_t kPrefetch = 16;
 
-// y[0:MR, 0:16 NP] (+)= x[0:MR, :] . panels[0:NP]; the last panel stores only `last_mask`'s columns.
+// Makes `v` a register value to the compiler, so that GCC does not fold the weight load into
+// every row's FMA (see the AVX2 path below).
+static inline void in_register(__m512& v) { __asm__("" : "+v"(v)); }
+
+// y[0:MR, 0:16 NP] = x[0:MR, :] . panels[0:NP] (+ bias); the last panel stores only
+// `last_mask`'s columns. `pn`: also prefetch `pn_lines` lines from there on into L2, evenly
+// spread over the K k (the thread's next group, while this tile reads its group from L2).
 template <int MR, int NP>
 static inline void tile(const float* x, int64_t ldx, int64_t K, const float* w, float* y, int64_t ldy,
-                        const float* bias, __mmask16 last_mask) {
+                        const float* bias, __mmask16 last_mask, const char* pn, int64_t pn_lines) {
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   const int64_t ps = K * kPanel;
+  const char* const pn_end = pn + 64 * pn_lines;
+  int64_t pn_due = K - 1;  // a line is due each time this passes K (a counter: no division a k)
   for (int64_t k = 0; k < K; ++k) {
+    if (pn) {
+      pn_due += pn_lines;
+      while (pn_due >= K && pn < pn_end) {
+        pn_due -= K;
+        _mm_prefetch(pn, _MM_HINT_T1);
+        pn += 64;
+      }
+    }
+    // A prefetch never faults: past the panel's end it only wastes a line.
+    for (int p = 0; p < NP; ++p) _mm_prefetch((const char*)(w + p * ps + (k + kPrefetch) * kPanel), _MM_HINT_T0);
     __m512 wv[NP];
-    for (int p = 0; p < NP; ++p) wv[p] = _mm512_loadu_ps(w + p * ps + k * kPanel);
+    for (int p = 0; p < NP; ++p) {
+      wv[p] = _mm512_loadu_ps(w + p * ps + k * kPanel);
+      in_register(wv[p]);
+    }
     for (int m = 0; m < MR; ++m) {
       const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
       for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_fmadd_ps(xb, wv[p], acc[m][p]);
@@ -81,35 +110,45 @@ static inline void tile(const float* x, int64_t ldx, int64_t K, const float* w, 
   }
 }
 
+// The group's rows in tiles of kTileRows (the rest in one smaller tile), each over the whole
+// K: the first tile streams the group from memory, the others read it from L2. Those others
+// prefetch the thread's next group (`next`, null after its last), a share each, so that its
+// stream runs under their FMAs instead of after them.
 template <int NP>
 static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                        int64_t ldy, const float* bias, __mmask16 last_mask) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows)
-    tile<kTileRows, NP>(x + m * ldx, ldx, K, w, y + m * ldy, ldy, bias, last_mask);
-  const float* xr = x + m * ldx;
-  float* yr = y + m * ldy;
-  switch (M - m) {
-    case 0: break;
-    case 1: tile<1, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
-    case 2: tile<2, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
-    case 3: tile<3, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
-    case 4: tile<4, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
-    case 5: tile<5, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
-    case 6: tile<6, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
-    default: tile<7, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask); break;
+                        int64_t ldy, const float* bias, __mmask16 last_mask, const float* next) {
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t lines = next && tiles > 1 ? kTilePanels * K : 0;  // the next group's lines
+  const int64_t per = tiles > 1 ? (lines + tiles - 2) / (tiles - 1) : 0;  // a later tile's share
+  for (int64_t t = 0, m = 0; m < M; ++t, m += kTileRows) {
+    const int64_t off = (t - 1) * per;
+    const char* q = t > 0 && off < lines ? (const char*)next + 64 * off : nullptr;
+    const int64_t n = q ? std::min<int64_t>(per, lines - off) : 0;
+    const float* xr = x + m * ldx;
+    float* yr = y + m * ldy;
+    switch (std::min<int64_t>(M - m, kTileRows)) {
+      case 1: tile<1, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 2: tile<2, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 3: tile<3, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 4: tile<4, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 5: tile<5, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 6: tile<6, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 7: tile<7, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      case 8: tile<8, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+      default: tile<9, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
+    }
   }
 }
 
-// One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns. (`next`, the
-// thread's next group, is unused here: only the AVX2 path prefetches it.)
+// One tile group: NP = n_p panels, the last with `last_cols` of its 16 columns; `next`: the
+// panels of the thread's next group, or null after its last.
 static inline void group(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
-                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* /*next*/,
+                         int64_t ldy, const float* bias, int64_t n_p, int64_t last_cols, const float* next,
                          bool /*wide*/) {
   const __mmask16 mask = (__mmask16)((1u << last_cols) - 1u);
-  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, mask);
-  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, mask);
-  else rows<1>(M, x, ldx, K, w, y, ldy, bias, mask);
+  if (n_p == 3) rows<3>(M, x, ldx, K, w, y, ldy, bias, mask, next);
+  else if (n_p == 2) rows<2>(M, x, ldx, K, w, y, ldy, bias, mask, next);
+  else rows<1>(M, x, ldx, K, w, y, ldy, bias, mask, next);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -372,7 +411,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # changed kernel is timed anew, not judged by its predecessor's figures.
 SOURCE_ID = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
 
-_EXT = LazyExtension("pagedserve_cpu_gemm_v5", _SOURCE, ["-O3", "-march=native"],
+_EXT = LazyExtension("pagedserve_cpu_gemm_v6", _SOURCE, ["-O3", "-march=native"],
                      "CPU panel-GEMM", "the linear layers use oneDNN or F.linear")
 
 

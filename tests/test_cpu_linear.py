@@ -46,7 +46,8 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768),
                                   (1600, 40)])
 def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
-    """Row counts around the tiles (8 rows with AVX-512; 2 with AVX2, whose 3 to 6 and 7 to
+    """Row counts around the tiles (9 rows with AVX-512, a group's later tiles prefetching
+    the next group; 2 with AVX2, whose 3 to 6 and 7 to
     10 rows go in chunks of k and 11 to 48 in blocks of 5 or 6 a panel, 13, 14 and 19 with
     a rest, and 9 and 10 in blocks of 4 or 5 where the weight has 16 panel groups a thread
     or more: 1600 columns), column counts around the 16-column panel (with AVX2 its two
@@ -59,7 +60,7 @@ def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
     assert tuple(packed.panels.shape) == ((n + 15) // 16, k, 16) and packed.n == n
     if n % 16:
         assert packed.panels[-1, :, n % 16:].abs().sum() == 0  # the padding columns are zeros
-    for m in (1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 16, 17, 19, 23, 48, 49, 130):
+    for m in (1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 16, 17, 18, 19, 23, 27, 48, 49, 130):
         x = torch.randn(m, k, generator=g)
         assert _rel_err(cpu_linear(x, packed, b), F.linear(x, w, b)) < 5e-5
         assert _rel_err(cpu_linear(x, packed), F.linear(x, w)) < 5e-5
