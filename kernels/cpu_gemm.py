@@ -10,8 +10,8 @@ three contiguous streams, each k's 16 floats one 64-byte line, and every broadca
 registers), so a step verifying 8 drafts reads each weight once. The tiles of one GEMM are
 split over torch's intra-op threads by panel group, so each thread streams its own part of
 W and x stays in cache. A tile prefetches its streams some lines ahead, and with more rows
-than a tile holds, the tiles after the first (which read the group from L2) prefetch the
-thread's next group. The caller allocates the panels (pass ``out``) in
+than a tile holds, the group's tiles (balanced in size) prefetch the thread's next group into
+L2 under their FMAs. The caller allocates the panels (pass ``out``) in
 transparent huge pages (worker/cpu_memory.py), which a stream of weights wants as much as
 the KV pool does.
 
@@ -110,23 +110,25 @@ static inline void tile(const float* x, int64_t ldx, int64_t K, const float* w, 
   }
 }
 
-// The group's rows in tiles of kTileRows (the rest in one smaller tile), each over the whole
-// K: the first tile streams the group from memory, the others read it from L2. Those others
-// prefetch the thread's next group (`next`, null after its last), a share each, so that its
-// stream runs under their FMAs instead of after them.
+// The group's rows in as few tiles as hold them, of balanced sizes (10 rows are 5 + 5, not 9
+// + 1: a 1-row tile waits on its FMAs' latency), each over the whole K: the first tile reads
+// the group from memory (or from L2, where the previous group's tiles prefetched it), the
+// others from L2. With two tiles or more, each prefetches a share of the thread's next group
+// (`next`, null after its last), so that its stream runs under the FMAs instead of after them.
 template <int NP>
 static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const float* w, float* y,
                         int64_t ldy, const float* bias, __mmask16 last_mask, const float* next) {
   const int64_t tiles = (M + kTileRows - 1) / kTileRows;
   const int64_t lines = next && tiles > 1 ? kTilePanels * K : 0;  // the next group's lines
-  const int64_t per = tiles > 1 ? (lines + tiles - 2) / (tiles - 1) : 0;  // a later tile's share
-  for (int64_t t = 0, m = 0; m < M; ++t, m += kTileRows) {
-    const int64_t off = (t - 1) * per;
-    const char* q = t > 0 && off < lines ? (const char*)next + 64 * off : nullptr;
+  const int64_t per = (lines + tiles - 1) / tiles;  // a tile's share of them
+  for (int64_t t = 0, m = 0; m < M; ++t) {
+    const int64_t off = t * per;
+    const char* q = off < lines ? (const char*)next + 64 * off : nullptr;
     const int64_t n = q ? std::min<int64_t>(per, lines - off) : 0;
     const float* xr = x + m * ldx;
     float* yr = y + m * ldy;
-    switch (std::min<int64_t>(M - m, kTileRows)) {
+    const int64_t r = (M - m) / (tiles - t);  // rows of this tile, 1 to kTileRows
+    switch (r) {
       case 1: tile<1, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
       case 2: tile<2, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
       case 3: tile<3, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
@@ -137,6 +139,7 @@ static inline void rows(int64_t M, const float* x, int64_t ldx, int64_t K, const
       case 8: tile<8, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
       default: tile<9, NP>(xr, ldx, K, w, yr, ldy, bias, last_mask, q, n); break;
     }
+    m += r;
   }
 }
 
@@ -411,7 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 # changed kernel is timed anew, not judged by its predecessor's figures.
 SOURCE_ID = hashlib.sha256(_SOURCE.encode()).hexdigest()[:16]
 
-_EXT = LazyExtension("pagedserve_cpu_gemm_v6", _SOURCE, ["-O3", "-march=native"],
+_EXT = LazyExtension("pagedserve_cpu_gemm_v7", _SOURCE, ["-O3", "-march=native"],
                      "CPU panel-GEMM", "the linear layers use oneDNN or F.linear")
 
 

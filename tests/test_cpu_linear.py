@@ -46,8 +46,8 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("n, k", [(96, 64), (100, 64), (1, 32), (17, 33), (30, 40), (49, 768), (1280, 768),
                                   (1600, 40)])
 def test_panel_gemm_matches_f_linear_at_every_shape(n, k):
-    """Row counts around the tiles (9 rows with AVX-512, a group's later tiles prefetching
-    the next group; 2 with AVX2, whose 3 to 6 and 7 to
+    """Row counts around the tiles (up to 9 rows with AVX-512, balanced, a group's tiles
+    prefetching the next group; 2 with AVX2, whose 3 to 6 and 7 to
     10 rows go in chunks of k and 11 to 48 in blocks of 5 or 6 a panel, 13, 14 and 19 with
     a rest, and 9 and 10 in blocks of 4 or 5 where the weight has 16 panel groups a thread
     or more: 1600 columns), column counts around the 16-column panel (with AVX2 its two
