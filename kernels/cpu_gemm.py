@@ -69,7 +69,7 @@ static inline void in_register(__m512& v) { __asm__("" : "+v"(v)); }
 
 // y[0:MR, 0:16 NP] = x[0:MR, :] . panels[0:NP] (+ bias); the last panel stores only
 // `last_mask`'s columns. `pn`: also prefetch `pn_lines` lines from there on into L2, evenly
-// spread over the K k (the thread's next group, while this tile reads its group from L2).
+// spread over the K k (a share of the thread's next group, fetched under this tile's FMAs).
 template <int MR, int NP>
 static inline void tile(const float* x, int64_t ldx, int64_t K, const float* w, float* y, int64_t ldy,
                         const float* bias, __mmask16 last_mask, const char* pn, int64_t pn_lines) {
