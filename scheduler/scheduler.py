@@ -293,6 +293,7 @@ class Scheduler(TenantScheduling, StepResults):
             draft = proposer.propose(req.req_id, tokens, max_k, step_id)
             # A token that would end the request ends its draft before it: no row past it
             # is ever used, and the last row samples that token anyway if the model agrees.
+            # (Before min_tokens such a token does not end it; the cut only shortens the draft.)
             for j, t in enumerate(draft):
                 if req.stops_on(t):
                     del draft[j:]
