@@ -45,7 +45,10 @@ class EngineConfig:
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"
     kv_allocation: str = "paged"
-    device: str = "auto"  # "auto": cuda if available, else cpu
+    # "auto" is decided once where the engine or app is built (platforms.py decide_device:
+    # the deployment's placement, the cluster's live GPUs and autoscaler node types, else
+    # this node's NVIDIA driver) and travels to every actor as "cuda" or "cpu".
+    device: str = "auto"
     attention_backend: str = "auto"  # "auto": triton on CUDA, torch elsewhere
     # vLLM's name: no CUDA graphs, every decode step launched eagerly (worker/cuda_graphs.py).
     # Graphs are captured only on CUDA with the triton backend; this turns them off there.
@@ -78,6 +81,13 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2}; JSON text, a dict or a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Where the TP workers go, as Ray Serve LLM's LLMConfig says it: the accelerator they
+    # need (e.g. "H100", "L4": Ray's accelerator_type:<name> resource on each worker's
+    # bundle) and the placement group, {"bundles": [one per TP worker], "strategy": ...} or
+    # {"bundle_per_worker": {...}, "strategy": ...} (cluster/placement.py). None: one
+    # {"GPU": 1, "CPU": 1} bundle per worker on CUDA ({"CPU": 1} on the CPU).
+    accelerator_type: str | None = None
+    placement_group_config: dict | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -100,16 +110,12 @@ class EngineConfig:
         parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
+        from pagedserve.platforms import check_placement_group_config
+
+        check_placement_group_config(self.placement_group_config, self.tensor_parallel_size)
 
     def executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
-
-    def resolve_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         budget = self.max_num_batched_tokens

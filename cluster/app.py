@@ -22,11 +22,13 @@ from ray import serve
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.front.metrics import StatsAggregator
 from pagedserve.cluster.front.routing import ROUTERS
-from pagedserve.cluster.ray_utils import (ON_HEAD_NODE, PLACEMENT_STRATEGIES, bind_host, check_group_fits,
-                                          serve_grpc_on_node_ip, tp_bundles)
+from pagedserve.cluster.placement import (actor_resources, check_group_fits, decide_for_cluster, engine_bundles,
+                                          placement_strategy)
+from pagedserve.cluster.ray_utils import ON_HEAD_NODE, bind_host, serve_grpc_on_node_ip
 from pagedserve.cluster.wire.lifeline import Lifeline
 from pagedserve.cluster.wire.request import GenerateRequest
 from pagedserve.config import EngineConfig
+from pagedserve.platforms import PLACEMENT_STRATEGIES
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, plan_auto
 
 logger = logging.getLogger("pagedserve")
@@ -43,7 +45,8 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     # and whether an x-tenant header may name the tenant of a request.
     api_keys_file=None, allow_tenant_header=False,
     # One engine replica's placement group (the replica + its TP workers): STRICT_PACK
-    # keeps it on one node; PACK lets a group that fits no node span several.
+    # keeps it on one node; PACK lets a group that fits no node span several. A
+    # placement_group_config's own "strategy" (an engine field) wins over this.
     placement_group_strategy="STRICT_PACK",
     # How long a replica being removed (scale-down, update) may take to finish its
     # streams; None: long enough for a max_model_len stream at GRACE_TOKENS_PER_S.
@@ -69,7 +72,7 @@ def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
     its own (worker/cpu_affinity.py says why)."""
     bind = engine_config.cpu_omp_threads_bind
     cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    if bind == "nobind" or engine_config.resolve_device() != "cpu":
+    if bind == "nobind" or engine_config.device != "cpu":
         return engine_config, None
     if bind == "auto":
         plan = plan_auto(cores, engine_config.tensor_parallel_size) if single_replica else None
@@ -115,7 +118,7 @@ def cpu_threads(engine_config: EngineConfig) -> EngineConfig:
     its Ray CPU reservation). Ray sets OMP_NUM_THREADS=1 in a 1-CPU actor, which left the
     model on one core while the serving path used only part of the other: sharing the
     cores raised HTTP output throughput and cut TTFT at both low and high concurrency."""
-    if (engine_config.num_threads is not None or engine_config.resolve_device() != "cpu"
+    if (engine_config.num_threads is not None or engine_config.device != "cpu"
             or parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size)):
         return engine_config  # a bound worker takes one thread per core of its own
     cores = len(os.sched_getaffinity(0))
@@ -229,12 +232,6 @@ class EngineDeployment:
         self.core.shutdown()
 
 
-def _use_gpu(engine_config: EngineConfig) -> bool:
-    if engine_config.device != "auto":
-        return engine_config.device == "cuda"
-    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-
-
 def serve_options(serve_opts: dict[str, Any]) -> dict[str, Any]:
     """The given serve options over SERVE_OPTION_DEFAULTS (None: the default)."""
     return {**SERVE_OPTION_DEFAULTS, **{k: v for k, v in serve_opts.items() if v is not None}}
@@ -262,9 +259,13 @@ def router_config(engine_config: EngineConfig, o: dict[str, Any]) -> dict:
 
 
 def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) -> dict:
+    """Serve's options for the engine deployment. ``engine_config.device`` is decided
+    here if it is still "auto" (build_app decides it first, and binds that config)."""
     o = serve_options(serve_opts)
-    tp = engine_config.tensor_parallel_size
-    use_gpu = _use_gpu(engine_config)
+    engine_config = decide_for_cluster(engine_config)
+    strategy = placement_strategy(engine_config, default=str(o["placement_group_strategy"]).upper())
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement_group_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
     grace = o["graceful_shutdown_timeout_s"]
     if grace is None:
         grace = max(30.0, (engine_config.max_model_len or 2048) / GRACE_TOKENS_PER_S)
@@ -285,20 +286,23 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
             upscale_delay_s=float(o["upscale_delay_s"]), downscale_delay_s=float(o["downscale_delay_s"]),
             look_back_period_s=float(o["look_back_period_s"]),
             metrics_interval_s=float(o["metrics_interval_s"]))
+    replica_cpus = float(o["engine_num_cpus"])
     if engine_config.executor_backend() == "ray":
-        # Bundle 0 is this replica (the scheduler actor); 1..tp the worker actors, which
-        # RayExecutor places into the replica's own group (cluster/ray_utils.py).
-        strategy = str(o["placement_group_strategy"]).upper()
-        if strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"placement_group_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
-        opts["placement_group_bundles"] = tp_bundles(tp, use_gpu, driver_cpus=float(o["engine_num_cpus"]))
+        # One bundle per TP worker; this replica (the scheduler actor) shares bundle 0 with
+        # rank 0. RayExecutor places the workers in the replica's own group (placement.py).
+        opts["placement_group_bundles"] = engine_bundles(engine_config, replica_cpus)
         opts["placement_group_strategy"] = strategy
-        opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"])}
+        opts["ray_actor_options"] = {"num_cpus": replica_cpus}
+    elif engine_config.placement_group_config is not None:
+        # tp=1 with a placement of its own: the replica is the worker and takes the bundle.
+        opts["placement_group_bundles"] = engine_bundles(engine_config, replica_cpus)
+        opts["placement_group_strategy"] = strategy
+        opts["ray_actor_options"] = actor_resources(opts["placement_group_bundles"][0])
     else:
         # tp=1: the worker runs inside the scheduler actor (no dispatch hop at all; see
         # loadtest/bench_dispatch.py for what a worker actor would add).
-        opts["ray_actor_options"] = {"num_cpus": float(o["engine_num_cpus"]),
-                                     "num_gpus": 1 if use_gpu else 0}
+        worker = engine_bundles(engine_config, 0.0)[0]
+        opts["ray_actor_options"] = dict(actor_resources(worker), num_cpus=replica_cpus)
     # The engine's knobs set where the app is built reach the replica even on a Ray cluster that
     # was started before (whose workers have the raylet's environment, not this process's).
     env = {k: os.environ[k] for k in ENGINE_ENV if k in os.environ}
@@ -321,7 +325,7 @@ def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: 
 
     from pagedserve.cluster.front.tenants import key_weights, load_api_keys
 
-    engine_config = bound_worker_config(engine_config)
+    engine_config = decide_for_cluster(bound_worker_config(engine_config))
     keys_file = serve_opts.pop("api_keys_file", None)
     keys = load_api_keys(keys_file) if keys_file else {}
     if keys:  # the file's weights join the engine's; a flag names a weight the file does not

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Sequence
 
 from pagedserve.cluster.engine.llm_engine import LLMEngine
@@ -18,6 +19,14 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown arguments: {', '.join(sorted(unknown))}.")
         config = EngineConfig(model=model, **kwargs)
+        if config.device == "auto" and "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():  # joined to a cluster: decide from what it has
+                from pagedserve.cluster.placement import decide_for_cluster
+
+                config = decide_for_cluster(config)
+        # Otherwise the engine decides for this node (platforms.decide_here).
         self.engine = LLMEngine(config, executor_class_for(config))
         self._counter = itertools.count()
 

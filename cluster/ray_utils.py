@@ -18,8 +18,6 @@ import os
 import socket
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -128,50 +126,6 @@ def bind_host() -> str:
 # live beside Serve's controller and proxy there, so losing a worker node never takes the
 # front (and every stream through it) with it.
 ON_HEAD_NODE = {"node:__internal_head__": 0.001}
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-
-
-def _fits(need: dict[str, float], have: dict[str, float]) -> bool:
-    return all(have.get(k, 0.0) + 1e-9 >= v for k, v in need.items() if v > 0)
-
-
-def check_group_fits(bundles: list[dict[str, float]], strategy: str) -> None:
-    """Refuse a placement group that no live node can hold, with the numbers, instead of
-    a replica that waits for resources for good. STRICT_PACK needs one node with the
-    whole group; the other strategies need a node for each bundle and the cluster's
-    total. On an autoscaling cluster the nodes that could hold it must be up first."""
-    nodes = alive_nodes()
-    if not nodes:
-        return
-    def fmt(r: dict) -> str:
-        return ", ".join(f"{k} {v:g}" for k, v in sorted(r.items()) if k in ("CPU", "GPU") and v)
-
-    totals = [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in nodes]
-    key = lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0))  # noqa: E731
-    largest = max(totals, key=key)
-    group: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            group[k] = group.get(k, 0.0) + v
-    if strategy == "STRICT_PACK":
-        if not any(_fits(group, t) for t in totals):
-            raise ValueError(
-                f"one engine replica's placement group ({len(bundles)} bundles: its TP workers, and the "
-                f"replica itself under Serve) needs "
-                f"{fmt(group)} on one node (placement_group_strategy STRICT_PACK), but the largest "
-                f"of the {len(nodes)} live nodes has {fmt(largest)}. Lower --tensor-parallel-size, add "
-                f"a node that fits it, or pass --placement-group-strategy PACK to spread the group "
-                f"across nodes (tensor parallelism over the network).")
-        return
-    for b in bundles:
-        if not any(_fits(b, t) for t in totals):
-            raise ValueError(f"a bundle of {fmt(b)} fits no live node (the largest has {fmt(largest)}).")
-    cluster: dict[str, float] = {}
-    for t in totals:
-        for k, v in t.items():
-            cluster[k] = cluster.get(k, 0.0) + v
-    if not _fits(group, cluster):
-        raise ValueError(f"one engine replica's group needs {fmt(group)}; the whole cluster has {fmt(cluster)}.")
 
 
 def get_open_port(host: str = LOOPBACK) -> int:
@@ -180,43 +134,6 @@ def get_open_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def tp_bundles(tensor_parallel_size: int, use_gpu: bool, cpus_per_worker: float = 1.0,
-               driver_cpus: float = 0.5) -> list[dict[str, float]]:
-    """Placement-group bundles of one engine replica: bundle 0 holds the scheduler actor
-    (the Serve replica), bundles 1..tp hold one worker each (a GPU each on CUDA)."""
-    worker = {"GPU": 1.0, "CPU": cpus_per_worker} if use_gpu else {"CPU": cpus_per_worker}
-    return [{"CPU": driver_cpus}] + [dict(worker) for _ in range(tensor_parallel_size)]
-
-
-def worker_placement(tensor_parallel_size: int, use_gpu: bool, strategy: str = "STRICT_PACK"
-                     ) -> tuple[PlacementGroup, list[int], bool]:
-    """The placement group and bundle indices for the TP workers. Inside a Serve replica
-    that was given ``placement_group_bundles`` the replica's own group is reused (bundle
-    0 is the replica itself; Serve applied the deployment's strategy); elsewhere a fresh
-    group is created and owned by the caller (third value True: the caller must remove
-    it). STRICT_PACK: every rank on one node (NCCL over NVLink, not the network)."""
-    current = ray.util.get_current_placement_group()
-    if current is not None and len(current.bundle_specs) >= tensor_parallel_size + 1:
-        return current, list(range(1, tensor_parallel_size + 1)), False
-    bundles = tp_bundles(tensor_parallel_size, use_gpu)[1:]
-    check_group_fits(bundles, strategy)
-    pg = placement_group(bundles, strategy=strategy)
-    ray.get(pg.ready(), timeout=120)
-    return pg, list(range(tensor_parallel_size)), True
-
-
-def node_of_each(actors: list) -> list[str]:
-    """The node id each actor runs on."""
-    return ray.get([a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                    for a in actors])
-
-
-def in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
-    return PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=index,
-        placement_group_capture_child_tasks=True)
 
 
 # ---- a multi-node Ray cluster on one machine (tests, loadtest/cluster_check.py)

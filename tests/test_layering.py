@@ -27,7 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("scheduler", "kernels", "worker", "cluster", "loadtest")
 CLUSTER_PARTS = ("cli", "front", "replica", "engine", "executors", "text", "wire")
-CLUSTER_FILES = ("app.py", "llm.py", "ray_utils.py")  # composition roots and Ray's helpers
+CLUSTER_FILES = ("app.py", "llm.py", "placement.py", "ray_utils.py")  # composition roots and Ray's helpers
 
 
 def _unit(path: Path) -> str:

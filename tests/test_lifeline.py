@@ -80,21 +80,26 @@ def test_a_silent_peer_is_lost_after_the_silence_and_a_live_one_never():
 
 
 def test_a_group_that_fits_no_node_is_refused_with_its_size_and_the_largest_node(monkeypatch):
-    from pagedserve.cluster import ray_utils
+    from pagedserve.cluster import placement
+    from pagedserve.config import EngineConfig
 
     nodes = [{"Alive": True, "Resources": {"CPU": 0.0}}, {"Alive": True, "Resources": {"CPU": 48.0, "GPU": 4.0}},
              {"Alive": True, "Resources": {"CPU": 48.0, "GPU": 4.0}}]
-    monkeypatch.setattr(ray_utils, "alive_nodes", lambda: nodes)
-    group = ray_utils.tp_bundles(8, use_gpu=True)
+    monkeypatch.setattr(placement, "alive_nodes", lambda: nodes)
+    monkeypatch.setattr(placement, "node_types", lambda: {})  # a fixed cluster: no autoscaler
+
+    def group(tp):
+        return placement.engine_bundles(EngineConfig(tensor_parallel_size=tp, device="cuda"), replica_cpus=0.5)
+
     with pytest.raises(ValueError) as e:
-        ray_utils.check_group_fits(group, "STRICT_PACK")
+        placement.check_group_fits(group(8), "STRICT_PACK")
     msg = str(e.value)
     assert "needs CPU 8.5, GPU 8 on one node" in msg and "largest of the 3 live nodes has CPU 48, GPU 4" in msg
     assert "--placement-group-strategy PACK" in msg
-    ray_utils.check_group_fits(group, "PACK")  # spans the two nodes: allowed when asked
-    ray_utils.check_group_fits(ray_utils.tp_bundles(4, use_gpu=True), "STRICT_PACK")
+    placement.check_group_fits(group(8), "PACK")  # spans the two nodes: allowed when asked
+    placement.check_group_fits(group(4), "STRICT_PACK")
     with pytest.raises(ValueError, match="the whole cluster has"):
-        ray_utils.check_group_fits(ray_utils.tp_bundles(12, use_gpu=True), "PACK")
+        placement.check_group_fits(group(12), "PACK")
 
 
 def test_control_sockets_bind_loopback_on_a_one_node_cluster(ray_session):

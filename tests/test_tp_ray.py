@@ -124,7 +124,7 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
     from pagedserve.config import EngineConfig
 
     path = make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "tp-models")
-    ex = RayExecutor(EngineConfig(model=path, tensor_parallel_size=2, dtype="float32",
+    ex = RayExecutor(EngineConfig(model=path, tensor_parallel_size=2, dtype="float32", device="cpu",
                                   kv_cache_memory_bytes=1 << 20))
     try:
         table = placement_group_table(ex.placement_group)
@@ -143,8 +143,9 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
 
 def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_model):
     """An engine replica at tensor_parallel_size 2 under Serve: the replica reserves one
-    placement group (itself + one bundle per rank), its RayExecutor puts the two worker
-    actors into that group, and the served greedy tokens equal the offline TP=1 engine's."""
+    placement group (one bundle per rank, the replica's CPUs added to rank 0's), its
+    RayExecutor puts the two worker actors into that group, and the served greedy tokens
+    equal the offline TP=1 engine's."""
     import httpx
     from ray import serve
     from ray.util.placement_group import placement_group_table
@@ -168,10 +169,9 @@ def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == ref
         live = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
-        groups = [g for g in live if len(g["bundles"]) == 3]
-        assert len(groups) == 1  # the replica's own group: scheduler + 2 ranks
-        assert not [g for g in live if len(g["bundles"]) == 2]  # the executor made no group of its own
-        assert [b.get("CPU") for _, b in sorted(groups[0]["bundles"].items())] == [0.5, 1.0, 1.0]
+        groups = [g for g in live if len(g["bundles"]) == 2]
+        assert len(groups) == 1  # the replica's own group, and the executor made none of its own
+        assert [b for _, b in sorted(groups[0]["bundles"].items())] == [{"CPU": 1.5}, {"CPU": 1.0}]
     finally:
         serve.delete("tp2-serve")
 

@@ -96,6 +96,11 @@ class CudaGraphRunner:
         logger.info("CUDA graphs: captured %d decode sizes (%s) in %.1f s", len(self.sizes),
                     ", ".join(map(str, self.sizes)), time.perf_counter() - t0)
 
+    def release(self) -> None:
+        """Drop the graphs and their pool (the memory profile captures them once to
+        measure the pool, then again on the real cache)."""
+        self.graphs.clear()
+
     def forward(self, inputs: StepInputs, kv_caches: list) -> torch.Tensor:
         """Hidden states of every row of ``inputs`` (padding included). A replayed graph
         returns its static output: read it before the next step overwrites it."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.platforms import auto_dtype
 from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, open_gguf
 
 # Architecture name in config.json -> the family members we implement (worker/models).
@@ -73,18 +74,20 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto",
-                        max_model_len: int | None = None) -> "ModelConfig":
+                        max_model_len: int | None = None, device: str = "cpu") -> "ModelConfig":
+        """``device``: where the model runs, for what ``dtype="auto"`` means there
+        (platforms.auto_dtype: a float32 checkpoint or a GGUF runs in bfloat16 on CUDA)."""
         path = os.fspath(path)
         gguf = find_gguf_file(path)
         if gguf is not None:
             return cls.from_dict(gguf_hf_config(open_gguf(gguf), gguf), gguf, dtype=dtype,
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, device=device)
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ValueError(f"{path!r} is not a model directory: no config.json there.")
         with open(cfg_file) as f:
             hf = json.load(f)
-        cfg = cls.from_dict(hf, path, dtype=dtype, max_model_len=max_model_len)
+        cfg = cls.from_dict(hf, path, dtype=dtype, max_model_len=max_model_len, device=device)
         # Chat checkpoints (e.g. Llama 3 Instruct) list extra stop ids only here.
         gen_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen_file):
@@ -97,7 +100,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], path: str = "", dtype: str | torch.dtype = "auto",
-                  max_model_len: int | None = None) -> "ModelConfig":
+                  max_model_len: int | None = None, device: str = "cpu") -> "ModelConfig":
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -146,7 +149,8 @@ class ModelConfig:
                              f"(max_position_embeddings{' / sliding_window' if window else ''}).")
 
         if dtype == "auto":
-            torch_dtype = parse_dtype(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+            checkpoint = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+            torch_dtype = parse_dtype(auto_dtype(checkpoint, device))
         else:
             torch_dtype = parse_dtype(dtype)
         eos = hf.get("eos_token_id")

@@ -41,12 +41,13 @@ import os
 import numpy as np
 import torch
 
+from pagedserve.kernels import AttentionMetadata
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, FAULT_INJECTION_ENV
 from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, capture_sizes, graphs_disabled_reason
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig
-from pagedserve.worker.prompt_logprobs import compute_prompt_logprobs, rows_for
+from pagedserve.worker.prompt_logprobs import PromptLogprobsRows, compute_prompt_logprobs, rows_for
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
 from pagedserve.worker.step_buffers import StepBuffers
@@ -96,7 +97,8 @@ class ModelRunner:
         reason = graphs_disabled_reason(device, getattr(model, "attention_backend", "torch"), enforce_eager)
         if reason is not None:
             logger.info("CUDA graphs off (decode runs eagerly): %s", reason)
-        sizes = capture_sizes(max_num_seqs, max_capture_size or MAX_CAPTURE_SIZE)
+        # Up to every verify row: a speculating decode step has 1 + k rows per request.
+        sizes = capture_sizes(max_rows, max_capture_size or MAX_CAPTURE_SIZE)
         self.graph_runner = CudaGraphRunner(model, self.buffers, sizes, use_graphs=reason is None,
                                             pad_eager=pad_eager)
         # The epoch of the last plan that raised: plans of that epoch or older are skipped.
@@ -391,10 +393,50 @@ class ModelRunner:
             r += n
         return done
 
-    # ------------------------------------------------------------------ cache
-    def initialize_cache(self, num_blocks: int, num_kv_heads: int, dtype: torch.dtype) -> None:
-        """One (k, v) pair per layer; a quantised ``dtype`` (kernels/kv_quant.py) adds the
-        per-(token, head) scale bytes (UE5M3 absmax codes): (k, v, k_scale, v_scale)."""
+    # ------------------------------------------------------------------ memory profile
+    # The largest work a step may bring, run once before the KV cache exists so the worker
+    # can measure its peaks (worker/memory_plan.py names each share).
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, num_sample_rows: int, logprobs: bool) -> None:
+        """One sequence of ``num_tokens`` rows without a cache (attention stays inside the
+        chunk), the logits of the rows a step samples, and a prompt-logprobs chunk."""
+        dev = self.device
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        pos = torch.arange(num_tokens, dtype=torch.int64, device=dev)
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            block_table=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            max_seqlen_q=num_tokens, max_seq_len=num_tokens,
+            seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens])
+        hidden = self.model(ids, pos, None, md)
+        logits = self.model.compute_logits(hidden[-min(num_tokens, num_sample_rows):])
+        if logprobs and num_tokens > 1:
+            n = num_tokens - 1
+            share = PromptLogprobsRows("profile", 0, 1, n, 0, [0] * n)
+            compute_prompt_logprobs(hidden, self.model.compute_logits, [share])
+        del hidden, logits
+
+    @torch.inference_mode()
+    def profile_sampler(self, num_rows: int, logprobs: bool) -> None:
+        """The sampler at ``num_rows`` rows with every filter it has on: penalties,
+        top-k, top-p, min-p, and the top logprobs (the log-softmax over the vocabulary
+        is what costs; the top-k of it is small)."""
+        from pagedserve.scheduler.sampling_params import SamplingParams
+
+        hidden = torch.zeros(num_rows, self.model_config.hidden_size, dtype=self.model_config.dtype,
+                             device=self.device)
+        logits = self.model.compute_logits(hidden)
+        params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
+                                frequency_penalty=0.5, repetition_penalty=1.1, logprobs=5 if logprobs else None)
+        smd = SamplingMetadata.build([params] * num_rows, [None] * num_rows, [[0]] * num_rows,
+                                     [[0]] * num_rows, [set()] * num_rows, self.vocab_size, self.device)
+        self.sampler(logits, smd)
+
+    def allocate_cache(self, num_blocks: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+        """The KV cache of ``num_blocks`` blocks, no graphs captured (the memory profile
+        captures on a small one to measure their pool)."""
         from pagedserve.kernels.kv_quant import QUANT_DTYPES, SCALE_DTYPE
         from pagedserve.worker import cpu_memory
 
@@ -409,4 +451,14 @@ class ModelRunner:
             return kv + tuple(torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(2))
 
         self.kv_caches = [layer() for _ in range(self.model_config.num_hidden_layers)]
+
+    def release_cache(self) -> None:
+        self.graph_runner.release()
+        self.kv_caches = []
+
+    # ------------------------------------------------------------------ cache
+    def initialize_cache(self, num_blocks: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+        """One (k, v) pair per layer; a quantised ``dtype`` (kernels/kv_quant.py) adds the
+        per-(token, head) scale bytes (UE5M3 absmax codes): (k, v, k_scale, v_scale)."""
+        self.allocate_cache(num_blocks, num_kv_heads, dtype)
         self.graph_runner.capture(self.kv_caches)  # graphs address the cache: capture after it exists

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 
 import torch
 
-from pagedserve.kernels import AttentionMetadata, kv_cache_torch_dtype
+from pagedserve.kernels import kv_cache_torch_dtype
 from pagedserve.kernels.kv_quant import check_fp8_device
 from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan, SchedulerOutput
 from pagedserve.worker import parallel_state
 from pagedserve.config import EngineConfig
+from pagedserve.platforms import CUDA_INSTALL_HINT, cuda_unusable_reason
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_this_process
 from pagedserve.worker.loader import load_model
+from pagedserve.worker.memory_plan import MemoryPlan, profile_shapes
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_runner import ModelRunner
 
@@ -29,6 +32,9 @@ logger = logging.getLogger(__name__)
 # (vLLM's CPU backend defaults to 4 GiB as well); capped to a quarter of free RAM.
 DEFAULT_CPU_KV_BYTES = 4 << 30
 
+# Blocks of the cache the memory profile captures CUDA graphs on (their pool's size does
+# not depend on it).
+PROFILE_CACHE_BLOCKS = 16
 
 def _available_ram_bytes() -> int:
     try:
@@ -51,7 +57,13 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
-        self.device = torch.device(engine_config.resolve_device())
+        if engine_config.device not in ("cpu", "cuda"):
+            raise ValueError(f"a Worker needs a decided device, got {engine_config.device!r}: the engine or "
+                             "app decides it where it is built (platforms.py), never a worker.")
+        self.device = torch.device(engine_config.device)
+        # Who this worker is, for its start-up errors (the Ray wrapper says rank, node, GPUs).
+        self.where = f"the worker in process {os.getpid()} on {socket.gethostname()}"
+        self.memory_plan: MemoryPlan | None = None
         self.model_config: ModelConfig | None = None
         self.runner: ModelRunner | None = None
 
@@ -71,8 +83,15 @@ class Worker:
             tune_malloc()
         if self.device.type == "cuda":
             local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            reason = cuda_unusable_reason()
+            if reason is not None:  # never a silent CPU fallback
+                raise RuntimeError(f"{self.where}: device 'cuda' was decided for this deployment, but "
+                                   f"{reason}. Fix: {CUDA_INSTALL_HINT}.")
+            if local >= torch.cuda.device_count():
+                raise RuntimeError(f"{self.where}: local rank {local} but only {torch.cuda.device_count()} "
+                                   f"GPUs are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}).")
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", local)
         if self.world_size > 1:
             if not self.distributed_init_method:
                 raise ValueError("tensor_parallel_size > 1 needs a distributed_init_method.")
@@ -93,7 +112,12 @@ class Worker:
             for t in builds:
                 t.start()
         self.model_config = ModelConfig.from_pretrained(
-            self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
+            self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
+            device=self.device.type)
+        if self.model_config.dtype == torch.bfloat16 and self.device.type == "cuda" \
+                and not torch.cuda.is_bf16_supported():
+            raise RuntimeError(f"{self.where}: {torch.cuda.get_device_name(self.device)} has no bfloat16; pass "
+                               "--dtype float16 (dtype auto runs a float32 or GGUF checkpoint in bfloat16 on CUDA).")
         backend = self.config.attention_backend
         if backend == "auto":
             from pagedserve.kernels import resolve_attention_backend
@@ -139,37 +163,47 @@ class Worker:
         return max(1, budget // per_block)
 
     def _profile_cuda_blocks(self, per_block: int) -> int:
-        """Run the largest step the scheduler may send without a cache, see the peak,
-        and give the rest of ``gpu_memory_utilization`` to KV blocks."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        num_tokens = self.config.max_num_batched_tokens or 2048
-        dev = self.device
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        pos = torch.arange(num_tokens, dtype=torch.int64, device=dev)
-        # One sequence of num_tokens rows, no cache: attention stays inside the chunk.
-        md = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-            block_table=torch.zeros((1, 1), dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            max_seqlen_q=num_tokens, max_seq_len=num_tokens,
-            seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens])
-        with torch.inference_mode():
-            hidden = self.runner.model(ids, pos, None, md)
-            self.runner.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        free, total = torch.cuda.mem_get_info()
-        used_by_others = total - free - torch.cuda.memory_reserved()
-        budget = int(total * self.config.gpu_memory_utilization) - peak - max(used_by_others, 0)
-        del hidden
-        torch.cuda.empty_cache()
-        if budget <= per_block:
-            raise RuntimeError(
-                f"no memory left for the KV cache: weights + activations peak at {peak / 2**30:.2f} GiB "
-                f"of {total / 2**30:.2f} GiB at gpu_memory_utilization={self.config.gpu_memory_utilization}.")
-        return budget // per_block
+        """Measure each share of the GPU a step needs (worker/memory_plan.py) and give
+        the rest of ``gpu_memory_utilization`` to KV blocks."""
+        cuda, runner, mc = torch.cuda, self.runner, self.model_config
+        shapes = profile_shapes(self.config, mc.max_model_len, graphs=runner.graph_runner.use_graphs,
+                                max_capture_size=max(runner.graph_runner.sizes))
+        cuda.synchronize()
+        cuda.empty_cache()
+        weights = cuda.memory_allocated()  # the model and the persistent step buffers
+
+        def peak(run) -> int:
+            cuda.reset_peak_memory_stats()
+            run()
+            cuda.synchronize()
+            used = cuda.max_memory_allocated() - weights
+            cuda.empty_cache()
+            return max(used, 0)
+
+        activations = peak(lambda: runner.profile_forward(shapes.num_tokens, shapes.num_sample_rows, shapes.logprobs))
+        sampler = peak(lambda: runner.profile_sampler(shapes.num_sample_rows, shapes.logprobs))
+        graphs = 0
+        if shapes.graph_max_rows:
+            # A small cache is enough to capture on: the pool holds the graphs' activations,
+            # whatever the cache's size. Warm-up runs' memory goes back before measuring.
+            runner.allocate_cache(PROFILE_CACHE_BLOCKS, mc.get_num_kv_heads(self.world_size), self.kv_cache_dtype)
+            cuda.synchronize()
+            before = cuda.memory_reserved()
+            runner.graph_runner.capture(runner.kv_caches)
+            cuda.synchronize()
+            cuda.empty_cache()
+            graphs = max(cuda.memory_reserved() - before, 0)
+            runner.release_cache()
+            cuda.empty_cache()
+        free, total = cuda.mem_get_info()
+        plan = MemoryPlan(total=total, gpu_memory_utilization=self.config.gpu_memory_utilization, weights=weights,
+                          activations=activations, sampler=sampler, cuda_graphs=graphs,
+                          non_torch=max(total - free - cuda.memory_reserved(), 0), bytes_per_block=per_block)
+        if self.rank == 0:
+            logger.info("%s", plan.describe())
+        plan.check()
+        self.memory_plan = plan
+        return plan.num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
         heads = self.model_config.get_num_kv_heads(self.world_size)

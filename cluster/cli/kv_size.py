@@ -25,6 +25,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedserve.platforms import auto_dtype
 from pagedserve.scheduler.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
 
 GiB = 1 << 30
@@ -132,7 +133,8 @@ def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_
         raise ValueError(f"num_gpus ({num_gpus}) must be a positive multiple of tensor_parallel_size ({tp})")
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    weight_dtype = _canon(_config_dtype(cfg) if dtype == "auto" else dtype)
+    # GPUs: "auto" is what the engine runs there (a float32 checkpoint in bfloat16).
+    weight_dtype = _canon(auto_dtype(_config_dtype(cfg), "cuda") if dtype == "auto" else dtype)
     kv_dtype = weight_dtype if kv_cache_dtype == "auto" else _canon(kv_cache_dtype)
     if kv_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
         kv_dtype = canonical_kv_cache_dtype(kv_dtype)

@@ -105,11 +105,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.cluster.ray_utils import init_ray, is_loopback
     from pagedserve.cluster.cli.serving_cpu import ServingCPU
     from pagedserve.cluster.app import build_app, resolve_cpu_bind
+    from pagedserve.platforms import decide_here
     from pagedserve.worker.cpu_affinity import pin_this_process
 
     t0 = time.monotonic()
     shared = None  # ServingCPU, with the CPU split
     if args.ray_address is None:  # a node of our own: the serving path keeps its cores
+        cfg = decide_here(cfg)  # the private Ray is this node: its GPUs are the cluster's
         cores = sorted(os.sched_getaffinity(0))
         cfg, serving = resolve_cpu_bind(cfg, single_replica=max_replicas == 1, cores=cores)
         if serving:

@@ -33,6 +33,7 @@ from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, Pr
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
 from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
+from pagedserve.platforms import decide_here
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_source import resolve_model
 
@@ -81,9 +82,11 @@ class LLMEngine:
         picks it with ``executor_class_for``; this loop never imports an executor)."""
         resolved = resolve_model(engine_config.model)
         path = resolved.path
-        self.config = dataclasses.replace(engine_config, model=path)
+        # An app built for a cluster arrives with its device decided (cluster/placement.py);
+        # an engine built in-process (the offline LLM, tests) decides for this node.
+        self.config = dataclasses.replace(decide_here(engine_config), model=path)
         self.model_config = ModelConfig.from_pretrained(
-            path, dtype=self.config.dtype, max_model_len=self.config.max_model_len)
+            path, dtype=self.config.dtype, max_model_len=self.config.max_model_len, device=self.config.device)
         self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
         self.max_model_len = self.model_config.max_model_len
         self.config.max_model_len = self.max_model_len

@@ -35,8 +35,9 @@ from ray.dag import InputNode, MultiOutputNode
 
 from pagedserve.cluster.executors.base import Executor
 from pagedserve.cluster.wire.failures import ExecutorDeadError
-from pagedserve.cluster.ray_utils import (LOOPBACK, get_open_port, in_bundle, init_ray, node_ip, node_of_each,
-                                          worker_placement)
+from pagedserve.cluster.placement import actor_resources, in_bundle, worker_placement
+from pagedserve.cluster.ray_utils import LOOPBACK, get_open_port, init_ray, node_ip
+from pagedserve.platforms import share_node_gpus, worker_bundles
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
 
@@ -53,6 +54,7 @@ class RayWorkerWrapper:
         self.rank = rank
         self.worker = Worker(engine_config, rank=rank, world_size=world_size,
                              distributed_init_method=distributed_init_method)
+        self.worker.where = f"rank {rank} (actor RayWorkerWrapper on node {node_ip()})"
         # Seconds spent inside Worker.execute_model per step (the benchmark subtracts it
         # from the round trip to get the pure dispatch overhead).
         self.exec_times: list[float] = []
@@ -62,6 +64,19 @@ class RayWorkerWrapper:
         some rank sits on another node, loopback otherwise (issue 10's bind policy)."""
         host = node_ip() if across_nodes else LOOPBACK
         return f"tcp://{host}:{get_open_port(host)}"
+
+    def placement(self) -> tuple[str, list[str]]:
+        """(node id, the GPU ids Ray gave this actor)."""
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
+
+    def use_gpus(self, visible_devices: str, local_rank: int) -> None:
+        """See every GPU the group holds on this node and take the ``local_rank``-th
+        (platforms.share_node_gpus); before the first CUDA call, which reads them."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        self.worker.where = (f"rank {self.rank} (actor RayWorkerWrapper on node {node_ip()}, "
+                             f"CUDA_VISIBLE_DEVICES={visible_devices}, local rank {local_rank})")
 
     def init_device(self, distributed_init_method: str | None = None) -> None:
         if distributed_init_method is not None:
@@ -121,14 +136,19 @@ class RayExecutor(Executor):
             raise ValueError(f"PAGEDSERVE_DISPATCH must be 'zmq' or 'cgraph', got {self.dispatch!r}.")
         init_ray()  # no-op inside a Serve replica or an already-started driver
         tp = engine_config.tensor_parallel_size
-        use_gpu = engine_config.resolve_device() == "cuda"
-        self.placement_group, bundle_ids, self._owns_pg = worker_placement(tp, use_gpu)
+        if engine_config.device not in ("cpu", "cuda"):
+            raise ValueError(f"RayExecutor needs a decided device, got {engine_config.device!r} "
+                             "(cluster/placement.py decide_for_cluster decides it where the app is built).")
+        use_gpu = engine_config.device == "cuda"
+        self.placement_group, self._owns_pg = worker_placement(engine_config)
+        bundles = worker_bundles(engine_config.device, tp, engine_config.placement_group_config,
+                                 engine_config.accelerator_type)
         actor_cls = ray.remote(RayWorkerWrapper)
         self.workers = []
-        for rank, bundle in enumerate(bundle_ids):
+        for rank, bundle in enumerate(bundles):
             # max_concurrency 2: the ZMQ loop holds one thread, control calls use the other.
-            opts = dict(num_cpus=1, num_gpus=1 if use_gpu else 0, max_concurrency=2,
-                        scheduling_strategy=in_bundle(self.placement_group, bundle))
+            opts = dict(actor_resources(bundle), max_concurrency=2,
+                        scheduling_strategy=in_bundle(self.placement_group, rank))
             env = {}
             if not use_gpu and os.environ.get("PAGEDSERVE_WORKER_THP", "1") != "0":
                 mine = os.environ.get("GLIBC_TUNABLES")
@@ -138,18 +158,45 @@ class RayExecutor(Executor):
             if env:
                 opts["runtime_env"] = {"env_vars": env}
             self.workers.append(actor_cls.options(**opts).remote(engine_config, rank, tp))
-        self._nodes = node_of_each(self.workers)
-        # Rendezvous on rank 0's node (a STRICT_PACK group: all on one node, loopback).
-        init_method = ray.get(self.workers[0].rendezvous.remote(len(set(self._nodes)) > 1)) if tp > 1 else None
-        # All ranks must enter the rendezvous together: submit to all, then wait.
-        ray.get([w.init_device.remote(init_method) for w in self.workers])
-        ray.get([w.load_model.remote() for w in self.workers])
         self._dag = None
         self._bcast = None
         self._loops: list = []
         self._broken = False  # a worker died: shut down by killing, not by asking
+        try:
+            placements = ray.get([w.placement.remote() for w in self.workers])
+            self._nodes = [node for node, _ in placements]
+            if len(set(self._nodes)) > 1:
+                logger.warning("the tensor-parallel group spans %d nodes: every layer's all-reduce crosses "
+                               "the network (placement strategy %s)", len(set(self._nodes)),
+                               (engine_config.placement_group_config or {}).get("strategy", "STRICT_PACK"))
+            if use_gpu:
+                self._all([w.use_gpus.remote(*share) for w, share in zip(self.workers, share_node_gpus(placements))],
+                          "sharing the nodes' GPUs")
+            # Rendezvous on rank 0's node (a STRICT_PACK group: all on one node, loopback).
+            init_method = ray.get(self.workers[0].rendezvous.remote(len(set(self._nodes)) > 1)) if tp > 1 else None
+            # All ranks must enter the rendezvous together: submit to all, then wait.
+            self._all([w.init_device.remote(init_method) for w in self.workers], "starting the device")
+            self._all([w.load_model.remote() for w in self.workers], "loading the model")
+        except BaseException:
+            self.abandon()  # no half-started group keeps its GPUs
+            raise
         logger.info("RayExecutor: %d worker actors ready (%s, init %s)", tp,
                     "GPU" if use_gpu else "CPU", init_method)
+
+    def _all(self, refs: list, step: str) -> list:
+        """Every rank's result; if any rank failed, one error naming each failed rank's
+        own message (each says its node, GPUs and local rank), not only the first's."""
+        results, errors = [], []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as e:
+                cause = e.cause if getattr(e, "cause", None) is not None else e
+                errors.append(f"  rank {rank}: {type(cause).__name__}: {cause}")
+                results.append(None)
+        if errors:
+            raise RuntimeError(f"{step} failed on {len(errors)} of {len(refs)} TP workers:\n" + "\n".join(errors))
+        return results
 
     def determine_num_available_blocks(self) -> int:
         # Every rank must hold the same block ids, so the smallest rank decides.
