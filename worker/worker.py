@@ -24,6 +24,7 @@ from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_thi
 from pagedserve.worker.loader import load_model
 from pagedserve.worker.memory_plan import MemoryPlan, profile_shapes
 from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_fetch import local_model_path
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -31,10 +32,10 @@ logger = logging.getLogger(__name__)
 # CPU KV budget when neither kv_cache_memory_bytes nor num_gpu_blocks_override is given
 # (vLLM's CPU backend defaults to 4 GiB as well); capped to a quarter of free RAM.
 DEFAULT_CPU_KV_BYTES = 4 << 30
-
 # Blocks of the cache the memory profile captures CUDA graphs on (their pool's size does
 # not depend on it).
 PROFILE_CACHE_BLOCKS = 16
+
 
 def _available_ram_bytes() -> int:
     try:
@@ -82,11 +83,11 @@ class Worker:
 
             tune_malloc()
         if self.device.type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", "0"))
             reason = cuda_unusable_reason()
             if reason is not None:  # never a silent CPU fallback
                 raise RuntimeError(f"{self.where}: device 'cuda' was decided for this deployment, but "
                                    f"{reason}. Fix: {CUDA_INSTALL_HINT}.")
+            local = int(os.environ.get("LOCAL_RANK", "0"))
             if local >= torch.cuda.device_count():
                 raise RuntimeError(f"{self.where}: local rank {local} but only {torch.cuda.device_count()} "
                                    f"GPUs are visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}).")
@@ -111,6 +112,8 @@ class Worker:
                       for ready in (cpu_gemm.available, cpu_decode_attention.available, cpu_fused.available)]
             for t in builds:
                 t.start()
+        # A repo id or URI arrives as itself: this node gets its files first (once per node).
+        self.model_path = local_model_path(self.config.model, self.config.revision, self.config.download_dir)
         self.model_config = ModelConfig.from_pretrained(
             self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
             device=self.device.type)

@@ -21,9 +21,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF model directory, .gguf file (or a directory holding one), or a built-in "
-                        "name: SmolLM2-135M-Instruct (the default) or pagedserve-demo (random weights)")
+                   help="HF model directory, .gguf file (or a directory holding one), Hugging Face repo "
+                        "id (org/name), object-store URI (s3://bucket/prefix, gs://bucket/prefix), or a "
+                        "built-in name: SmolLM2-135M-Instruct (the default) or pagedserve-demo (random "
+                        "weights). A repo id or URI is fetched onto each node that loads it")
     g.add_argument("--tokenizer", default=None)
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a repo id --model (default: main; pinned to its commit)")
+    g.add_argument("--download-dir", default=None,
+                   help="where each node keeps a repo id or URI --model (default: the Hugging Face "
+                        "cache, $HF_HUB_CACHE; $PAGEDSERVE_CACHE/object-store for a URI)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id /v1/models lists and requests name (default: --model as given)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
@@ -50,7 +57,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--scheduling-policy", default=d.scheduling_policy,
                    choices=["fcfs", "priority", "static"])
     g.add_argument("--kv-allocation", default=d.kv_allocation, choices=["paged", "contiguous"])
-    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"],
+                   help="auto (default): cuda when the deployment's placement asks for GPUs, or the cluster "
+                        "has GPU nodes (live, or node types its autoscaler may add), or this node has a GPU")
+    g.add_argument("--accelerator-type", default=None,
+                   help="the GPU model the TP workers need, e.g. H100, A100-80G, L4 (Ray's "
+                        "accelerator_type:<name> resource, as Ray Serve LLM's accelerator_type)")
+    g.add_argument("--placement-group-config", default=None, type=_json_object,
+                   help='one engine replica\'s placement group as Ray Serve LLM writes it: \'{"bundles": '
+                        '[{"GPU": 1, "CPU": 4}, ...], "strategy": "STRICT_PACK"}\' (one bundle per TP '
+                        'worker) or \'{"bundle_per_worker": {...}}\'')
     g.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "triton"])
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: launch every decode step eagerly (as vLLM's flag)")
@@ -84,6 +100,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--preemption-protect-steps", type=int, default=d.preemption_protect_steps,
                    help="steps a resumed request is spared from preemption")
     return parser
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _speculative_config(text: str):
@@ -129,20 +157,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     """Check ``--model`` before anything starts (Ray, workers) and fix what it resolves to,
     so a bad path or an unsupported checkpoint is one line on stderr and exit code 1.
-    A GGUF file is prepared here, once (worker/model_source.py)."""
+    A GGUF file is prepared here, once (worker/model_source.py). A repo id or a URI is
+    checked from its config and tokenizer alone, fetched onto this node, and stays the
+    source: every node that loads it fetches it itself (worker/model_fetch.py), a repo id
+    at the commit found here."""
     import dataclasses
 
     from pagedserve.worker.model_config import ModelConfig
     from pagedserve.worker.model_source import resolve_model
 
     try:
-        resolved = resolve_model(cfg.model)
+        resolved = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir,
+                                 config_only=True)
         ModelConfig.from_pretrained(resolved.path, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
     except (OSError, ValueError) as e:
         what = "the default model" if cfg.model is None else f"--model {cfg.model!r}"
         raise SystemExit(f"error: {what}: {e}") from None
-    # The engine loads the resolved directory; /v1/models shows --model as given (vLLM's
-    # id and root), or the built-in default's name when --model was omitted.
+    # The engine loads the resolved directory (a local one; a remote source as itself);
+    # /v1/models shows --model as given (vLLM's id and root), or the built-in default's
+    # name when --model was omitted.
     given = cfg.model_root or cfg.model or resolved.served_model_name
-    return dataclasses.replace(cfg, model=resolved.path, model_root=given,
+    return dataclasses.replace(cfg, model=cfg.model if resolved.remote else resolved.path,
+                               revision=resolved.revision or cfg.revision, model_root=given,
                                served_model_name=cfg.served_model_name or given)

@@ -35,6 +35,7 @@ from pagedserve.scheduler.vocab_limits import check_vocab_limits
 from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
 from pagedserve.platforms import decide_here
 from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.model_fetch import local_model_path
 from pagedserve.worker.model_source import resolve_model
 
 logger = logging.getLogger("pagedserve")
@@ -80,11 +81,15 @@ class LLMEngine:
                  executor_class: type) -> None:
         """``executor_class``: how to reach the workers (cluster/executors: the caller
         picks it with ``executor_class_for``; this loop never imports an executor)."""
-        resolved = resolve_model(engine_config.model)
+        resolved = resolve_model(engine_config.model, revision=engine_config.revision,
+                                 download_dir=engine_config.download_dir, config_only=True)
         path = resolved.path
         # An app built for a cluster arrives with its device decided (cluster/placement.py);
         # an engine built in-process (the offline LLM, tests) decides for this node.
         self.config = dataclasses.replace(decide_here(engine_config), model=path)
+        if resolved.remote:  # a repo id or URI goes on as itself, at the commit found here: each
+            # worker fetches the weights onto its own node (worker/model_fetch.py)
+            self.config.model, self.config.revision = engine_config.model, resolved.revision
         self.model_config = ModelConfig.from_pretrained(
             path, dtype=self.config.dtype, max_model_len=self.config.max_model_len, device=self.config.device)
         self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
@@ -95,7 +100,9 @@ class LLMEngine:
         given = engine_config.model_root or engine_config.model
         self.model_root = os.fspath(given) if given is not None else resolved.served_model_name
         self.served_model_name = self.config.served_model_name or self.model_root
-        self.tokenizer = load_tokenizer(self.config.tokenizer or path)
+        # From this node's files (a repo id or URI tokenizer fetched here first, as the model's).
+        self.tokenizer = load_tokenizer(local_model_path(self.config.tokenizer, download_dir=self.config.download_dir,
+                                                         config_only=True) or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   self.eos_token_ids)

@@ -16,7 +16,8 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 class Executor:
     def __init__(self, engine_config: EngineConfig) -> None:
         # engine_config.model is a resolved local directory by now (LLMEngine resolves
-        # the demo model before building the executor).
+        # the demo model before building the executor), or a repo id / URI that each
+        # worker fetches onto its own node (worker/model_fetch.py).
         self.engine_config = engine_config
 
     def check_health(self, timeout_s: float) -> None:

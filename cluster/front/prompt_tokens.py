@@ -4,7 +4,8 @@ the front's tokenizer pool (cluster/text/tokenizer_pool.py), and the replica get
 (cluster/wire/request.py), so no prompt is tokenized twice.
 
 The tokenizer is loaded from where the replicas loaded theirs (the path in their info():
-the model's directory, or the GGUF's converted one in $PAGEDSERVE_CACHE), on a thread, once.
+the model's directory, or the GGUF's converted one in $PAGEDSERVE_CACHE; a repo id or URI is
+fetched onto this node, config and tokenizer only: worker/model_fetch.py), on a thread, once.
 Until it is loaded, or where the front's node has no such files, prompts go to the replicas
 as text, which tokenize them as with one replica, and the router routes them by load.
 """
@@ -15,6 +16,7 @@ import asyncio
 import logging
 
 from pagedserve.cluster.text.tokenizer_pool import TokenizerPool, load_tokenizer
+from pagedserve.worker.model_fetch import local_model_path
 
 logger = logging.getLogger("pagedserve")
 
@@ -33,7 +35,11 @@ class PromptTokens:
     async def _load(self) -> None:
         try:
             info = await self._info()
-            tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer"])
+            # A repo id or URI model is fetched onto this node too (its config and tokenizer only).
+            revision = info.get("revision") if info["tokenizer"] == info.get("model") else None
+            path = await asyncio.to_thread(local_model_path, info["tokenizer"], revision, info.get("download_dir"),
+                                           config_only=True)
+            tokenizer = await asyncio.to_thread(load_tokenizer, path)
             self._pool = TokenizerPool(tokenizer, info["max_model_len"])
             logger.info("the front tokenizes prompts for its router (%s)", info["tokenizer"])
         except Exception:  # the replicas tokenize; tried again on a later request

@@ -144,6 +144,7 @@ class AsyncEngine:
                     tensor_parallel_size=self.config.tensor_parallel_size,
                     replica_id=self.replica_id, kv_sizing=getattr(e, "kv_sizing", None),
                     model=e.config.model, model_root=e.model_root, tokenizer=e.config.tokenizer or e.config.model,
+                    revision=e.config.revision, download_dir=e.config.download_dir,
                     vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
                     chat_template_tools=renders_tools(e.tokenizer), eos_token_ids=list(e.eos_token_ids),
                     kv_events=self.kv_events_address)
