@@ -1,22 +1,29 @@
 """GPU check of the Triton kernels (tensors only): correctness and bandwidth.
 
-    python -m pagedserve.kernels.gpu_check [--json out.json] [--cpu-smoke]
+    python -m pagedserve.kernels.gpu_check [--json out.json] [--cpu-smoke] [--budget-s S]
 
-The one prepared GPU script, with the engine's end-to-end section on top of these, is
-``python -m pagedserve.loadtest.gpu_check`` (kernels/ never imports the engine).
+The one prepared GPU script, with the engine's end-to-end sections on top of these, is
+``python -m pagedserve.loadtest.gpu_check`` (kernels/ never imports the engine); its
+docstring holds the one-call command for a lent GPU machine.
 
 1. correctness of paged attention (mixed batch, split-KV decode, a pool of 2^31+
    elements with block ids at its end) and of the cache write, vs the torch reference,
    fp16 and bf16;
 2. decode-attention time and achieved GB/s (K/V bytes read / time) at batch 64 x 2048
-   and batch 8 x 16k (32 q heads, 8 KV heads, head_dim 128, bf16, block 16), against a
-   measured device-to-device copy ((read + write bytes) / time); goal >= 75%. A small
-   sweep of tile size / warps / splits reports the best config next to the default;
+   and batch 8 x 16k (32 q heads, 8 KV heads, head_dim 128, bf16, block 16), default
+   config, against a measured device-to-device copy ((read + write bytes) / time); goal
+   >= 75%;
 3. the quantised KV cache (gpu_check_kv_quant.py): fp8 e4m3 / e5m2 and int8 attention and
    cache-write correctness, and decode GB/s of the quantised bytes against copy and bf16;
+4. a sweep of tile size / warps / splits at the two decode shapes, the best config next to
+   the default (the least valuable section: the first to be skipped when time is short).
 
-The table is printed last. ``--cpu-smoke`` runs every section with tiny shapes on the
-CPU (Triton interpreter, fp16 only) to check the script itself.
+Every section has an estimate of its time on an H100; ``main`` runs them in order and
+skips, with a row saying so, each one that would end past ``--budget-s``; a hard stop a
+little later (``--hard-stop-s``) ends the section running then, so the table and the JSON
+(rewritten after every section) always come out. The table is printed last.
+``--cpu-smoke`` runs every section with tiny shapes on the CPU (Triton interpreter, fp16
+only) to check the script itself.
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ if "--cpu-smoke" in sys.argv:  # must precede the first @triton.jit (kernel impo
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -42,11 +53,14 @@ from pagedserve.kernels.triton_paged_attention import choose_num_splits, paged_a
 T0 = time.time()
 ROWS: list[tuple[str, str, str]] = []  # (section, item, value) for the final table
 RESULTS: dict = {"correctness": {}, "bandwidth": {}}
+# The two decode shapes of the bandwidth section and the sweep: (batch, context).
+DECODE_SHAPES = [(64, 2048), (8, 16384)]
+SMOKE_DECODE_SHAPES = [(2, 64), (1, 200)]
 
 
 def row(section: str, item: str, value: str) -> None:
     ROWS.append((section, item, value))
-    print(f"[{time.time() - T0:6.1f}s] {section:<12} {item:<44} {value}", flush=True)
+    print(f"[{time.time() - T0:6.1f}s] {section:<15} {item:<44} {value}", flush=True)
 
 
 def bench(fn, dev: torch.device, reps: int = 20) -> float:
@@ -102,11 +116,12 @@ def check_attention(dev, smoke: bool) -> None:
             RESULTS["correctness"][key] = {"rel_err": err, "ok": ok}
             row("correctness", key, f"rel err {err:.1e} {'PASS' if ok else 'FAIL'}")
             del b, ref, out, got
+    rows = 40 if smoke else 300  # the interpreter runs a program per row
     for dtype in dtypes:
         gen = torch.Generator().manual_seed(5)
-        key = torch.randn(300, kvh, d, generator=gen).to(dtype).to(dev)
-        value = torch.randn(300, kvh, d, generator=gen).to(dtype).to(dev)
-        slots = torch.randperm(64 * 16, generator=gen)[:300].to(dev)
+        key = torch.randn(rows, kvh, d, generator=gen).to(dtype).to(dev)
+        value = torch.randn(rows, kvh, d, generator=gen).to(dtype).to(dev)
+        slots = torch.randperm(64 * 16, generator=gen)[:rows].to(dev)
         slots[::5] = -1
         caches = [torch.full((64, 16, kvh, d), float("nan"), dtype=dtype, device=dev) for _ in range(4)]
         write_kv_cache_ref(key, value, caches[0], caches[1], slots)
@@ -123,62 +138,148 @@ def check_attention(dev, smoke: bool) -> None:
         row("correctness", f"cache write {str(dtype)[6:]} (skips, 2^31+ pool)", "exact PASS" if ok else "FAIL")
 
 
-def check_bandwidth(dev, smoke: bool) -> None:
+def measure_copy_gbs(dev, smoke: bool) -> float:
+    """Device-to-device copy bandwidth, (bytes read + bytes written) / time: the bound every
+    bandwidth figure of this script is a fraction of."""
     nbytes = (1 << 20) if smoke else (2 << 30)
     src = torch.empty(nbytes // 2, dtype=torch.float16, device=dev)
     dst = torch.empty_like(src)
     t = bench(lambda: dst.copy_(src), dev)
-    copy_gbs = 2 * nbytes / t / 1e9
     del src, dst
+    copy_gbs = 2 * nbytes / t / 1e9
     RESULTS["bandwidth"]["copy_GBps"] = copy_gbs
     row("bandwidth", f"device copy {nbytes >> 20} MiB (read+write)", f"{copy_gbs:8.1f} GB/s")
+    return copy_gbs
+
+
+def copy_gbs(dev, smoke: bool) -> float:
+    """The copy bandwidth of the bandwidth section, measured here if that section did not run."""
+    return RESULTS["bandwidth"].get("copy_GBps") or measure_copy_gbs(dev, smoke)
+
+
+def _decode_case(batch: int, ctx: int, dev, smoke: bool):
+    """(paged decode batch, K/V bytes one call reads, output buffer, (heads, kv heads, head_dim, dtype))."""
     h, kvh, d, dtype = (4, 2, 64, torch.float16) if smoke else (32, 8, 128, torch.bfloat16)
-    shapes = [(2, 64), (1, 200)] if smoke else [(64, 2048), (8, 16384)]
-    for batch, ctx in shapes:
-        b = make_paged_batch([1] * batch, [ctx] * batch, h, kvh, d, 16, dtype=dtype, device=dev, seed=7, poison=False)
+    b = make_paged_batch([1] * batch, [ctx] * batch, h, kvh, d, 16, dtype=dtype, device=dev, seed=7, poison=False)
+    kv_bytes = 2 * batch * ctx * kvh * d * b.k_cache.element_size()
+    return b, kv_bytes, torch.empty_like(b.q), (h, kvh, d, dtype)
+
+
+def _decode_name(batch: int, ctx: int, shape: tuple) -> str:
+    h, kvh, d, dtype = shape
+    return f"decode {batch} x {ctx} ({h}q/{kvh}kv, d{d}, {str(dtype)[6:]})"
+
+
+def check_bandwidth(dev, smoke: bool) -> None:
+    """Decode attention at the default config (what the engine runs) at both shapes, as a
+    fraction of the copy bandwidth: ``decode_attention_bw_fraction`` of the JSON."""
+    copy = measure_copy_gbs(dev, smoke)
+    fractions = RESULTS.setdefault("decode_attention_bw_fraction", {})
+    for batch, ctx in (SMOKE_DECODE_SHAPES if smoke else DECODE_SHAPES):
+        b, kv_bytes, out, shape = _decode_case(batch, ctx, dev, smoke)
         md = b.attn_metadata
-        kv_bytes = 2 * batch * ctx * kvh * d * b.k_cache.element_size()
-        out = torch.empty_like(b.q)
-        auto = choose_num_splits(batch, kvh, ctx, 64, dev)
-        configs = [dict()]
-        if smoke:  # exercise the sweep's code path once
-            configs.append(dict(tile_n=32, num_warps=4, num_splits=2))
-        elif time.time() - T0 < 180:  # the sweep is the first thing to drop when slow
-            for tile_n in (32, 64, 128):
-                for warps in (4, 8):
-                    for splits in sorted({1, auto, min(64, 2 * auto)}):
-                        configs.append(dict(tile_n=tile_n, num_warps=warps, num_splits=splits))
-        best = None
-        for i, cfg in enumerate(configs):
+        auto = choose_num_splits(batch, shape[1], ctx, 64, dev)
+        t = bench(lambda: paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out), dev)
+        gbs = kv_bytes / t / 1e9
+        name = _decode_name(batch, ctx, shape)
+        RESULTS["bandwidth"][name] = {"us": t * 1e6, "GBps": gbs, "of_copy": gbs / copy, "splits_auto": auto}
+        fractions[f"{batch}x{ctx}"] = gbs / copy
+        row("bandwidth", name, f"{t * 1e6:8.1f} us {gbs:7.1f} GB/s = {100 * gbs / copy:5.1f}% of copy "
+            f"(splits {auto})")
+        del b, out
+
+
+def check_attention_sweep(dev, smoke: bool) -> None:
+    """Tile size x warps x splits at both decode shapes: the best config next to the default,
+    as a fraction of the copy bandwidth (what a retuned default would gain)."""
+    copy = copy_gbs(dev, smoke)
+    for batch, ctx in (SMOKE_DECODE_SHAPES[:1] if smoke else DECODE_SHAPES):
+        b, kv_bytes, out, shape = _decode_case(batch, ctx, dev, smoke)
+        md = b.attn_metadata
+        auto = choose_num_splits(batch, shape[1], ctx, 64, dev)
+        if smoke:  # the code path once: the default and one other config
+            configs = [dict(), dict(tile_n=32, num_warps=4, num_splits=2)]
+        else:
+            configs = [dict()] + [dict(tile_n=tile_n, num_warps=warps, num_splits=splits)
+                                  for tile_n in (32, 64, 128) for warps in (4, 8)
+                                  for splits in sorted({1, auto, min(64, 2 * auto)})]
+        best = default = None
+        for cfg in configs:
             try:
                 t = bench(lambda: paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out, **cfg), dev)
             except Exception as e:  # a config that does not compile is skipped, not fatal
                 print(f"  config {cfg} failed: {type(e).__name__}: {e}", flush=True)
                 continue
-            gbs = kv_bytes / t / 1e9
-            if i == 0:
-                default = (t, gbs)
+            if default is None and not cfg:
+                default = t
             if best is None or t < best[0]:
-                best = (t, gbs, cfg)
-        name = f"decode {batch} x {ctx} ({h}q/{kvh}kv, d{d}, {str(dtype)[6:]})"
-        t, gbs = default
-        RESULTS["bandwidth"][name] = {"us": t * 1e6, "GBps": gbs, "of_copy": gbs / copy_gbs, "splits_auto": auto,
-                                      "best_us": best[0] * 1e6, "best_GBps": best[1], "best_cfg": best[2]}
-        row("bandwidth", name, f"{t * 1e6:8.1f} us {gbs:7.1f} GB/s = {100 * gbs / copy_gbs:5.1f}% of copy "
-            f"(splits {auto})")
-        if len(configs) > 1:
-            row("bandwidth", "  best of sweep " + json.dumps(best[2]),
-                f"{best[0] * 1e6:8.1f} us {best[1]:7.1f} GB/s = {100 * best[1] / copy_gbs:5.1f}% of copy")
+                best = (t, cfg)
+        name = _decode_name(batch, ctx, shape)
+        t, cfg = best
+        gbs = kv_bytes / t / 1e9
+        RESULTS["attention_sweep"][name] = {"best_us": t * 1e6, "best_GBps": gbs, "best_of_copy": gbs / copy,
+                                            "best_cfg": cfg, "default_us": default * 1e6 if default else None,
+                                            "configs": len(configs)}
+        row("sweep", f"{name} best of {len(configs)}", f"{t * 1e6:8.1f} us {gbs:7.1f} GB/s = "
+            f"{100 * gbs / copy:5.1f}% of copy {json.dumps(cfg)}")
         del b, out
 
 
-def main(extra_sections=(), add_args=None, description: str | None = None) -> int:
-    """Run the kernel sections, then ``extra_sections`` [(name, fn(dev, args))], each guarded
-    so that a failure still prints the table of what ran. ``add_args(parser)`` adds the
-    extra sections' flags (the e2e section of ``pagedserve.loadtest.gpu_check`` uses both)."""
+@dataclass(frozen=True)
+class Section:
+    """One guarded part of the check. ``est_s``: the time it is expected to take on an H100
+    (an estimate for the budget guard, not a measurement); ``fn(dev, args)`` runs it."""
+
+    name: str
+    est_s: float
+    fn: Callable
+
+
+def kernel_sections() -> tuple[list[Section], Section]:
+    """The kernel sections in order, and the sweep (last of all: its value is lowest)."""
+    from pagedserve.kernels import gpu_check_kv_quant as kvq
+
+    core = [Section("correctness", 20, lambda dev, a: check_attention(dev, a.cpu_smoke)),
+            Section("bandwidth", 10, lambda dev, a: check_bandwidth(dev, a.cpu_smoke)),
+            Section("kv quant correctness", 25, lambda dev, a: kvq.check_correctness(dev, a.cpu_smoke, row, RESULTS)),
+            Section("kv quant bandwidth", 10,
+                    lambda dev, a: kvq.check_bandwidth(dev, a.cpu_smoke, row, RESULTS, bench))]
+    return core, Section("attention_sweep", 45, lambda dev, a: check_attention_sweep(dev, a.cpu_smoke))
+
+
+class HardStop(BaseException):
+    """Raised by the alarm at ``--hard-stop-s``: ends the running section (a BaseException, so
+    a section's own ``except Exception`` cannot swallow it); the engine's ``finally`` runs."""
+
+
+def _on_alarm(signum, frame):
+    raise HardStop()
+
+
+def write_json(path: str | None) -> None:
+    if path:
+        RESULTS["wall_s"] = time.time() - T0
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(RESULTS, f, indent=2, default=str)
+        os.replace(tmp, path)
+
+
+def main(sections: Callable | None = None, add_args=None, description: str | None = None) -> int:
+    """Run ``sections(args)`` (a list of Section; default: the kernel sections, then the sweep)
+    in order, each guarded so that a failure still prints the table of what ran, each skipped
+    with a row when the budget would not cover its estimate. ``add_args(parser)`` adds flags
+    (the loadtest script uses both)."""
     ap = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
-    ap.add_argument("--json", help="write the results as JSON to this path")
+    ap.add_argument("--json", help="write the results as JSON to this path (rewritten after every section)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU via the Triton interpreter")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip a section whose H100 estimate would end it past this many seconds from the start "
+                         "(default 420; none with --cpu-smoke)")
+    ap.add_argument("--hard-stop-s", type=float, default=None,
+                    help="end the running section at this many seconds (default: the budget + 30)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="SECTION", help="run only these sections")
+    ap.add_argument("--skip", nargs="+", default=(), metavar="SECTION", help="skip these sections")
     if add_args is not None:
         add_args(ap)
     args = ap.parse_args()
@@ -186,37 +287,81 @@ def main(extra_sections=(), add_args=None, description: str | None = None) -> in
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: run with --cpu-smoke to check the script on a CPU", file=sys.stderr)
         return 2
-    RESULTS["device"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    RESULTS["gpu"] = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)"
+    RESULTS["device"] = RESULTS["gpu"]
     RESULTS["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    failed = False
-    from pagedserve.kernels import gpu_check_kv_quant as kvq
-
-    sections = [("correctness", lambda: check_attention(dev, args.cpu_smoke)),
-                ("bandwidth", lambda: check_bandwidth(dev, args.cpu_smoke)),
-                ("kv quant correctness", lambda: kvq.check_correctness(dev, args.cpu_smoke, row, RESULTS)),
-                ("kv quant bandwidth", lambda: kvq.check_bandwidth(dev, args.cpu_smoke, row, RESULTS, bench))]
-    sections += [(name, (lambda f=fn: f(dev, args))) for name, fn in extra_sections]
-    for name, fn in sections:
-        RESULTS.setdefault(name, {})
-        try:
-            fn()
-        except Exception as e:  # keep going: the table of what did run still prints
-            traceback.print_exc()
-            row(name, "section failed", f"{type(e).__name__}: {str(e)[:80]}")
-            RESULTS[name]["error"] = repr(e)
-            failed = True
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    RESULTS["wall_s"] = time.time() - T0
+    RESULTS["versions"] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                           "triton": triton_version, "cuda": torch.version.cuda}
+    if sections is None:
+        core, sweep = kernel_sections()
+        todo = core + [sweep]
+    else:
+        todo = sections(args)
+    if args.budget_s is None:
+        args.budget_s = float("inf") if args.cpu_smoke else 420.0
+    hard_stop = args.hard_stop_s if args.hard_stop_s is not None else args.budget_s + 30
+    signal.signal(signal.SIGALRM, _on_alarm)
+    if hard_stop != float("inf"):
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, hard_stop - (time.time() - T0)))
+    failed, stopped = False, False
+    status = RESULTS.setdefault("sections", {})  # name -> {"status", "section_s", "estimate_s", "reason"}
+    try:
+        for s in todo:
+            RESULTS.setdefault(s.name, {})
+            elapsed = time.time() - T0
+            reason = None
+            if stopped:
+                reason = f"the hard stop at {hard_stop:.0f} s came"
+            elif args.only is not None and s.name not in args.only:
+                reason = "not in --only"
+            elif s.name in args.skip:
+                reason = "--skip"
+            elif elapsed + s.est_s > args.budget_s:
+                reason = (f"budget: {elapsed:.0f} s spent + ~{s.est_s:.0f} s estimated (H100) > "
+                          f"{args.budget_s:.0f} s")
+            if reason is not None:
+                row(s.name, "skipped", reason)
+                status[s.name] = {"status": "skipped", "reason": reason, "estimate_s": s.est_s}
+                continue
+            t = time.time()
+            state = {"status": "ok"}
+            try:
+                s.fn(dev, args)
+            except HardStop:
+                stopped = True
+                row(s.name, "stopped", f"the hard stop at {hard_stop:.0f} s ended it")
+                state = {"status": "stopped", "reason": "hard stop"}
+            except Exception as e:  # keep going: the table of what did run still prints
+                traceback.print_exc()
+                row(s.name, "section failed", f"{type(e).__name__}: {str(e)[:80]}")
+                state = {"status": "failed", "reason": repr(e)}
+            status[s.name] = {**state, "section_s": time.time() - t, "estimate_s": s.est_s}
+            gc.collect()  # a failed section's objects (an engine half built) hold device memory
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            write_json(args.json)
+    except HardStop:  # between sections: the rest are not run
+        row("main", "stopped", f"the hard stop at {hard_stop:.0f} s came between sections")
+        stopped = True
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    failed = stopped or any(v["status"] in ("failed", "stopped") for v in status.values())
     failed = failed or not all(v.get("ok", True) for v in RESULTS["correctness"].values())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(RESULTS, f, indent=2, default=str)
-    print(f"\n=== pagedserve gpu_check: {RESULTS['device']}, {RESULTS['date']}, {RESULTS['wall_s']:.0f} s ===")
+    failed = failed or any(isinstance(v, dict) and v.get("ok") is False for v in RESULTS.values())
+    write_json(args.json)
+    print(f"\n=== pagedserve gpu_check: {RESULTS['gpu']}, {RESULTS['date']}, {time.time() - T0:.0f} s ===")
     for section, item, value in ROWS:
-        print(f"{section:<12} {item:<48} {value}")
+        print(f"{section:<15} {item:<48} {value}")
+    summary = {k: RESULTS.get(k) for k in ("gpu", "b1_roofline_fraction", "decode_attention_bw_fraction")}
+    print("summary " + json.dumps(summary, default=str))
+    print("sections " + json.dumps({k: v["status"] for k, v in status.items()}))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
-from pagedserve.kernels.kv_quant import QMAX, QUANT_DTYPES, SCALE_DTYPE, dequantize_rows
+from pagedserve.kernels.kv_quant import QUANT_DTYPES, SCALE_DTYPE, dequantize_rows
 from pagedserve.kernels.testing import make_paged_batch
 from pagedserve.kernels.triton_cache_write import write_kv_cache_triton
 from pagedserve.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton
@@ -72,9 +72,11 @@ def check_correctness(dev, smoke: bool, row, results: dict) -> None:
             continue
         gen = torch.Generator().manual_seed(6)
         x_dtype = dtypes[-1]
-        k_in = (torch.randn(300, kvh, d, generator=gen) * torch.logspace(-2, 2, 300)[:, None, None]).to(x_dtype).to(dev)
-        v_in = torch.randn(300, kvh, d, generator=gen).to(x_dtype).to(dev)
-        slots = torch.randperm(64 * 16, generator=gen)[:300].to(dev)
+        rows = 40 if smoke else 300  # the interpreter runs a program per row
+        k_in = torch.randn(rows, kvh, d, generator=gen) * torch.logspace(-2, 2, rows)[:, None, None]
+        k_in = k_in.to(x_dtype).to(dev)
+        v_in = torch.randn(rows, kvh, d, generator=gen).to(x_dtype).to(dev)
+        slots = torch.randperm(64 * 16, generator=gen)[:rows].to(dev)
         slots[::5] = -1
         caches = [torch.zeros(64, 16, kvh, d, dtype=fmt, device=dev) for _ in range(4)]
         scales = [torch.zeros(64, 16, kvh, dtype=SCALE_DTYPE, device=dev) for _ in range(4)]
