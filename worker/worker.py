@@ -85,7 +85,10 @@ class Worker:
         if self.device.type == "cuda":
             reason = cuda_unusable_reason()
             if reason is not None:  # never a silent CPU fallback
-                raise RuntimeError(f"{self.where}: device 'cuda' was decided for this deployment, but "
+                where = self.where
+                if "CUDA_VISIBLE_DEVICES" not in where:
+                    where += f" (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
+                raise RuntimeError(f"{where}: device 'cuda' was decided for this deployment, but "
                                    f"{reason}. Fix: {CUDA_INSTALL_HINT}.")
             local = int(os.environ.get("LOCAL_RANK", "0"))
             if local >= torch.cuda.device_count():

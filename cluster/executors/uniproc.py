@@ -3,6 +3,8 @@ tensor_parallel_size 1, and the unit of everything the Ray executor does per ran
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +22,10 @@ class UniProcExecutor(Executor):
             raise ValueError("UniProcExecutor runs tensor_parallel_size 1 only; "
                              "use pagedserve.cluster.executors.ray_executor.RayExecutor for more ranks.")
         self.worker = Worker(engine_config)
+        ray = sys.modules.get("ray")  # inside a Serve replica; never imported for the offline engine
+        if ray is not None and ray.is_initialized():
+            self.worker.where = (f"the engine replica's worker (process {os.getpid()}) on node "
+                                 f"{ray.util.get_node_ip_address()}")
         self._step_thread: ThreadPoolExecutor | None = None
         self.worker.init_device()
         self.worker.load_model()
