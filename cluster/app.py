@@ -258,6 +258,16 @@ def router_config(engine_config: EngineConfig, o: dict[str, Any]) -> dict:
     return cfg
 
 
+def drain_timeout_s(engine_config: EngineConfig, serve_opts: dict[str, Any]) -> float:
+    """How long a replica being removed may take to finish its streams (Serve's
+    graceful_shutdown_timeout_s): the option, else a max_model_len stream at
+    GRACE_TOKENS_PER_S, at least 30 s."""
+    grace = serve_options(serve_opts)["graceful_shutdown_timeout_s"]
+    if grace is None:
+        grace = max(30.0, (engine_config.max_model_len or 2048) / GRACE_TOKENS_PER_S)
+    return float(grace)
+
+
 def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) -> dict:
     """Serve's options for the engine deployment. ``engine_config.device`` is decided
     here if it is still "auto" (build_app decides it first, and binds that config)."""
@@ -266,9 +276,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     strategy = placement_strategy(engine_config, default=str(o["placement_group_strategy"]).upper())
     if strategy not in PLACEMENT_STRATEGIES:
         raise ValueError(f"placement_group_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
-    grace = o["graceful_shutdown_timeout_s"]
-    if grace is None:
-        grace = max(30.0, (engine_config.max_model_len or 2048) / GRACE_TOKENS_PER_S)
+    grace = drain_timeout_s(engine_config, o)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
                                 graceful_shutdown_timeout_s=float(grace),
                                 graceful_shutdown_wait_loop_s=DRAIN_POLL_S,

@@ -12,10 +12,12 @@ These quirks of Ray 2.60 shape this file (see /work/shared/PEERS.md):
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Callable, Iterator
 
 import ray
 
@@ -44,13 +46,92 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
             ray_constants.ENABLE_RAY_CLUSTER = False
         # Logical CPUs, not cores: a TP worker bundle asks for 1 CPU and a replica for a
         # fraction, so a 2-core box must still admit e.g. two TP=2 replicas (they then
-        # time-share the cores, which is the honest CPU-box behaviour).
-        ray.init(num_cpus=num_cpus if num_cpus is not None else max(8, os.cpu_count() or 1),
-                 _node_ip_address=LOOPBACK, include_dashboard=False,
-                 namespace=namespace, log_to_driver=log_to_driver,
-                 configure_logging=False)
+        # time-share the cores, which is the honest CPU-box behaviour). address="local": a
+        # new instance, where ray.init() would join the cluster that RAY_ADDRESS names or
+        # that the machine's last `ray start` recorded (/tmp/ray/ray_current_cluster).
+        with _ray_processes_lead_own_groups():
+            ray.init(address="local",
+                     num_cpus=num_cpus if num_cpus is not None else max(8, os.cpu_count() or 1),
+                     _node_ip_address=LOOPBACK, include_dashboard=False,
+                     namespace=namespace, log_to_driver=log_to_driver,
+                     configure_logging=False)
     else:
         ray.init(address=address, namespace=namespace, log_to_driver=log_to_driver)
+
+
+@contextlib.contextmanager
+def _ray_processes_lead_own_groups() -> Iterator[None]:
+    """While ``ray.init`` starts the private instance, every process it starts (GCS, raylet,
+    monitors) leads a process group of its own, as Ray's workers already do (the raylet
+    starts them so). A signal to the starting process's group (``kill -- -PGID``, a
+    terminal's Ctrl-C, a supervisor that signals the group) then reaches that process
+    alone, which stops Serve and Ray in order. Sent to the GCS as well, it stops answering
+    without exiting, and every Serve call of the shutdown waits on it until Ray's
+    reconnect timeout aborts the process.
+
+    They still die with the process that started them, however it dies: Ray starts each
+    with PR_SET_PDEATHSIG (SIGKILL when its parent dies), and its workers exit when their
+    raylet does (the raylet's two agents, after a SIGKILL, once their report of its death
+    to the GCS, gone too, times out). Where the kernel cannot do that (not Linux), Ray's
+    reaper kills the starting process's group instead, so they stay in it (Ray's own rule
+    on Windows)."""
+    from ray._private import services, utils
+
+    popen = getattr(services, "ConsolePopen", None)
+    fate_shared = getattr(utils, "detect_fate_sharing_support", None)
+    if popen is None or fate_shared is None:  # a Ray that moved its hooks: start as Ray does
+        logger.warning("ray._private has no services.ConsolePopen or utils.detect_fate_sharing_support: "
+                       "Ray's processes stay in this process group (a signal to it reaches them too)")
+    if popen is None or fate_shared is None or not fate_shared():
+        yield
+        return
+
+    class OwnGroupPopen(popen):
+        def __init__(self, *args, preexec_fn=None, **kwargs):
+            def own_group() -> None:  # in the child, before exec
+                os.setpgid(0, 0)
+                if preexec_fn is not None:
+                    preexec_fn()
+
+            super().__init__(*args, preexec_fn=own_group, **kwargs)
+
+    services.ConsolePopen = OwnGroupPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = popen
+
+
+def gcs_probe() -> Callable[[float], bool] | None:
+    """``answers(timeout_s)``: whether this process's Ray GCS answers a read within
+    ``timeout_s``. The probe has a client of its own: Ray's calls have no deadline, and a
+    GCS that was sent SIGTERM stops serving but keeps running, so only an unanswered call
+    tells it apart. Make it while the GCS is up: the client connects here, and waits for
+    a GCS that is gone. None when Ray is not initialized here or has no such client."""
+    try:
+        from ray._raylet import GcsClient
+
+        client = GcsClient(address=ray.get_runtime_context().gcs_address)
+    except Exception:
+        return None
+
+    def answers(timeout_s: float) -> bool:
+        try:
+            client.internal_kv_exists(b"pagedserve-probe", b"pagedserve", timeout=timeout_s)
+            return True
+        except Exception:
+            return False
+
+    return answers
+
+
+def kill_private_ray() -> None:
+    """SIGKILL every process ``init_ray`` started for the private instance (GCS, raylet,
+    monitors), waiting for each; their workers exit when the raylet dies. The last resort
+    of a shutdown that cannot go in order. Nothing to kill on a joined cluster."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is not None:
+        node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
 
 
 def serve_grpc_on_node_ip() -> None:

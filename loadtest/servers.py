@@ -91,9 +91,8 @@ class ServerProcess:
         if self.proc is None or self.proc.poll() is not None:
             return
         sid = self.proc.pid  # session leader: its pid is the session id
-        # SIGTERM to the leader only: it shuts its own children down in order (Serve, then
-        # Ray). Signalling the whole group would kill Ray's GCS under it and stall that
-        # shutdown for a minute.
+        # SIGTERM to the leader: it shuts its own children down in order (Serve, then Ray;
+        # Ray's processes lead groups of their own, so a group signal would do the same).
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(grace)

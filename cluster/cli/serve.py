@@ -6,7 +6,8 @@
 
 Starts a private Ray instance on 127.0.0.1 (or joins ``--ray-address``), deploys the app,
 logs the URL and the KV-cache sizing once every replica is ready, and on Ctrl-C/SIGTERM
-deletes the app, stops Serve and shuts down the Ray it started: no Ray process is left.
+(to it or to its process group) deletes the app, stops Serve and shuts down the Ray it
+started, within the replicas' drain timeout and 30 s: no Ray process is left.
 Only argparse is imported at parser-building time (``pagedserve --help`` stays fast).
 """
 
@@ -16,7 +17,9 @@ import argparse
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 from pagedserve.cluster.cli.args import _memory as parse_size
 from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args, resolve_model_or_exit
@@ -94,17 +97,76 @@ def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+# A shutdown may take the replicas' drain (the engine's graceful_shutdown_timeout_s) plus
+# this, for Serve's and Ray's own steps (the controller, the proxies, the GCS and raylet).
+SHUTDOWN_MARGIN_S = 30.0
+# The private Ray's GCS counts as gone after this many probes in a row go unanswered.
+GCS_PROBE_TIMEOUT_S = 2.0
+GCS_PROBE_MISSES = 3
+
+
+def _shutdown(private: bool, drain_s: float, probe: Callable[[float], bool] | None) -> None:
+    """Delete the app (its replicas finish their streams, for up to ``drain_s``), stop
+    Serve, shut the private Ray down, in that order, and return. Bounded: every Ray call
+    here waits without a deadline, and one whose answer can no longer come (the GCS is
+    gone) waits until Ray's reconnect timeout aborts the process, leaving its processes to
+    the kernel. So a watchdog ends it with exit status 1 after SIGKILLing the private Ray's
+    processes, once the GCS stops answering ``probe`` (its processes were signalled too:
+    a supervisor that signals every process of the service, such as systemd's default
+    KillMode) or the whole took longer than ``drain_s + SHUTDOWN_MARGIN_S``."""
+    import ray
+    from ray import serve
+
+    from pagedserve.cluster.ray_utils import kill_private_ray
+
+    probing, done = threading.Event(), threading.Event()
+    if probe is not None:
+        probing.set()
+
+    def give_up(why: str) -> None:
+        logger.error("shutdown: %s; killing the Ray processes this command started", why)
+        if private:
+            kill_private_ray()
+        logging.shutdown()
+        os._exit(1)  # not sys.exit: Ray's atexit shutdown would wait on the GCS again
+
+    def watch() -> None:
+        deadline = time.monotonic() + drain_s + SHUTDOWN_MARGIN_S
+        misses = 0
+        while not done.wait(1.0):
+            misses = misses + 1 if probing.is_set() and not probe(GCS_PROBE_TIMEOUT_S) else 0
+            if misses >= GCS_PROBE_MISSES:
+                give_up("Ray's GCS stopped answering")
+            if time.monotonic() > deadline:
+                give_up(f"it took longer than {drain_s + SHUTDOWN_MARGIN_S:.0f} s")
+
+    threading.Thread(target=watch, name="pagedserve-shutdown-watchdog", daemon=True).start()
+    try:
+        serve.delete(APP_NAME)
+        if private:  # never stop Serve on a shared cluster
+            serve.shutdown()
+    except Exception:  # Ray may already be gone
+        logger.debug("serve shutdown failed", exc_info=True)
+    # ray.shutdown stops the GCS itself: no probing from here on, so ask it once now.
+    probing.clear()
+    if probe is not None and not probe(GCS_PROBE_TIMEOUT_S):
+        give_up("Ray's GCS stopped answering")
+    try:
+        ray.shutdown()  # stops the local Ray processes this command started
+    finally:
+        done.set()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     cfg = resolve_model_or_exit(engine_config_from_args(args))
     max_replicas = args.max_replicas if args.max_replicas is not None else args.min_replicas
     if max_replicas < args.min_replicas:
         raise SystemExit(f"--max-replicas ({max_replicas}) must be >= --min-replicas ({args.min_replicas}).")
-    import ray
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import init_ray, is_loopback
+    from pagedserve.cluster.ray_utils import gcs_probe, init_ray, is_loopback
     from pagedserve.cluster.cli.serving_cpu import ServingCPU
-    from pagedserve.cluster.app import build_app, resolve_cpu_bind
+    from pagedserve.cluster.app import build_app, drain_timeout_s, resolve_cpu_bind
     from pagedserve.platforms import decide_here
     from pagedserve.worker.cpu_affinity import pin_this_process
 
@@ -123,14 +185,19 @@ def run_serve(args: argparse.Namespace) -> int:
                 # lower its nice later. The serving processes get theirs from ServingCPU.
                 os.environ.setdefault("RAY_worker_niceness", "0")
     init_ray(address=args.ray_address)
+    # The probe's client connects now: made once the GCS is gone, it would wait for it.
+    # A joined cluster's GCS is not probed (it may be out of this process's reach).
+    probe = gcs_probe() if args.ray_address is None else None
     # SIGTERM behaves like Ctrl-C. Installed after ray.init, which puts a C++ failure
     # handler on SIGTERM that dumps a stack and aborts the process mid-cleanup.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)  # also when started in the background (SIG_IGN)
+    drain_s = 0.0  # no replica yet, none to drain
     try:
         proxies = args.proxy_location or ("HeadOnly" if is_loopback(args.host) else "EveryNode")
         serve.start(http_options={"host": args.host, "port": args.port}, proxy_location=proxies)
         try:
+            drain_s = drain_timeout_s(cfg, _serve_options(args, max_replicas))
             app = build_app(cfg, **_serve_options(args, max_replicas))
         except ValueError as e:  # a configuration the cluster cannot hold (placement)
             logger.error("%s", e)
@@ -163,16 +230,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         logger.info("shutting down")
     finally:
-        if shared is not None:
-            shared.stop()
         # A second TERM/Ctrl-C must not cut the cleanup short.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            serve.delete(APP_NAME)
-            if args.ray_address is None:  # never stop Serve on a shared cluster
-                serve.shutdown()
-        except Exception:  # Ray may already be gone
-            logger.debug("serve shutdown failed", exc_info=True)
-        ray.shutdown()  # stops the local Ray processes this command started
+        if shared is not None:
+            shared.stop()
+        _shutdown(private=args.ray_address is None, drain_s=drain_s, probe=probe)
     return 0
