@@ -110,7 +110,7 @@ def check_group_fits(bundles: list[dict[str, float]], strategy: str) -> None:
         return
     def fmt(r: dict) -> str:
         return ", ".join(f"{k} {v:g}" for k, v in sorted(r.items())
-                         if (k in ("CPU", "GPU") or k.startswith("accelerator_type:")) and v)
+                         if (k in ("CPU", "GPU") or k.startswith("accelerator_type:")) and v) or "no CPU or GPU"
 
     totals = [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in nodes]
     types = node_types()
