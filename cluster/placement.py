@@ -12,10 +12,10 @@ rank 0, its CPUs added there, as Ray Serve LLM lays out a replica and its engine
 
 "What the cluster can have" is its live nodes and the node types its autoscaler may add:
 a deployment sent before the autoscaler has started a GPU node still gets GPUs (Serve
-then waits for the node). The node types come from the autoscaler's cluster config in the
-GCS where the autoscaler reports it (KubeRay, autoscaler v2), else from the head's
-``~/ray_bootstrap_config.yaml``, which ``ray up`` writes there (the app is built on the
-head: ``serve deploy`` runs its builder in Serve's controller).
+then waits for the node). The node types come from the cluster config in the GCS where
+something reports one (Ray 2.60's own autoscalers, v1 and v2, do not), else from the
+head's ``~/ray_bootstrap_config.yaml``, which ``ray up`` writes there (the app is built on
+the head: ``serve deploy`` runs its builder in a task there).
 """
 
 from __future__ import annotations
