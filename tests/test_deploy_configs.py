@@ -293,6 +293,7 @@ def test_start_commands_are_what_ray_start_parses(tmp_path):
     assert worker["address"] == "10.0.0.2:6379" and not worker["head"]
 
 
+@pytest.mark.cluster  # a venv installed by pip: in the second run CI makes (-m cluster)
 @pytest.mark.slow
 def test_setup_commands_run_as_a_shell_runs_them(tmp_path):
     """setup_commands then head_setup_commands / worker_setup_commands, each through `bash -e -c`

@@ -108,6 +108,9 @@ def _python_without_the_checkout(where: Path) -> Path:
     return python
 
 
+# A server built from a fresh venv: in the second run CI makes (-m cluster), which keeps the
+# default run's minutes for the tests that need no process of their own.
+@pytest.mark.cluster
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_wheel_alone_serves(tmp_path):
