@@ -18,10 +18,11 @@ chosen by ``PAGEDSERVE_DISPATCH``:
 The data plane (activations) never goes through Ray: torch.distributed carries it.
 ``loadtest/bench_dispatch.py`` measures both channels.
 
-Not done: overlapping the scheduling of step N+1 with the execution of step N. The
-``Executor.execute_model`` contract is synchronous; both channels could return before
-the workers finish (send now, receive later), so the overlap would live in the engine
-loop, which must then not schedule tokens it has not sampled yet.
+``submit`` sends a plan and returns the wait for its result, so the engine loop may plan
+step N+1 while step N runs (async scheduling, cluster/engine/llm_engine.py).
+
+The workers' device is decided where the app is built (platforms.py); the workers of one
+node see the GPUs the group holds there, each taking its own by LOCAL_RANK.
 """
 
 from __future__ import annotations
