@@ -112,9 +112,12 @@ class EngineConfig:
         parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
-        from pagedserve.platforms import check_placement_group_config
+        from pagedserve.platforms import check_placement_group_config, decide_device, placement_asks_gpus
 
         check_placement_group_config(self.placement_group_config, self.tensor_parallel_size)
+        if self.device == "cpu":  # refuses a GPU placement on the CPU
+            decide_device("cpu", placement_asks_gpus=placement_asks_gpus(self.placement_group_config,
+                                                                         self.accelerator_type))
 
     def executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")

@@ -36,11 +36,20 @@ def test_auto_follows_the_placement_then_live_gpus_then_node_types_then_this_nod
     assert decide_device("auto", cluster=ClusterGPUs(live=0), local_gpus=2).device == "cpu"
 
 
-def test_cpu_with_a_gpu_placement_is_refused():
+def test_cpu_with_a_gpu_placement_is_refused_in_one_line():
+    from pagedserve.cluster.cli.args import engine_config_from_args
+    from pagedserve.cluster.cli.main import build_parser
+
     with pytest.raises(ValueError, match="drop one of them"):
         decide_device("cpu", placement_asks_gpus=True)
+    with pytest.raises(ValueError, match="drop one of them"):
+        EngineConfig(device="cpu", accelerator_type="H100")
     with pytest.raises(ValueError, match="device must be"):
         EngineConfig(device="gpu")
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--placement-group-config",
+                                      '{"bundle_per_worker": {"GPU": 1}}'])
+    with pytest.raises(SystemExit, match="^error: device 'cpu' with a placement that asks for GPUs"):
+        engine_config_from_args(args)
 
 
 def test_an_engine_built_here_decides_for_this_node_and_the_worker_never_does(monkeypatch, tmp_path):

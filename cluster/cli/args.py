@@ -151,7 +151,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         if len({c for c, _ in reserve}) < len(reserve):
             raise SystemExit("error: --reserve names one class twice")
         kw["reservations"] = dict(reserve)
-    return EngineConfig(**kw)
+    try:
+        return EngineConfig(**kw)
+    except ValueError as e:  # flags that contradict each other: one line, as argparse's own errors
+        raise SystemExit(f"error: {e}") from None
 
 
 def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
