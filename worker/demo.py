@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from pagedserve.worker.model_cache import build_once, cache_root
+
 DEMO_MODEL_NAME = "pagedserve-demo"  # the --model name, and the id /v1/models lists
 DEMO_VERSION = "demo-v1"
 DEMO_CONFIG = dict(
@@ -25,13 +27,9 @@ DEMO_CONFIG = dict(
 )
 
 
-def cache_root() -> str:
-    return os.environ.get("PAGEDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pagedserve")
-
-
 def demo_model_path() -> str:
     """Path of the demo model directory, building it on first use (a few seconds)."""
-    from pagedserve.worker.random_models import build_once, make_random_llama  # transformers only when building
+    from pagedserve.worker.random_models import make_random_llama  # transformers only when building
 
     return build_once(os.path.join(cache_root(), DEMO_VERSION),
                       lambda tmp: make_random_llama(tmp, "llama", seed=0, **DEMO_CONFIG))

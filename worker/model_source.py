@@ -35,8 +35,9 @@ import json
 import os
 from dataclasses import dataclass
 
-from pagedserve.worker.demo import DEMO_MODEL_NAME, cache_root
+from pagedserve.worker.demo import DEMO_MODEL_NAME
 from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, iter_gguf_weights, open_gguf
+from pagedserve.worker.model_cache import build_once, cache_root
 from pagedserve.worker.model_fetch import OBJECT_STORE_SCHEMES, fetch_model, is_remote
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -106,8 +107,6 @@ def file_sha256(path: str) -> str:
 
 def prepare_gguf(gguf: str) -> str:
     """The prepared directory of ``gguf`` (see the module docstring), built on first use."""
-    from pagedserve.worker.random_models import build_once
-
     gguf = os.path.abspath(gguf)
     digest = file_sha256(gguf)
     stem = os.path.basename(gguf).removesuffix(".gguf")

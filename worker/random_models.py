@@ -14,12 +14,11 @@ logits, random (not zero/one) biases and norm weights.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from pagedserve.worker.model_cache import build_once
 from pagedserve.worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 
 _BASE: dict[str, Any] = dict(
@@ -87,28 +86,6 @@ def make_random_llama(path: str | os.PathLike, arch: str = "llama", seed: int = 
         model.generation_config.save_pretrained(path)
     save_tokenizer(path, config.vocab_size, model_max_length=config.max_position_embeddings)
     return path
-
-
-def build_once(final: str | os.PathLike, build: Callable[[str], Any]) -> str:
-    """Return ``final``, first running ``build(tmp_dir)`` and renaming it into place if it
-    does not exist yet. The rename is atomic, so readers never see a half-written model
-    and concurrent builders (tests, several processes) need no lock: the loser discards."""
-    final = os.fspath(final)
-    if os.path.isfile(os.path.join(final, "config.json")):
-        return final
-    parent = os.path.dirname(final) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}-", dir=parent)
-    try:
-        build(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def make_test_model(name: str, root: str | os.PathLike) -> str:
