@@ -278,7 +278,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
         raise ValueError(f"placement_group_strategy must be one of {PLACEMENT_STRATEGIES}, got {strategy!r}.")
     grace = drain_timeout_s(engine_config, o)
     opts: dict[str, Any] = dict(max_ongoing_requests=int(o["max_ongoing_requests"]),
-                                graceful_shutdown_timeout_s=float(grace),
+                                graceful_shutdown_timeout_s=grace,
                                 graceful_shutdown_wait_loop_s=DRAIN_POLL_S,
                                 request_router_config=router_config(engine_config, o),
                                 # Serve replaces a replica after 3 failed checks in a row: a

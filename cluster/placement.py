@@ -117,12 +117,16 @@ def check_group_fits(bundles: list[dict[str, float]], strategy: str) -> None:
     key = lambda r: (r.get("GPU", 0.0), r.get("CPU", 0.0))  # noqa: E731
     largest = max(totals + list(types.values()), key=key)
     where = f"the {len(nodes)} live nodes" + (f" and {len(types)} autoscaler node types" if types else "")
+
+    def fits_somewhere(need: dict[str, float]) -> bool:
+        return any(_fits(need, t) for t in totals) or any(_node_type_fits(need, t) for t in types.values())
+
     group: dict[str, float] = {}
     for b in bundles:
         for k, v in b.items():
             group[k] = group.get(k, 0.0) + v
     if strategy == "STRICT_PACK":
-        if not (any(_fits(group, t) for t in totals) or any(_node_type_fits(group, t) for t in types.values())):
+        if not fits_somewhere(group):
             raise ValueError(
                 f"one engine replica's placement group ({len(bundles)} bundles: its TP workers, the "
                 f"replica itself sharing the first) needs {fmt(group)} on one node (placement "
@@ -132,7 +136,7 @@ def check_group_fits(bundles: list[dict[str, float]], strategy: str) -> None:
                 f"parallelism over the network).")
         return
     for b in bundles:
-        if not (any(_fits(b, t) for t in totals) or any(_node_type_fits(b, t) for t in types.values())):
+        if not fits_somewhere(b):
             raise ValueError(f"a bundle of {fmt(b)} fits none of {where} (the largest has {fmt(largest)}).")
     if types:
         return  # the autoscaler may add nodes until the group fits
