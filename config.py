@@ -14,6 +14,8 @@ from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # "1" when an engine or worker is built: install the planted failures of worker/faults.py.
 FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
+# --cpu-linear: the probe, or one of kernels/cpu_linear.BACKENDS (this module imports no torch).
+CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "aten")
 
 
 @dataclass
@@ -79,6 +81,10 @@ class EngineConfig:
     # CPU: the cores each rank computes on (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto",
     # "nobind" or one core list per rank, e.g. "1-3|4-7" (worker/cpu_affinity.py).
     cpu_omp_threads_bind: str = "auto"
+    # CPU: the GEMM of the linear layers (worker/layers/cpu_backend.py): "auto" probes the
+    # backends that run here on the model's weights at load and keeps the fastest; "panel",
+    # "onednn" or "aten" takes that one, no probe.
+    cpu_linear: str = "auto"
     # vLLM's --speculative-config: prompt lookup drafts verified in one pass, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2}; JSON text, a dict or a SpeculativeConfig. None: off.
@@ -110,6 +116,8 @@ class EngineConfig:
         from pagedserve.worker.cpu_affinity import parse_bind
 
         parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
+        if self.cpu_linear not in CPU_LINEAR_CHOICES:
+            raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}.")
         from pagedserve.platforms import check_placement_group_config, decide_device, placement_asks_gpus

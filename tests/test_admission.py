@@ -128,7 +128,7 @@ def test_shed_gate_refuses_only_while_every_live_replica_sheds():
     assert g.closed_for(20.3 + LIVE_TTL_S + 0.1) is None  # a's window is over too
     refuse_a(0.5, now=40.0)
     assert g.closed_for(40.1) == pytest.approx(0.4)  # b is no longer live: a alone decides
-    off = ShedGate(enabled=False)  # PAGEDSERVE_INGRESS_SHED=0: the replicas decide alone
+    off = ShedGate(enabled=False)  # the replicas decide alone
     for _ in range(MIN_REFUSALS):
         off.refused("a", 0.5, now=50.0)
     assert off.closed_for(50.1) is not None and off.refuse(50.1) is None
@@ -222,6 +222,6 @@ def test_front_limit_binds_only_after_long_waits_before_the_replica_and_opens_ag
         lim.refuse(t, in_flight=int(lim.limit), tenant_share=fair)
         lim.observe(0.1, t)
     assert lim.limit > bound * 1.5
-    off = FrontLimit(enabled=False)  # PAGEDSERVE_INGRESS_SHED=0
+    off = FrontLimit(enabled=False)
     off.limit = 1
     assert off.refuse(t, in_flight=100, tenant_share=flood) is None

@@ -146,7 +146,7 @@ def test_packing_drops_plain_weights_keeps_tied_embedding(tmp_path):
     assert all(m._packed is not None for m in layers) and model.lm_head._packed is not None
     assert torch.equal(model.model.embed_tokens.weight, emb)  # tied: the table is still there
     assert apply_cpu_linear_backend(_model(make_test_model("qwen2-tied", tmp_path)), "aten") == "aten"
-    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_LINEAR"):
+    with pytest.raises(ValueError, match="cpu_linear must be"):
         apply_cpu_linear_backend(model, "mkl")
 
 
@@ -154,7 +154,6 @@ def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
     from pagedserve.worker.random_models import make_test_model
 
-    monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         chosen = apply_cpu_linear_backend(_model(make_test_model("llama-mha", tmp_path)))
@@ -169,7 +168,6 @@ def test_the_probe_runs_once_per_machine_kind_and_model_shape(tmp_path, monkeypa
     from pagedserve.worker.layers import cpu_backend
     from pagedserve.worker.random_models import make_test_model
 
-    monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     probes = []
     real = cpu_backend.probe_linear_backends
@@ -206,7 +204,6 @@ def test_a_bf16_model_gets_a_backend_that_runs_on_this_cpu(tmp_path, monkeypatch
     from pagedserve.worker.layers.linear import PackableLinear
     from pagedserve.worker.random_models import make_test_model
 
-    monkeypatch.delenv("PAGEDSERVE_CPU_LINEAR", raising=False)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     model = _model(make_test_model("llama-mha", tmp_path / "a")).to(torch.bfloat16)
     layer = next(m for m in model.modules() if isinstance(m, PackableLinear))
@@ -264,12 +261,12 @@ def oracle_case(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["aten", "onednn",
                                      pytest.param("panel", marks=needs_panel)])
-def test_greedy_equals_transformers_under_each_backend(oracle_case, backend, monkeypatch):
+def test_greedy_equals_transformers_under_each_backend(oracle_case, backend):
     from pagedserve import LLM, SamplingParams
 
     path, prompts, refs = oracle_case
-    monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", backend)
-    llm = LLM(model=path, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0)
+    llm = LLM(model=path, dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0,
+              cpu_linear=backend)
     try:
         assert llm.engine.executor.worker.cpu_linear_backend == backend
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,

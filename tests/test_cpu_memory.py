@@ -97,10 +97,8 @@ print("OK")
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-2000:]
 
 
-def test_off_by_environment_and_on_small_or_gpu_tensors(monkeypatch):
+def test_not_asked_for_a_tensor_without_a_whole_huge_page():
     assert not cpu_memory.advise_huge_pages(torch.empty(1000))  # no whole 2 MB page inside
-    monkeypatch.setenv("PAGEDSERVE_KV_THP", "0")
-    assert not cpu_memory.advise_huge_pages(torch.empty(8 << 20))
 
 
 @needs_thp

@@ -149,17 +149,17 @@ def test_tp_deployment_gets_one_bundle_per_rank():
 
 
 def test_engine_knobs_reach_the_replica_through_its_runtime_env(monkeypatch):
-    """PAGEDSERVE_CPU_LINEAR & co. set where the app is built reach the engine replica even on a
+    """PAGEDSERVE_CPU_EXT & co. set where the app is built reach the engine replica even on a
     Ray cluster started earlier (its workers have the raylet's environment, not the caller's)."""
     from pagedserve.cluster.app import engine_deployment_options
     from pagedserve.config import EngineConfig
 
-    monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", "onednn")
-    monkeypatch.setenv("PAGEDSERVE_KV_THP", "0")
-    monkeypatch.delenv("PAGEDSERVE_CPU_EXT", raising=False)
+    monkeypatch.setenv("PAGEDSERVE_CPU_EXT", "0")
+    monkeypatch.setenv("PAGEDSERVE_GGUF_WEIGHT_CACHE", "0")
+    monkeypatch.delenv("PAGEDSERVE_CACHE", raising=False)
     env = engine_deployment_options(EngineConfig())["ray_actor_options"]["runtime_env"]["env_vars"]
-    assert env["PAGEDSERVE_CPU_LINEAR"] == "onednn" and env["PAGEDSERVE_KV_THP"] == "0"
-    assert "PAGEDSERVE_CPU_EXT" not in env  # unset stays unset: the replica's own default
+    assert env["PAGEDSERVE_CPU_EXT"] == "0" and env["PAGEDSERVE_GGUF_WEIGHT_CACHE"] == "0"
+    assert "PAGEDSERVE_CACHE" not in env  # unset stays unset: the replica's own default
 
 
 def _ray_schema() -> dict:

@@ -239,7 +239,7 @@ def test_kv_size_cli_reports_values_and_scales(tmp_path):
 
 # ---------------------------------------------------------------- the engine, unchanged paths
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-def test_prefix_caching_and_preemption_unchanged_on_a_quantised_cache(tmp_path, kv, monkeypatch):
+def test_prefix_caching_and_preemption_unchanged_on_a_quantised_cache(tmp_path, kv):
     """A cached block's bytes depend only on its tokens, so a prefix-cache hit, and the
     recompute after a preemption, give the outputs of a plain run on the same cache format."""
     from test_engine_oracle import PROMPT_LENS, _engine, _params, _prompts, _run
@@ -250,16 +250,15 @@ def test_prefix_caching_and_preemption_unchanged_on_a_quantised_cache(tmp_path, 
     # GEMM and the panel GEMM are batch-invariant here, plain F.linear (MKL) is not (a prefill
     # chunk and a decode row round differently, and a random model has near ties). The default
     # probe picks per engine, by timing; pin one.
-    monkeypatch.setenv("PAGEDSERVE_CPU_LINEAR", "onednn")
-
+    pin = dict(kv_cache_dtype=kv, cpu_linear="onednn")
     path = make_test_model("llama-gqa4-hd128", tmp_path)
     prompts = _prompts(512)
-    plain = _run(_engine(path, enable_prefix_caching=False, kv_cache_dtype=kv), prompts, _params())
+    plain = _run(_engine(path, enable_prefix_caching=False, **pin), prompts, _params())
     small = _engine(path, num_gpu_blocks_override=24, max_num_batched_tokens=128, enable_prefix_caching=False,
-                    kv_cache_dtype=kv)
+                    **pin)
     assert _run(small, prompts, _params()) == plain
     assert small.get_stats().num_preemptions > 0
-    cached = _engine(path, enable_prefix_caching=True, kv_cache_dtype=kv)
+    cached = _engine(path, enable_prefix_caching=True, **pin)
     first = PROMPT_LENS.index(150)
     _run(cached, [prompts[first]], [_params()[first]])
     assert _run(cached, prompts, _params()) == plain

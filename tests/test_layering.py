@@ -104,6 +104,23 @@ def test_every_cluster_file_is_in_one_of_its_parts():
         assert doc and "Imports" in doc, part
 
 
+MAX_SWITCHES = 8  # PAGEDSERVE_* environment variables the shipped code reads
+
+
+def test_environment_switches_are_few_and_each_is_in_the_deploy_table():
+    """Flags are the interface: the shipped code (not tests/, not loadtest/) reads at most
+    MAX_SWITCHES PAGEDSERVE_* variables, and deploy/README.md's table lists every one."""
+    import re
+
+    shipped = [p for p in ROOT.rglob("*.py") if p.relative_to(ROOT).parts[0] not in ("tests", "loadtest", ".venv")
+               and "site-packages" not in p.parts]
+    names = {m for p in shipped for m in re.findall(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
+    assert len(names) <= MAX_SWITCHES, sorted(names)
+    table = (ROOT / "deploy" / "README.md").read_text().split("### Environment switches", 1)[1].split("\n### ", 1)[0]
+    listed = set(re.findall(r"^\| `(PAGEDSERVE_[A-Z0-9_]+)`", table, re.M))
+    assert names <= listed, f"read by the code, not in deploy/README.md's table: {sorted(names - listed)}"
+
+
 @pytest.mark.parametrize("unit", sorted(FORBIDDEN))
 def test_no_forbidden_imports(unit):
     bad = []

@@ -15,24 +15,17 @@ from conftest import SERVE_ENGINE, delete_app
 from test_api_surface import _scrape
 
 MODEL = "kvq-int8"
-ENGINE = dict(SERVE_ENGINE, max_waiting_requests=None, kv_cache_dtype="int8")
+# The same GEMM in the server's replica and the offline engine. The default probe picks one
+# per process by timing, and two GEMMs round K/V differently in the last bit, which an int8
+# code at a rounding boundary turns into a step (a random model has near ties). oneDNN's
+# packed GEMM gives the same bits at any batch size.
+ENGINE = dict(SERVE_ENGINE, max_waiting_requests=None, kv_cache_dtype="int8", cpu_linear="onednn")
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Paged attention keeps a block table",
            "one two three four five six seven", "A quantised cache holds twice the tokens"]
 
 
 @pytest.fixture(scope="module")
-def one_gemm():
-    """The same GEMM in the server's replica and the offline engine. The default probe picks one
-    per process by timing, and two GEMMs round K/V differently in the last bit, which an int8 code
-    at a rounding boundary turns into a step (a random model has near ties). oneDNN's packed
-    GEMM gives the same bits at any batch size. The replica gets it through its runtime env."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDSERVE_CPU_LINEAR", "onednn")
-        yield
-
-
-@pytest.fixture(scope="module")
-def url(serve_url, serve_model, one_gemm):
+def url(serve_url, serve_model):
     from ray import serve
 
     from pagedserve.cluster.app import build_app
@@ -45,13 +38,13 @@ def url(serve_url, serve_model, one_gemm):
 
 
 @pytest.fixture(scope="module")
-def offline(serve_model, one_gemm):
+def offline(serve_model):
     """Greedy token ids of PROMPTS from the offline engine on an int8 cache (no Ray, no HTTP)."""
     from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
 
     llm = LLM(model=serve_model, max_model_len=1024, num_gpu_blocks_override=64, dtype="float32",
-              kv_cache_dtype="int8")
+              kv_cache_dtype="int8", cpu_linear=ENGINE["cpu_linear"])
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     llm.shutdown()
     return [list(o.outputs[0].token_ids) for o in outs]

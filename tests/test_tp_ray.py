@@ -1,7 +1,6 @@
 """Tensor parallelism over Ray: two worker actors (gloo all-reduce on CPU), driven by
-RayExecutor's per-step plan broadcast (ZMQ, the default, and a Ray compiled graph), give
-greedy tokens identical to the single-process engine and to Hugging Face transformers on
-the same weights.
+RayExecutor's per-step plan broadcast (ZMQ), give greedy tokens identical to the
+single-process engine and to Hugging Face transformers on the same weights.
 
 Two shapes: GQA 2:1 (each rank holds one KV head) and Qwen2 (qkv bias, tied
 embeddings: the vocab-parallel embedding doubles as the LM head).
@@ -60,16 +59,12 @@ def _engine_greedy(path: str, prompts, tp: int, async_scheduling: bool = False, 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-# The async cases send a step's plan while the previous one runs (both plan channels); the
-# last one drafts (speculative decoding: steps in turn while drafting, planned ahead otherwise).
-@pytest.mark.parametrize("shape,dispatch,async_scheduling,spec", [
-    (SHAPES[0], "zmq", False, None), (SHAPES[1], "zmq", True, None), (SHAPES[0], "cgraph", True, None),
-    (SHAPES[1], "zmq", True, SPEC)])
-def test_tp2_on_ray_matches_tp1_and_transformers(shape, dispatch, async_scheduling, spec, ray_session,
-                                                 tmp_path_factory, monkeypatch):
+# The async case sends a step's plan while the previous one runs; the last one drafts
+# (speculative decoding: steps in turn while drafting, planned ahead otherwise).
+@pytest.mark.parametrize("shape,async_scheduling,spec", [
+    (SHAPES[0], False, None), (SHAPES[1], True, None), (SHAPES[1], True, SPEC)])
+def test_tp2_on_ray_matches_tp1_and_transformers(shape, async_scheduling, spec, ray_session, tmp_path_factory):
     from pagedserve.cluster.executors.ray_executor import RayExecutor
-
-    monkeypatch.setattr(RayExecutor, "dispatch", dispatch)  # both plan channels
 
     path = make_test_model(shape, tmp_path_factory.getbasetemp() / "tp-models")
     prompts = _prompts(512)
@@ -136,7 +131,7 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
         # 1 MiB per rank of fp32 KV: 2 layers x 2 (K,V) x 1 KV head/rank x 64 dims x 4 B
         # = 1 KiB per token -> 64 blocks of 16 tokens on each rank.
         assert ex.determine_num_available_blocks() == 64
-        assert ex._dag is None and ex._bcast is None
+        assert ex._bcast is None  # the plan channel opens on the first step
     finally:
         ex.shutdown()
 

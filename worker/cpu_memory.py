@@ -12,17 +12,15 @@ The CPU panel GEMM's weights (kernels/cpu_gemm.py) are allocated the same way. I
 offline calibration run it raised throughput, and most of the time saved was in the GEMMs,
 whose weight stream the KV pool's page walks had slowed, less in attention.
 
-``PAGEDSERVE_KV_THP=0`` turns it off. A no-op off Linux, on GPU tensors and where the
-kernel refuses (THP "never").
+A no-op off Linux, on GPU tensors and where the kernel refuses (THP "never").
 
 A step's activations are malloc'ed and freed every step (tens of MB at a 2048-token
 prefill). glibc serves chunks above its mmap threshold with a fresh mmap and unmaps them on
 free, so every step faulted its temporaries in again, page by page. :func:`tune_malloc`
 raises the mmap and trim thresholds to 1 GB: freed chunks stay in the heap and the next
 step reuses them, which raised offline throughput with either linear backend (oneDNN and
-aten starts alike). Process-wide, so the worker calls it
-(``PAGEDSERVE_CPU_MALLOPT=0`` leaves malloc alone); the heap keeps up to that much freed
-memory instead of returning it.
+aten starts alike). Process-wide, so the worker calls it; the heap keeps up to that much
+freed memory instead of returning it.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
-import os
 import sys
 
 import torch
@@ -57,7 +54,7 @@ def _madvise(addr: int, length: int, advice: int) -> bool:
 
 def tune_malloc() -> bool:
     """Keep large freed chunks in glibc's heap (see the module doc); True if applied."""
-    if not sys.platform.startswith("linux") or os.environ.get("PAGEDSERVE_CPU_MALLOPT") == "0":
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = _c()
@@ -66,13 +63,9 @@ def tune_malloc() -> bool:
         return False
 
 
-def _thp_wanted() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("PAGEDSERVE_KV_THP") != "0"
-
-
 def advise_huge_pages(t: torch.Tensor) -> bool:
     """Ask for 2 MB pages over the whole huge pages inside ``t``'s memory; True if asked."""
-    if t.device.type != "cpu" or not _thp_wanted():
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
@@ -105,7 +98,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= HUGE_PAGE and _thp_wanted():
+    if nbytes >= HUGE_PAGE and sys.platform.startswith("linux"):
         t = _fresh_mapping(nbytes).view(dtype).view(shape)
         advise_huge_pages(t)
         return t

@@ -135,7 +135,7 @@ class Worker:
         if self.device.type == "cpu":
             from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
 
-            self.cpu_linear_backend = apply_cpu_linear_backend(model)
+            self.cpu_linear_backend = apply_cpu_linear_backend(model, self.config.cpu_linear)
         budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
         spec = self.config.speculative_config
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.scheduler.kv_cache_dtype import KV_CACHE_DTYPES
-from pagedserve.config import EngineConfig
+from pagedserve.config import CPU_LINEAR_CHOICES, EngineConfig
 
 
 def _memory(text: str) -> int:
@@ -85,6 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CPU cores per worker rank (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (serve: the "
                         "first core for the serving path, the rest for the model), nobind, or e.g. "
                         "'1-3|4-7' (one list per rank)")
+    g.add_argument("--cpu-linear", default=d.cpu_linear, choices=list(CPU_LINEAR_CHOICES),
+                   help="CPU GEMM of the linear layers: auto (probe the backends on the model's weights at "
+                        "load, keep the fastest), or panel, onednn, aten (that one, no probe)")
     g.add_argument("--speculative-config", default=None, type=_speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup drafts)')

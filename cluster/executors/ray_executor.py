@@ -5,18 +5,14 @@
                              └────▶ RayWorkerWrapper rank 1 ──┘  all-reduce
       result ◀── rank 0 only (the other ranks return nothing)
 
-Not a Ray method call per worker per step (each costs more than a whole broadcast). Two channels,
-chosen by ``PAGEDSERVE_DISPATCH``:
-
-- ``zmq`` (default): one pickle per step written to a PUSH socket per rank, rank 0's
-  result read from one PULL socket (cluster/executors/zmq_dispatch.py; Unix sockets when all ranks
-  share the node). Cheaper per step than the compiled graph: loadtest/bench_dispatch.py
-  measures both (BENCHMARKS.md, Dispatch).
-- ``cgraph``: a Ray Compiled Graph (``InputNode`` -> each rank -> ``MultiOutputNode``),
-  shared-memory channels allocated once.
+Not a Ray method call per worker per step (each costs more than a whole broadcast): one
+pickle per step written to a PUSH socket per rank, rank 0's result read from one PULL
+socket (cluster/executors/zmq_dispatch.py; Unix sockets when all ranks share the node).
+A Ray Compiled Graph cost about twice as much per step here and could not tell a step
+that every rank rolled back from a group out of step, so it went (git history keeps it;
+loadtest/bench_dispatch.py measures the channel).
 
 The data plane (activations) never goes through Ray: torch.distributed carries it.
-``loadtest/bench_dispatch.py`` measures both channels.
 
 ``submit`` sends a plan and returns the wait for its result, so the engine loop may plan
 step N+1 while step N runs (async scheduling, cluster/engine/llm_engine.py).
@@ -29,10 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import ray
-from ray.dag import InputNode, MultiOutputNode
 
 from pagedserve.cluster.executors.base import Executor
 from pagedserve.cluster.wire.failures import ExecutorDeadError
@@ -56,9 +50,6 @@ class RayWorkerWrapper:
         self.worker = Worker(engine_config, rank=rank, world_size=world_size,
                              distributed_init_method=distributed_init_method)
         self.worker.where = f"rank {rank} (actor RayWorkerWrapper on node {node_ip()})"
-        # Seconds spent inside Worker.execute_model per step (the benchmark subtracts it
-        # from the round trip to get the pure dispatch overhead).
-        self.exec_times: list[float] = []
 
     def rendezvous(self, across_nodes: bool) -> str:
         """Rank 0: the torch.distributed address, on this node: its cluster address when
@@ -94,16 +85,7 @@ class RayWorkerWrapper:
         self.worker.initialize_cache(num_blocks)
 
     def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput | None:
-        t0 = time.perf_counter()
-        out = self.worker.execute_model(plan)
-        self.exec_times.append(time.perf_counter() - t0)
-        if len(self.exec_times) > 100_000:  # bounded: a long-lived server steps forever
-            del self.exec_times[:50_000]
-        return out
-
-    def pop_exec_times(self) -> list[float]:
-        times, self.exec_times = self.exec_times, []
-        return times
+        return self.worker.execute_model(plan)
 
     def ping(self) -> int:
         """Liveness: answered by the control thread, even while a step runs."""
@@ -123,18 +105,15 @@ class RayWorkerWrapper:
 # "madvise" on most distributions; the KV pool asks for them itself, worker/cpu_memory.py,
 # this covers the weights and step buffers): faster decode steps, mostly in the GEMMs,
 # seen before the KV pool asked.
-# PAGEDSERVE_WORKER_THP=0 leaves the environment alone.
 WORKER_GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
 class RayExecutor(Executor):
-    # "zmq" (default) or "cgraph"; see loadtest/bench_dispatch.py for both measured.
-    dispatch = os.environ.get("PAGEDSERVE_DISPATCH", "zmq")
+    # The actor class of each rank (a bench may time its steps with a subclass).
+    worker_cls = RayWorkerWrapper
 
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
-        if self.dispatch not in ("zmq", "cgraph"):
-            raise ValueError(f"PAGEDSERVE_DISPATCH must be 'zmq' or 'cgraph', got {self.dispatch!r}.")
         init_ray()  # no-op inside a Serve replica or an already-started driver
         tp = engine_config.tensor_parallel_size
         if engine_config.device not in ("cpu", "cuda"):
@@ -144,14 +123,14 @@ class RayExecutor(Executor):
         self.placement_group, self._owns_pg = worker_placement(engine_config)
         bundles = worker_bundles(engine_config.device, tp, engine_config.placement_group_config,
                                  engine_config.accelerator_type)
-        actor_cls = ray.remote(RayWorkerWrapper)
+        actor_cls = ray.remote(self.worker_cls)
         self.workers = []
         for rank, bundle in enumerate(bundles):
             # max_concurrency 2: the ZMQ loop holds one thread, control calls use the other.
             opts = dict(actor_resources(bundle), max_concurrency=2,
                         scheduling_strategy=in_bundle(self.placement_group, rank))
             env = {}
-            if not use_gpu and os.environ.get("PAGEDSERVE_WORKER_THP", "1") != "0":
+            if not use_gpu:
                 mine = os.environ.get("GLIBC_TUNABLES")
                 env["GLIBC_TUNABLES"] = f"{mine}:{WORKER_GLIBC_TUNABLES}" if mine else WORKER_GLIBC_TUNABLES
             if os.environ.get(FAULT_INJECTION_ENV) == "1":  # a driver's test hooks reach its workers
@@ -159,7 +138,6 @@ class RayExecutor(Executor):
             if env:
                 opts["runtime_env"] = {"env_vars": env}
             self.workers.append(actor_cls.options(**opts).remote(engine_config, rank, tp))
-        self._dag = None
         self._bcast = None
         self._loops: list = []
         self._broken = False  # a worker died: shut down by killing, not by asking
@@ -206,13 +184,6 @@ class RayExecutor(Executor):
     def initialize_cache(self, num_blocks: int) -> None:
         ray.get([w.initialize_cache.remote(num_blocks) for w in self.workers])
 
-    def _compile(self) -> None:
-        # Compiled after the cache exists: the graph's actor loops are long-lived, and
-        # everything before this point uses ordinary actor calls.
-        with InputNode() as plan:
-            dag = MultiOutputNode([w.execute_model.bind(plan) for w in self.workers])
-        self._dag = dag.experimental_compile(_max_inflight_executions=2)
-
     def _start_zmq(self) -> None:
         from pagedserve.cluster.executors.zmq_dispatch import ZmqBroadcast
 
@@ -248,16 +219,11 @@ class RayExecutor(Executor):
         """Send the plan to every rank; the callable waits for rank 0's result. The ranks
         run plans in the order sent (one queue each), so a second plan may go out while
         the first runs (async scheduling)."""
-        if self.dispatch == "zmq":
-            if self._bcast is None:
-                self._start_zmq()
-            # Both directions watch the loops: a send to a dead rank would block forever.
-            self._bcast.send(plan, self._check_loops)
-            return self._zmq_result
-        if self._dag is None:
-            self._compile()
-        refs = self._dag.execute(plan)
-        return lambda: self._cgraph_result(refs)
+        if self._bcast is None:
+            self._start_zmq()
+        # Both directions watch the loops: a send to a dead rank would block forever.
+        self._bcast.send(plan, self._check_loops)
+        return self._zmq_result
 
     def _zmq_result(self):
         try:
@@ -265,19 +231,6 @@ class RayExecutor(Executor):
         except ExecutorDeadError:  # ranks out of step: one may sit in a collective for good
             self._broken = True
             raise
-
-    def _cgraph_result(self, refs):
-        # Not contained: a compiled graph reports a rank's failure without telling whether
-        # the other ranks rolled the step back too (the ZMQ channel does).
-        try:
-            return ray.get(refs)[0]
-        except Exception as e:
-            self._broken = True
-            raise ExecutorDeadError(f"a worker step failed (compiled graph): {type(e).__name__}") from e
-
-    def pop_exec_times(self) -> list[list[float]]:
-        """Per-rank in-worker execution times since the last call (benchmark only)."""
-        return ray.get([w.pop_exec_times.remote() for w in self.workers])
 
     def abandon(self) -> None:
         # No STOP message, no worker.shutdown: a rank may be stuck in an all-reduce with
@@ -303,12 +256,6 @@ class RayExecutor(Executor):
                 logger.debug("dispatch loops did not stop cleanly", exc_info=True)
             self._bcast.close()
             self._bcast, self._loops = None, []
-        if self._dag is not None:
-            try:
-                self._dag.teardown()
-            except Exception:  # already torn down with Ray
-                logger.debug("compiled graph teardown failed", exc_info=True)
-            self._dag = None
         for w in self.workers:
             try:
                 ray.get(w.shutdown.remote(), timeout=10)

@@ -1,4 +1,4 @@
-"""ZeroMQ plan broadcast: the scheduler actor's alternative to a Ray compiled graph.
+"""ZeroMQ plan broadcast: how the scheduler actor sends each step's plan to its TP workers.
 
     scheduler actor                       worker actor rank r (a thread of it)
       PUSH ──tcp── (one socket per rank) ──▶ PULL: plan bytes -> Worker.execute_model

@@ -21,7 +21,7 @@ tenants active) closes the door to that tenant only; the others still reach the 
 burst that filled the queue, then left: aborts drain a queue faster than the measured
 rate says) must not turn away the next client. It never refuses longer than
 MAX_CLOSED_S after the last replica 429, so a replica that has drained is asked again
-within that. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off (to measure without it).
+within that.
 
 The front limit (``FrontLimit``): a bound on the requests this front holds, which binds
 only while the wait it measures before the replica is past its target: the queue that forms
@@ -43,7 +43,6 @@ Reasons are the scheduler's (scheduler/tenancy.py WHY_REASONS).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import OrderedDict, deque
 from importlib import resources
@@ -52,12 +51,11 @@ from importlib import resources
 MAX_CLOSED_S = 1.0
 MIN_REFUSALS = 4  # replica 429s within MAX_CLOSED_S before the ingress sheds by itself
 LIVE_TTL_S = 10.0  # a replica not heard from for this long no longer counts
-ENV = "PAGEDSERVE_INGRESS_SHED"
 
 
 class ShedGate:
-    def __init__(self, enabled: bool | None = None) -> None:
-        self.enabled = os.environ.get(ENV, "1") != "0" if enabled is None else enabled
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         # keyed by (replica, tenant): tenant None when the replica refuses everyone
         self._closed_until: dict[tuple[str, str | None], float] = {}
         self._heard: dict[str, float] = {}
@@ -121,7 +119,7 @@ class FrontLimit:
     It starts unlimited and only ever binds after a window whose waits missed the target, so
     a server that keeps up never refuses here. A tenant below its even share of the limit is
     still let in (the engine's own shares judge it), so one tenant's flood does not close the
-    door to another. ``PAGEDSERVE_INGRESS_SHED=0`` turns it off with the shed gate."""
+    door to another."""
 
     WINDOW_S = 1.0
     # The median wait before the replica this front allows before it bounds what it holds
@@ -130,8 +128,8 @@ class FrontLimit:
     MIN_SAMPLES = 8
     FLOOR = 4
 
-    def __init__(self, enabled: bool | None = None) -> None:
-        self.enabled = os.environ.get(ENV, "1") != "0" if enabled is None else enabled
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.limit: float = math.inf
         self._window_start: float | None = None
         self._waits: list[float] = []

@@ -1,13 +1,13 @@
 """Pick the CPU GEMM for a loaded model and apply it to every linear layer (and the LM head).
 
-    PAGEDSERVE_CPU_LINEAR=auto     (default) probe passes over the model's weights (up to
-                                   256 MB) at batch sizes 1, 8, 32 and 128 with every
-                                   backend that runs here, keep the fastest
-                                   (by the geometric mean of the per-batch-size time ratios)
-    PAGEDSERVE_CPU_LINEAR=panel    the panel GEMM of kernels/cpu_gemm.py (fp32; AVX-512 or AVX2), no probe
-    PAGEDSERVE_CPU_LINEAR=onednn   pre-packed oneDNN weights, no probe
-    PAGEDSERVE_CPU_LINEAR=aten     plain F.linear (MKL / OpenBLAS), no probe
+    --cpu-linear auto     (default) probe passes over the model's weights (up to 256 MB) at
+                          batch sizes 1, 8, 32 and 128 with every backend that runs here, keep
+                          the fastest (by the geometric mean of the per-batch-size time ratios)
+    --cpu-linear panel    the panel GEMM of kernels/cpu_gemm.py (fp32; AVX-512 or AVX2), no probe
+    --cpu-linear onednn   pre-packed oneDNN weights, no probe
+    --cpu-linear aten     plain F.linear (MKL / OpenBLAS), no probe
 
+(EngineConfig.cpu_linear.)
 The probe is short and its result is logged with the timings, so a
 figure in BENCHMARKS.md can be traced to the kernel that produced it. Its timings are kept in
 $PAGEDSERVE_CACHE/cpu-linear-v1.json, keyed by everything that decides them (the CPU model and
@@ -16,8 +16,7 @@ the next start of the same model on the same kind of machine reads them instead 
 again. Delete the file to probe anew. A packed backend
 needs a 5% margin over aten to win (its mean time ratio <= 0.95): a probe on a busy
 machine is noisy, and near-ties go to plain F.linear, the path transformers itself runs.
-The panel weights are allocated in transparent huge pages (worker/cpu_memory.py;
-``PAGEDSERVE_KV_THP=0`` turns that off with the KV pool's).
+The panel weights are allocated in transparent huge pages (worker/cpu_memory.py).
 """
 
 from __future__ import annotations
@@ -53,17 +52,17 @@ def _huge_page_alloc(shape: tuple[int, ...]) -> torch.Tensor:
     return cpu_memory.zeros(shape, torch.float32, torch.device("cpu"))
 
 
-def choose_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> tuple[str, dict]:
+def choose_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> tuple[str, dict]:
     """(one of BACKENDS, probe timings {backend: {batch size: seconds}} or {})."""
-    requested = (requested or os.environ.get("PAGEDSERVE_CPU_LINEAR") or "auto").lower()
+    requested = requested.lower()
     if requested not in BACKENDS + ("auto",):
-        raise ValueError(f"PAGEDSERVE_CPU_LINEAR must be 'auto' or one of {BACKENDS}, got {requested!r}.")
+        raise ValueError(f"cpu_linear must be 'auto' or one of {BACKENDS}, got {requested!r}.")
     dtype = next(model.parameters()).dtype
     if requested == "onednn" and not onednn_available(dtype):
-        raise RuntimeError(f"PAGEDSERVE_CPU_LINEAR=onednn, but this torch build has no oneDNN (mkldnn), or it "
+        raise RuntimeError(f"--cpu-linear onednn, but this torch build has no oneDNN (mkldnn), or it "
                            f"cannot pack {dtype} weights on this CPU.")
     if requested == "panel" and not panel_available(dtype):
-        raise RuntimeError(f"PAGEDSERVE_CPU_LINEAR=panel needs fp32 weights ({dtype} here) and a CPU with "
+        raise RuntimeError(f"--cpu-linear panel needs fp32 weights ({dtype} here) and a CPU with "
                            "AVX-512 or AVX2 with FMA whose C++ extension builds.")
     if requested != "auto":
         return requested, {}
@@ -136,7 +135,7 @@ def _cached_probe(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
     return timings
 
 
-def apply_cpu_linear_backend(model: nn.Module, requested: str | None = None) -> str:
+def apply_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> str:
     """Choose (see module doc) and, for "onednn" or "panel", pack every linear weight in place."""
     if next(model.parameters()).device.type != "cpu":
         return "device"
