@@ -73,14 +73,22 @@ def completion_payload(spec: RequestSpec, model: str, extra: dict | None = None)
 
 async def send_completion(client: httpx.AsyncClient, base_url: str, spec: RequestSpec, model: str,
                           extra_body: dict | None = None, timeout: float = 600.0,
-                          live: dict[str, int] | None = None, max_retries: int = 0) -> RequestResult:
+                          live: dict[str, int] | None = None, max_retries: int = 0,
+                          inflight: dict[str, RequestResult] | None = None) -> RequestResult:
     """Send ``spec``; never raises for server or network errors (they land in ``error``).
-    ``live[request_id]`` (if given) tracks tokens received so far on choice 0. A 429
+    ``live[request_id]`` (if given) tracks tokens received so far on choice 0;
+    ``inflight[request_id]`` (if given) is the result while it is being filled in (its
+    replica once the headers came, its first token time), removed when it ends. A 429
     (overloaded) is retried up to ``max_retries`` times after the server's Retry-After (or
     0.5 s, doubling), as the OpenAI SDK does; latencies count from the first attempt."""
     start = time.perf_counter()
     for attempt in range(max_retries + 1):
-        res, retry_after = await _send_once(client, base_url, spec, model, extra_body, timeout, live, start)
+        try:
+            res, retry_after = await _send_once(client, base_url, spec, model, extra_body, timeout, live, start,
+                                                inflight)
+        finally:
+            if inflight is not None:
+                inflight.pop(spec.request_id, None)
         res.retries = attempt
         if res.status_code != 429 or attempt == max_retries:
             return res
@@ -88,8 +96,10 @@ async def send_completion(client: httpx.AsyncClient, base_url: str, spec: Reques
     return res
 
 
-async def _send_once(client, base_url, spec, model, extra_body, timeout, live, start):
+async def _send_once(client, base_url, spec, model, extra_body, timeout, live, start, inflight=None):
     res = RequestResult(spec.request_id, kind=spec.kind, prompt_len=spec.prompt_len, n=spec.n)
+    if inflight is not None:
+        inflight[spec.request_id] = res
     payload = completion_payload(spec, model, extra_body)
     cut = spec.cancel_after if spec.cancel_after is not None else spec.stop_after
     chunks = [0] * spec.n

@@ -34,6 +34,7 @@ import random
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -59,6 +60,7 @@ class Load:
         """``whole``: that many of the clients ask for whole (not streamed) responses."""
         self.base, self.clients, self.max_tokens, self.whole = base, clients, max_tokens, whole
         self.results: list[RequestResult] = []
+        self.inflight: dict[str, RequestResult] = {}  # streams being answered (client.send_completion)
         self._rng = random.Random(seed)
         self._stop = asyncio.Event()
         self._n = 0
@@ -77,7 +79,8 @@ class Load:
             words = " ".join(self._rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(16))
             spec = RequestSpec(f"c{i}-{self._n}", words, 16, self.max_tokens)
             if i < self.clients - self.whole:
-                self.results.append(await send_completion(client, self.base, spec, "model", timeout=120))
+                self.results.append(await send_completion(client, self.base, spec, "model", timeout=120,
+                                                          inflight=self.inflight))
             else:
                 self.results.append(await self._whole(client, spec))
 
@@ -233,12 +236,11 @@ def phase_node_kill(ctx: Ctx) -> dict:
     # shows the routing, not a queue of half the capacity.
     with ctx.server(min_replicas=2, tensor_parallel_size=2, max_num_seqs=32) as srv:
         view = ctx.view()
-        victim_node = _replica_nodes(view)[0]
         groups_before = [g["id"] for g in view["placement_groups"] if g["state"] == "CREATED"]
-        res = asyncio.run(_kill_under_load(ctx, srv.base_url, cluster, victim_node))
+        res = asyncio.run(_kill_under_load(ctx, srv.base_url, cluster))
         view = ctx.view()
     # What the lost node's requests got: those in flight at the kill, by replica.
-    kill_t, victim_replicas = res.pop("kill_t"), res.pop("victim_replicas")
+    kill_t, victim_replicas, victim_node = res.pop("kill_t"), res.pop("victim_replicas"), res.pop("victim_node")
     results: list[RequestResult] = res.pop("results")
     inflight = [r for r in results if r.start_time < kill_t < r.end_time]
     on_victim = [r for r in inflight if r.replica in victim_replicas]
@@ -290,7 +292,16 @@ def phase_node_kill(ctx: Ctx) -> dict:
     return out
 
 
-async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster, victim_node: str) -> dict:
+def _streaming_node(view: dict, inflight: dict[str, RequestResult]) -> str | None:
+    """The worker node whose engine replica holds the most streams that have sent tokens
+    (None while none has): the node to kill, whatever the router did with the load."""
+    node_of = {a["name"].rsplit("#", 1)[-1]: a["node"] for a in engine_replicas(view)}
+    streaming = Counter(node_of.get(r.replica) for r in list(inflight.values()) if r.first_token_time > 0)
+    streaming.pop(None, None)
+    return streaming.most_common(1)[0][0] if streaming else None
+
+
+async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
     # First 8 whole-response requests, long ones, while both replicas are idle: the router
     # alternates between equal queues, so each replica holds some when the node dies; they
     # have sent the client nothing, and must be retried, not failed. Then 6 streams.
@@ -303,9 +314,15 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster, victim_no
     codes: list = []
     tasks = [asyncio.ensure_future(load.run()), asyncio.ensure_future(_health_watch(base, stop_health, codes))]
     await asyncio.sleep(3.0)
-    # The victim node's replicas: Serve's replica actor names end in the replica id the
-    # engine reports in the x-pagedserve-replica header.
-    view = await asyncio.to_thread(ctx.view)
+    # The victim: the node whose replica streams the most tokens now (Serve's replica actor
+    # names end in the replica id the engine reports in the x-pagedserve-replica header).
+    victim_node, t0 = None, time.perf_counter()
+    while victim_node is None and time.perf_counter() - t0 < 30:
+        view = await asyncio.to_thread(ctx.view)
+        victim_node = _streaming_node(view, load.inflight)
+        if victim_node is None:
+            await asyncio.sleep(0.2)
+    victim_node = victim_node or _replica_nodes(view)[0]  # no stream started in 30 s: the test says so
     victims = {a["name"].rsplit("#", 1)[-1] for a in engine_replicas(view) if a["node"] == victim_node}
     kill_t = time.perf_counter()
     await asyncio.to_thread(cluster.kill, victim_node)
@@ -324,7 +341,7 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster, victim_no
     stop_health.set()
     await asyncio.gather(*tasks, burst_task)
     load.results += burst.results
-    return dict(kill_t=kill_t, victim_replicas=victims, results=load.results,
+    return dict(kill_t=kill_t, victim_replicas=victims, victim_node=victim_node, results=load.results,
                 replaced_in_s=None if replaced is None else round(replaced, 1),
                 health_checks=len(codes), health_non_200=sum(1 for _, c in codes if c != 200),
                 requests=len(load.results))
