@@ -16,8 +16,8 @@ own core (a 1-thread worker spent part of its step time runnable but waiting, wi
 involuntary context switches) and, inside the engine replica's process, the step waited
 for the GIL behind the event loop. A worker in a process of its own, alone on its core,
 with the serving processes on the other, serves more HTTP output at 8 concurrent streams
-(BENCHMARKS.md). Two OpenMP threads across both cores with the serving path on one of them
-did worse than the split: a static OpenMP split waits for its preempted half.
+(docs/notes/benchmarks-history.md). Two OpenMP threads across both cores with the serving
+path on one of them did worse than the split: a static OpenMP split waits for its preempted half.
 
 The split is not a wall the other way: once Serve runs, cluster/cli/serving_cpu.py lets
 the serving processes onto the model's cores too, at nice 19 (``yield_process`` below), so

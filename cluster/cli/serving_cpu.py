@@ -5,7 +5,8 @@ model worker computes alone on its cores, and the serving path (Ray's proxy, the
 controller, the ingress, the engine replica, the stats aggregator, Ray's GCS and agents)
 keeps the first core. Under a flood that one core saturates while the worker's idles
 part of each step: the front end then queues every request, the steady tenant's too
-(issue 15; BENCHMARKS.md has the serving core's demand and the worker core's idle share).
+(issue 15; docs/notes/benchmarks-history.md has the serving core's demand and the worker
+core's idle share).
 So once they run, the serving processes are moved onto every core of the
 node at a low priority (nice ``SERVING_NICE``): on their own core they compete only with
 each other, on the worker's they take only what it leaves (the kernel gives a nice-0
