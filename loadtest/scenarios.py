@@ -137,7 +137,7 @@ def paged_kv(ctx) -> Scenario:
         out.append(Row("paged-kv", "KV utilisation (cached tokens / allocated slots)", "contiguous",
                        uc if uc is not None else float("nan"), "paged", up if up is not None else float("nan"),
                        None, ">= 0.96 (paged)", (up is not None and up >= 0.96),
-                       "median over /metrics scrapes; client-side token counts lag the server by <= 1 step"))
+                       "median over /metrics scrapes (client token counts lag by <= 1 step)"))
         return out
     return Scenario("paged-kv", [Run("paged-kv", "paged", run), Run("contig-kv", "contiguous", run)], rows)
 
