@@ -1,6 +1,11 @@
 """Build and load the CPU C++ extensions (cpu_decode_attention.py, cpu_fused.py,
 cpu_gemm.py) safely across processes, once per process and per CPU kind.
 
+Their C++ is in this folder beside them (one .cpp an extension, and the headers the .cpp files
+include in quotes); :func:`read_source` makes a .cpp one text, its quoted includes inlined, since
+``load_inline`` compiles the text from a build directory of its own. The text is what torch
+hashes to decide on a rebuild (with the flags), so a changed header rebuilds too.
+
 torch's ``load_inline`` guards a build directory with a lock *file* (``FileBaton``): the
 process that creates ``<build>/lock`` builds, every other one polls until the file is gone.
 A process killed while it holds the file (a worker SIGKILLed, a Serve replica force-killed
@@ -29,21 +34,40 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 FLOCK_NAME = "pagedserve.flock"
 
-# What every extension takes of torch: at::Tensor (as torch::Tensor), pybind11 with torch's
-# Tensor caster; each source adds what else it uses (ATen/Parallel.h). load_inline puts
-# torch/extension.h first unless told not to: all of libtorch's C++ API (torch::nn,
-# autograd, serialization), whose parsing was most of every build.
-PRELUDE = """#include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
-namespace torch { using at::Tensor; }
-"""
+SOURCE_DIR = Path(__file__).resolve().parent  # the .cpp and .h files
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[^\n]*$', re.M)
+
+
+def read_source(name: str) -> str:
+    """kernels/<name> as one translation unit: each ``#include "x.h"`` line replaced by x.h's
+    text (the same way in x.h, and each header once). ``#line`` directives keep the compiler's
+    messages (warnings, errors, TORCH_CHECK's) pointing at the files' own lines."""
+    seen: set[str] = set()
+
+    def text(rel: str) -> str:
+        seen.add(rel)
+        out, at = [f'#line 1 "kernels/{rel}"\n'], 0
+        src = (SOURCE_DIR / rel).read_text()
+        for m in _QUOTED_INCLUDE.finditer(src):
+            out.append(src[at:m.start()])
+            at = m.end() + 1  # past the line's newline
+            if m.group(1) not in seen:
+                out.append(text(m.group(1)))
+            next_line = src.count("\n", 0, at) + 1
+            out.append(f'#line {next_line} "kernels/{rel}"\n')
+        out.append(src[at:])
+        return "".join(out)
+
+    return text(name)
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,8 +100,9 @@ def build_directory(name: str) -> str:
 
 
 def load_cpu_extension(name: str, source: str, extra_cflags: list[str], extra_ldflags: list[str]):
-    """``load_inline(name, source)`` with its own PYBIND11_MODULE, under an flock that
-    survives its holder's death (see the module docstring). Raises what the build raises."""
+    """``load_inline(name, source)`` (a :func:`read_source` text, with its own PYBIND11_MODULE),
+    under an flock that survives its holder's death (see the module docstring). Raises what
+    the build raises."""
     from torch.utils.cpp_extension import load_inline
 
     name = f"{name}_{cpu_kind_tag()}"
@@ -90,7 +115,7 @@ def load_cpu_extension(name: str, source: str, extra_cflags: list[str], extra_ld
             if os.path.exists(stale):
                 logger.warning("Removing %s: a stale torch build lock (its holder died mid-load).", stale)
                 os.unlink(stale)
-            mod = load_inline(name=name, cpp_sources=PRELUDE + source, functions=None, extra_cflags=extra_cflags,
+            mod = load_inline(name=name, cpp_sources=source, functions=None, extra_cflags=extra_cflags,
                               extra_ldflags=extra_ldflags, build_directory=build_dir, verbose=False,
                               no_implicit_headers=True)
         finally:
@@ -126,9 +151,10 @@ class LazyExtension:
                     # without it the loop runs on one thread whatever torch's thread count.
                     # The module links libgomp.so.1, the soname torch's own
                     # copy has, so the loader reuses the runtime torch loaded. Each source has
-                    # its own PYBIND11_MODULE, whose calls release the GIL.
-                    self._module = load_cpu_extension(self.name, self.source, self.cflags + ["-fopenmp"],
-                                                      ["-fopenmp"])
+                    # its own PYBIND11_MODULE, whose calls release the GIL. -Wall: the sources
+                    # build without a warning (torch's headers come in as -isystem).
+                    self._module = load_cpu_extension(self.name, self.source,
+                                                      self.cflags + ["-fopenmp", "-Wall"], ["-fopenmp"])
                 except Exception as e:
                     self._failed = True
                     logger.warning("%s extension unavailable (%s); %s.", self.what, e, self.fallback)

@@ -95,3 +95,32 @@ def test_extension_builds_are_per_cpu_kind():
     assert cpu_build.cpu_kind_tag() == tag
     assert F.available()
     assert os.path.isdir(cpu_build.build_directory(f"{F._EXT.name}_{tag}"))
+
+
+def test_an_extension_source_is_its_cpp_file_with_its_headers_inlined():
+    """The C++ lives in .cpp and .h files in kernels/; load_inline gets one text an extension
+    (it compiles it from a directory of its own), each quoted #include replaced by the
+    header's text, once, and #line directives that put every line at the file and line it
+    came from, so that the compiler's warnings and errors name the real file."""
+    from pathlib import Path
+
+    from pagedserve.kernels.cpu_build import _QUOTED_INCLUDE, SOURCE_DIR, read_source
+
+    text = read_source("cpu_decode_attention.cpp")
+    assert not _QUOTED_INCLUDE.search(text)
+    assert text.count("namespace torch { using at::Tensor; }") == 1  # cpu_prelude.h
+    assert text.count("static inline float row_scale(") == 1  # cpu_kv_dequant.h
+    lines = {f: (SOURCE_DIR / f).read_text().splitlines()
+             for f in ("cpu_decode_attention.cpp", "cpu_prelude.h", "cpu_kv_dequant.h")}
+    where, seen = None, set()
+    for line in text.splitlines():
+        if line.startswith("#line "):
+            _, n, name = line.split(" ", 2)
+            where = [Path(name.strip('"')).name, int(n)]
+            assert name.strip('"') == f"kernels/{where[0]}"
+            continue
+        assert where is not None, "the text starts with a #line"
+        assert lines[where[0]][where[1] - 1] == line, where
+        seen.add(where[0])
+        where[1] += 1
+    assert seen == set(lines)

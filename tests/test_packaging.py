@@ -140,6 +140,8 @@ def test_the_wheel_alone_serves(tmp_path):
                    or n.split("/")[1] in ("tests", "deploy", "docs"))
     assert not stray, f"not the package's: {stray}"
     assert "pagedserve/cluster/text/tokenizer_pool.py" in names
+    cpp = {f"pagedserve/kernels/{f.name}" for pattern in ("*.cpp", "*.h") for f in (src / "kernels").glob(pattern)}
+    assert "pagedserve/kernels/cpu_gemm.cpp" in cpp and not cpp - names  # the C++ a CPU worker builds at start
 
     target = tmp_path / "target"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q",
