@@ -4,7 +4,9 @@ real pagedserve servers, ``gpu_check --cpu-smoke``, and ``bench_vs_vllm --quick`
 vLLM peer in CI: --no-vllm).
 
 They run two at a time, started together by the module's fixture: compare then the serve
-CLI in one lane, bench_frontend, gpu_check and bench_vs_vllm in the other. A script that
+CLI in one lane, bench_frontend, gpu_check and bench_vs_vllm in the other; only the selected
+ones start. compare, bench_frontend and bench_vs_vllm (minutes) carry the ``benchmarks``
+marker: left out of the default run, run by ``-m benchmarks`` and CI. A script that
 starts a server waits on it much of the time (Ray, Serve and the engine coming up), which
 the other lane fills. Each asserts structure and accounting, never the speed of this
 machine, so sharing the cores changes no assertion."""
@@ -89,6 +91,7 @@ def _finished(runs, name: str) -> tuple[subprocess.CompletedProcess, Path]:
     return proc, work
 
 
+@pytest.mark.benchmarks
 @pytest.mark.timeout(600)
 def test_compare_quick_smoke(runs):
     """compare --quick end to end on the scenarios that share the default server (one
@@ -115,7 +118,7 @@ def test_compare_quick_smoke(runs):
     assert (out / "latency_cdf.png").exists() and (out / "rate_sweep.png").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.benchmarks
 @pytest.mark.timeout(600)
 def test_bench_frontend_prices_each_kind_by_process(runs):
     """bench_frontend against a real server: every kind gets the status it should, and the
@@ -181,6 +184,7 @@ def test_gpu_check_cpu_smoke(runs):
     assert "=== pagedserve gpu_check" in proc.stdout
 
 
+@pytest.mark.benchmarks
 @pytest.mark.timeout(900)
 def test_bench_vs_vllm_quick_prints_the_summary(runs):
     """Its last line is the JSON summary, with the b1 step's bounds in sane ranges."""
