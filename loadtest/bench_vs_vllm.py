@@ -35,6 +35,9 @@ import subprocess
 import sys
 import time
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 from pagedserve.loadtest.bench_offline import (BENCH_SHAPE, bench_model_path, copy_bandwidth_gbs, make_workload,
                                                read_bandwidth_gbs, run_b1_decode, run_hf_static)
 from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_bench_serve, vllm_offline, vllm_server
@@ -64,6 +67,36 @@ def http_specs(num: int, prompt_len: int, output_len: int, vocab: int, seed: int
                         output_len) for i in range(num)]
 
 
+# Where a first token's time goes, from the server's own histograms (mean seconds): the
+# front's view (its arrival to the first output it reads), the engine's (the request's add
+# to its first token) and the engine queue (add to first scheduled); vLLM's own names too.
+HOPS = {"front_ttft": "pagedserve:front_time_to_first_token_seconds",
+        "engine_ttft": ("pagedserve:time_to_first_token_seconds", "vllm:time_to_first_token_seconds"),
+        "engine_queue": ("pagedserve:request_queue_time_seconds", "vllm:request_queue_time_seconds"),
+        "engine_prefill": "vllm:request_prefill_time_seconds"}
+
+
+def server_hops(base_url: str) -> dict[str, float]:
+    """Mean seconds of each HOPS histogram the server at ``base_url`` exports (a fresh
+    server per run: its totals are the run's)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name.endswith(("_sum", "_count")):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    out = {}
+    for hop, names in HOPS.items():
+        for name in (names,) if isinstance(names, str) else names:
+            if sums.get(f"{name}_count"):
+                out[hop] = sums[f"{name}_sum"] / sums[f"{name}_count"]
+                break
+    return out
+
+
 def http_run(server_ctx, specs, concurrency: int, label: str, client: str = "ours", model: str = "") -> dict:
     """One server, one concurrency; ``client``: this project's load tester ("ours", on
     ``specs``) or vLLM's benchmark client ("vllm", its random dataset of the same lengths)."""
@@ -74,11 +107,16 @@ def http_run(server_ctx, specs, concurrency: int, label: str, client: str = "our
         else:
             m = asyncio.run(run_benchmark(srv.base_url, specs, max_concurrency=concurrency, label=label,
                                           progress=False, drain_timeout=60)).metrics
+        hops = server_hops(srv.base_url)
     print(f"http {label:22s} c={concurrency:<3d} {m['output_throughput']:8.1f} out tok/s  "
           f"TTFT mean {m['mean_ttft_ms']:7.1f} median {m.get('median_ttft_ms') or float('nan'):7.1f} ms  "
           f"TPOT {m['mean_tpot_ms']:6.1f} ms  failed {m.get('failed', 0)}  ({client} client)", flush=True)
-    return {k: m.get(k) for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
-                                  "p99_ttft_ms", "completed", "failed")}
+    if hops:
+        print(f"     server's mean TTFT hops: " + "  ".join(f"{k} {v * 1e3:.0f} ms" for k, v in hops.items()), flush=True)
+    out = {k: m.get(k) for k in ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+                                 "p99_ttft_ms", "completed", "failed")}
+    out.update({f"server_{k}_ms": v * 1e3 for k, v in hops.items()})
+    return out
 
 
 def http_pair(args, summary: dict, path: str, vocab: int, want_vllm: bool) -> None:

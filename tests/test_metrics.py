@@ -140,3 +140,26 @@ def test_spec_decode_counters_under_vllm_names_summed_by_position():
     off = StatsAggregator()
     off.report("c", _snap(0, 0, 0.0, 64, 0))
     assert "spec_decode" not in ServeMetrics("demo").render(off.merged()).decode()
+
+
+def test_queue_time_ends_when_the_request_is_scheduled_not_when_its_first_token_comes(tmp_path):
+    """vllm:request_queue_time_seconds is the WAITING phase: arrival to the plan that first
+    takes the request. A request queued behind a full batch waits; its prefill step is then
+    part of its TTFT, not of its queue time."""
+    from pagedserve.cluster.llm import LLM
+    from pagedserve.scheduler.sampling_params import SamplingParams
+    from pagedserve.worker.random_models import make_test_model
+
+    llm = LLM(model=make_test_model("llama-gqa2-hd64", tmp_path), dtype="float32", max_model_len=256,
+              num_gpu_blocks_override=64, max_num_seqs=2)
+    try:
+        outs = llm.generate([[5 + i] * 120 for i in range(4)],
+                            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out in outs:
+        m = out.metrics
+        assert m.arrival_time <= m.first_scheduled_time < m.first_token_time <= m.finished_time
+    # Two slots: the last two waited for the first two to finish (8 decode steps at least).
+    first, last = outs[0].metrics, outs[-1].metrics
+    assert last.first_scheduled_time - last.arrival_time > first.first_scheduled_time - first.arrival_time

@@ -364,6 +364,12 @@ class LLMEngine:
     def _schedule(self):
         plan = self.scheduler.schedule()
         plan.epoch = self._epoch
+        if plan.scheduled_new_reqs:  # the end of its queue time (vllm:request_queue_time_seconds)
+            now = time.time()
+            for new in plan.scheduled_new_reqs:
+                entry = self._samples.get(new.req_id)
+                if entry and entry[0].metrics.first_scheduled_time is None:
+                    entry[0].metrics.first_scheduled_time = now
         self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
         return plan
 
@@ -425,10 +431,6 @@ class LLMEngine:
         now = time.time()
         self.num_admitted += len(plan.scheduled_new_reqs) + sum(
             plan.scheduled_cached_reqs.resumed_from_preemption)
-        for new in plan.scheduled_new_reqs:
-            entry = self._samples.get(new.req_id)
-            if entry and entry[0].metrics.first_scheduled_time is None:
-                entry[0].metrics.first_scheduled_time = now
         # Requests that failed on their own in the worker leave before the scheduler
         # sees the result, so their (empty) rows are skipped like aborted ones.
         for rid, piece in (result.prompt_logprobs or {}).items():
