@@ -35,7 +35,8 @@ __all__ = [
     "write_kv_cache_ref",
 ]
 
-BACKENDS = ("torch", "triton", "ref")
+# The torch reference (attention_ref.py) is the tests' oracle, never a backend to run.
+BACKENDS = ("torch", "triton")
 
 
 def triton_available() -> bool:
@@ -69,9 +70,8 @@ def write_kv_cache(
         from pagedserve.kernels.triton_cache_write import write_kv_cache_triton
 
         write_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    elif backend in ("torch", "ref"):
-        if (backend == "torch" and k_scale is None and key.device.type == "cpu"
-                and write_kv_cpu(key, value, k_cache, v_cache, slot_mapping)):
+    elif backend == "torch":
+        if k_scale is None and key.device.type == "cpu" and write_kv_cpu(key, value, k_cache, v_cache, slot_mapping):
             return
         write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
@@ -98,7 +98,4 @@ def paged_attention(
         return paged_attention_triton(q, k_cache, v_cache, md, scale, out=out, **sc)
     if backend == "torch":
         return paged_attention_torch(q, k_cache, v_cache, md, scale, out=out, **sc)
-    if backend == "ref":
-        return paged_attention_ref(q, k_cache, v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, scale,
-                                   out=out, **sc)
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}.")

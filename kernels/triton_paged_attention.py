@@ -246,7 +246,7 @@ def _check_inputs(q, k_cache, v_cache, md: AttentionMetadata, out, k_scale=None,
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
     """Splits so that decode programs fill the GPU: none once there are >= 2 programs per
     SM (past that, splitting only adds the merge: batch 64 x 2048 ran slower split than
-    unsplit; kernels/gpu_check.py measures it), else ~4 programs per SM with >= 4 tiles each."""
+    unsplit; loadtest/kernel_checks/gpu_kernels.py measures it), else ~4 programs per SM with >= 4 tiles each."""
     if device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count

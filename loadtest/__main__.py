@@ -98,7 +98,7 @@ BENCHMARKS = ("loadtest.bench_offline", "loadtest.bench_vs_vllm", "loadtest.benc
               "loadtest.bench_dispatch", "loadtest.bench_frontend", "loadtest.bench_door", "loadtest.bench_structured",
               "loadtest.bench_kv_quant", "loadtest.bench_kv_dtype", "loadtest.bench_thrash", "loadtest.bench_routing",
               "loadtest.bench_spec",
-              "kernels.bench_cpu_attention", "loadtest.gpu_check", "loadtest.cluster_check")
+              "loadtest.kernel_checks.cpu_attention", "loadtest.gpu_check", "loadtest.cluster_check")
 
 
 def benchmarks_epilog() -> str:

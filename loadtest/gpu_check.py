@@ -18,7 +18,7 @@ end it past ``--budget-s``, and the hard stop (``--hard-stop-s``, default budget
 ends the one running then, so the table and the JSON (rewritten after every section) come
 back inside the call. The estimates add up to ~410 s, the 8B section ~75 s of it:
 
- 1-4. kernels (pagedserve.kernels.gpu_check): attention and cache-write correctness vs the
+ 1-4. kernels (pagedserve.loadtest.kernel_checks.gpu_kernels): attention and cache-write correctness vs the
       torch reference; decode attention GB/s against a device-to-device copy at 64 x 2048
       and 8 x 16k (``decode_attention_bw_fraction``); the quantised KV formats likewise.
  5. exact: greedy tokens of the engine, with CUDA graphs and with ``enforce_eager``, equal
@@ -144,8 +144,8 @@ from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 import torch  # noqa: E402
 
-from pagedserve.kernels import gpu_check as kernel_check  # noqa: E402
-from pagedserve.kernels.gpu_check import RESULTS, Section, row  # noqa: E402
+from pagedserve.loadtest.kernel_checks import gpu_kernels as kernel_check  # noqa: E402
+from pagedserve.loadtest.kernel_checks.gpu_kernels import RESULTS, Section, row  # noqa: E402
 
 # The ~0.85B random Llama of the engine sections (make_random_llama: fp32 on disk, run in
 # fp32 or bf16) and the 8B-shaped one of b1_8b (bf16, drawn on the GPU); tiny in the smoke.

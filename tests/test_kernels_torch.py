@@ -1,6 +1,6 @@
 """The fast CPU attention path agrees with the slow oracle, row for row.
 
-Every batch comes from kernels.testing.make_paged_batch: shuffled block ids, NaN in
+Every batch comes from loadtest.kernel_checks.paged_batch.make_paged_batch: shuffled block ids, NaN in
 every cache slot no sequence owns (so a stray read shows up as NaN), and NaN in `out`
 before the call (so a row the path forgets to write shows up too).
 """
@@ -17,7 +17,7 @@ from pagedserve.kernels import (
     write_kv_cache,
     write_kv_cache_ref,
 )
-from pagedserve.kernels.testing import make_paged_batch
+from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
 
 # (query_lens, seq_lens): decode rows first, as the model runner lays them out, then
 # a whole-prompt prefill (q_len == seq_len), chunks with earlier context, a one-token

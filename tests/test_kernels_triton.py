@@ -6,7 +6,7 @@ and any of them may import pagedserve.kernels.triton_* first, so the cases run i
 started with the variable set (this file, run as a script, prints one JSON line per
 case); the child also checks that the kernels really are interpreted. The interpreter
 computes bf16 arithmetic wrongly, so cases are fp32 and fp16; bf16 is checked on a GPU
-by kernels/gpu_check.py.
+by loadtest/kernel_checks/gpu_kernels.py.
 
 Every attention case: fresh random inputs, NaN in every cache slot no sequence owns,
 and NaN in ``out`` before the launch (a row the kernel skips stays NaN and fails).
@@ -56,7 +56,7 @@ def _run_attention_case(name: str) -> dict:
     import torch
 
     from pagedserve.kernels.attention_ref import paged_attention_ref
-    from pagedserve.kernels.testing import make_paged_batch
+    from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
     from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
     qls, sls, nh, nkv, hd, bs, dtype, extra = ATTENTION_CASES[name]
@@ -116,7 +116,7 @@ def _run_cache_write_case() -> dict:
 def _run_wrapper_errors() -> dict:
     import torch
 
-    from pagedserve.kernels.testing import make_paged_batch
+    from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
     from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
     b = make_paged_batch([1, 4], [9, 4], 4, 2, 64)
@@ -202,7 +202,7 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     """Frontend + ptxas for the real target: errors the interpreter cannot see."""
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.kernels.aot_check", "--quick"], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.kernel_checks.aot", "--quick"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("OK ") == 8
@@ -218,7 +218,7 @@ def test_kernels_package_imports_without_triton():
         "sys.meta_path.insert(0, Block())\n"
         "import torch\n"
         "from pagedserve import kernels\n"
-        "from pagedserve.kernels.testing import make_paged_batch\n"
+        "from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch\n"
         "assert not kernels.triton_available()\n"
         "b = make_paged_batch([1, 3], [20, 3], 4, 2, 64)\n"
         "o = kernels.paged_attention(b.q, b.k_cache, b.v_cache, b.attn_metadata, b.scale, backend='torch')\n"

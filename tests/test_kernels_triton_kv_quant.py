@@ -2,10 +2,10 @@
 
 Same harness as test_kernels_triton.py: the cases run in a child process started with
 TRITON_INTERPRET=1 (this file run as a script prints one JSON line per case). q is fp32 or
-fp16 (the interpreter computes bf16 wrongly; a GPU checks bf16 in kernels/gpu_check.py).
+fp16 (the interpreter computes bf16 wrongly; a GPU checks bf16 in loadtest/kernel_checks/gpu_kernels.py).
 The oracle runs on the same quantised bytes, so attention must match it as closely as an
 unquantised run does, and the cache write must produce the torch reference's bytes exactly.
-A real sm_90 / sm_80 compile of every quantised variant runs without a GPU (aot_check),
+A real sm_90 / sm_80 compile of every quantised variant runs without a GPU (loadtest/kernel_checks/aot.py),
 started with the module so that it compiles while the interpreter children run: both are
 CPU-bound, one core each, and side by side the module ends sooner than one after the other.
 """
@@ -38,7 +38,7 @@ def _attention(name: str, fmt: str, qdtype: str) -> dict:
     import torch
 
     from pagedserve.kernels.attention_ref import paged_attention_ref
-    from pagedserve.kernels.testing import make_paged_batch
+    from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
     from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
     qls, sls, nh, nkv, hd, bs, splits = CASES[name]
@@ -88,7 +88,7 @@ def _cache_write() -> dict:
 def _wrapper_errors() -> dict:
     import torch
 
-    from pagedserve.kernels.testing import make_paged_batch
+    from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
     from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 
     b = make_paged_batch([1, 4], [9, 4], 4, 2, 64, kv_dtype=torch.int8)
@@ -128,7 +128,7 @@ def aot(request):
         return
     env = dict(os.environ, TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.kernels.aot_check", "--kv-quant"], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.loadtest.kernel_checks.aot", "--kv-quant"], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc
     if proc.poll() is None:  # its test failed early or was not reached

@@ -17,7 +17,7 @@ from pagedserve.kernels import paged_attention, paged_attention_ref, write_kv_ca
 from pagedserve.kernels.attention_ref import gather_kv_ref
 from pagedserve.kernels.kv_quant import (QMAX, QUANT_DTYPES, SCALE_DTYPE, check_scales, decode_amax,
                                          dequantize_rows, encode_amax, kv_cache_torch_dtype, quantize_rows, row_scales)
-from pagedserve.kernels.testing import make_paged_batch
+from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
 from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}

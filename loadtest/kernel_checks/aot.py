@@ -2,8 +2,8 @@
 LLVM and ptxas all run, so type errors that the interpreter never sees (a loop-carried
 variable changing type, a bad dot shape, too much shared memory) fail on a CPU box.
 
-    python -m pagedserve.kernels.aot_check [--arch 90]     # prints one line per variant, exit 1 on failure
-    python -m pagedserve.kernels.aot_check --kv-quant     # the quantised-cache variants: fp8 e4m3 / e5m2 /
+    python -m pagedserve.loadtest.kernel_checks.aot [--arch 90]     # prints one line per variant, exit 1 on failure
+    python -m pagedserve.loadtest.kernel_checks.aot --kv-quant     # the quantised-cache variants: fp8 e4m3 / e5m2 /
                                                           # int8 at sm_90, and e5m2 / int8 at sm_80
 """
 

@@ -1,6 +1,6 @@
 """GPU check, quantised KV cache section (``--kv-cache-dtype fp8 | fp8_e5m2 | int8``).
 
-Run as part of ``python -m pagedserve.kernels.gpu_check`` (and the loadtest one):
+Run as part of ``python -m pagedserve.loadtest.kernel_checks.gpu_kernels`` (and the loadtest one):
 
 1. correctness: paged attention on quantised caches (mixed batch, split-KV decode) against the
    torch reference on the same bytes, fp16 and bf16 queries, every format; the cache write
@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from pagedserve.kernels.kv_quant import QUANT_DTYPES, SCALE_DTYPE, dequantize_rows
-from pagedserve.kernels.testing import make_paged_batch
+from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
 from pagedserve.kernels.triton_cache_write import write_kv_cache_triton
 from pagedserve.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton
 

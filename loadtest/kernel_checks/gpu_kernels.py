@@ -1,9 +1,9 @@
 """GPU check of the Triton kernels (tensors only): correctness and bandwidth.
 
-    python -m pagedserve.kernels.gpu_check [--json out.json] [--cpu-smoke] [--budget-s S]
+    python -m pagedserve.loadtest.kernel_checks.gpu_kernels [--json out.json] [--cpu-smoke] [--budget-s S]
 
 The one prepared GPU script, with the engine's end-to-end sections on top of these, is
-``python -m pagedserve.loadtest.gpu_check`` (kernels/ never imports the engine); its
+``python -m pagedserve.loadtest.gpu_check`` (this module imports kernels/ only); its
 docstring holds the one-call command for a lent GPU machine.
 
 1. correctness of paged attention (mixed batch, split-KV decode, a pool of 2^31+
@@ -13,7 +13,7 @@ docstring holds the one-call command for a lent GPU machine.
    and batch 8 x 16k (32 q heads, 8 KV heads, head_dim 128, bf16, block 16), default
    config, against a measured device-to-device copy ((read + write bytes) / time); goal
    >= 75%;
-3. the quantised KV cache (gpu_check_kv_quant.py): fp8 e4m3 / e5m2 and int8 attention and
+3. the quantised KV cache (gpu_kv_quant.py): fp8 e4m3 / e5m2 and int8 attention and
    cache-write correctness, and decode GB/s of the quantised bytes against copy and bf16;
 4. a sweep of tile size / warps / splits at the two decode shapes, the best config next to
    the default (the least valuable section: the first to be skipped when time is short).
@@ -46,7 +46,7 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 
 from pagedserve.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref  # noqa: E402
-from pagedserve.kernels.testing import make_paged_batch  # noqa: E402
+from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch  # noqa: E402
 from pagedserve.kernels.triton_cache_write import write_kv_cache_triton  # noqa: E402
 from pagedserve.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton  # noqa: E402
 
@@ -237,7 +237,7 @@ class Section:
 
 def kernel_sections() -> tuple[list[Section], Section]:
     """The kernel sections in order, and the sweep (last of all: its value is lowest)."""
-    from pagedserve.kernels import gpu_check_kv_quant as kvq
+    from pagedserve.loadtest.kernel_checks import gpu_kv_quant as kvq
 
     core = [Section("correctness", 20, lambda dev, a: check_attention(dev, a.cpu_smoke)),
             Section("bandwidth", 10, lambda dev, a: check_bandwidth(dev, a.cpu_smoke)),

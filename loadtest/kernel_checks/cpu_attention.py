@@ -1,6 +1,6 @@
 """Micro-benchmark of the CPU attention paths on the 63M-Llama layer shape.
 
-    python -m pagedserve.kernels.bench_cpu_attention [--threads 2] [--quick]
+    python -m pagedserve.loadtest.kernel_checks.cpu_attention [--threads 2] [--quick]
 
 Per layer call (µs, best of n): the decode path at batch 1/32/128/256 with contexts drawn from
 100-1000 tokens, and one 512-token prefill, for the fast torch path, the slow oracle
@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import paged_attention
-from pagedserve.kernels.testing import make_paged_batch
+from pagedserve.kernels import paged_attention, paged_attention_ref
+from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
 
 
 def sdpa_per_seq(b) -> torch.Tensor:
@@ -73,8 +73,8 @@ def main() -> None:
         t_sdpa = timeit(lambda: sdpa_per_seq(b), reps)
         t_ref = float("nan")
         if not (args.quick and len(qls) > 32):
-            t_ref = timeit(lambda: paged_attention(b.q, b.k_cache, b.v_cache, md, b.scale, backend="ref"),
-                           max(1, reps // 2))
+            t_ref = timeit(lambda: paged_attention_ref(b.q, b.k_cache, b.v_cache, md.block_table, md.seq_lens,
+                                                       md.cu_seqlens_q, b.scale), max(1, reps // 2))
         print(f"{name:<18}{sum(sls):>11}{t_torch:>11.0f}{t_first:>11.0f}{t_sdpa:>13.0f}{t_ref:>11.0f}{t_ref / t_torch:>10.1f}",
               flush=True)
 
