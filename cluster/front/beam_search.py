@@ -30,8 +30,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.cluster.front import openai_format as fmt
 from pagedserve.cluster.front.edge import error, remote_error
+from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.schemas import (ChatCompletionChoice, ChatCompletionResponse, ChatResponseMessage,
                                                CompletionChoice, CompletionResponse, UsageInfo)
+from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -88,29 +90,31 @@ class _Refused(Exception):
         self.response = response
 
 
-async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width: int):
+async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, body, chat: bool, rid: str,
+                             tenant, width: int):
     """The /v1/completions or /v1/chat/completions answer of a ``use_beam_search`` body
     (schemas._SamplingFields.beam_width has refused what beam search does not take): n
-    choices per prompt, the best beams first."""
-    bad = await ingress._check_model(body.model)
+    choices per prompt, the best beams first. ``engine``: the replicas' Serve handle
+    (tokenize, detokenize); each step's engine requests go through ``client``."""
+    bad = await model.check_model(body.model)
     if bad is not None:
         return bad
     try:
         body.to_sampling_params()  # the ranges every request is held to (n >= 1, max_tokens >= 1, ...)
     except ValueError as e:
         return error(400, str(e))
-    info = await ingress.info()
+    info = await model.info()
     if 2 * width > info["max_logprobs"]:
         return error(400, f"use_beam_search with n={width} ranks {2 * width} candidates per beam and step; "
                           f"this server returns at most {info['max_logprobs']} logprobs (--max-logprobs).", param="n")
     try:
         if chat:
             messages = [m.template_dict() for m in body.messages]
-            prompts = [await ingress.engine.tokenize.remote(None, messages, body.add_special_tokens,
-                                                            body.template_mode(), None)]
+            prompts = [await engine.tokenize.remote(None, messages, body.add_special_tokens,
+                                                    body.template_mode(), None)]
             asked = body.max_completion_tokens or body.max_tokens
         else:
-            prompts = [p if isinstance(p, list) else await ingress.engine.tokenize.remote(p, None, body.add_special_tokens)
+            prompts = [p if isinstance(p, list) else await engine.tokenize.remote(p, None, body.add_special_tokens)
                        for p in body.prompts()]
             asked = body.max_tokens
     except ValueError as e:
@@ -128,7 +132,7 @@ async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width:
     ids = itertools.count()
 
     async def one(tokens: list[int]) -> dict[int, float]:
-        stream, adm = await ingress._start(f"{rid}-beam-{next(ids)}", tokens, step_params, body, None, tenant)
+        stream, adm = await client.generate(f"{rid}-beam-{next(ids)}", tokens, step_params, body, None, tenant)
         if stream is None:
             raise _Refused(adm)
         final = None
@@ -161,7 +165,7 @@ async def create_beam_search(ingress, body, chat: bool, rid: str, tenant, width:
             if b.finish_reason == "stop" and not body.include_stop_str_in_output:
                 out = out[:-1]  # the EOS: neither in the text nor in the ids, as vLLM
             generated += len(out)
-            text = await ingress.engine.detokenize.remote(out, body.skip_special_tokens)
+            text = await engine.detokenize.remote(out, body.skip_special_tokens)
             index = j if chat else i * width + j
             outputs.append(CompletionOutput(index, text, out, b.finish_reason, b.stop_reason,
                                             delta_text=text, delta_token_ids=out))

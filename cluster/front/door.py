@@ -194,6 +194,22 @@ def queue_header(status: dict | None) -> str | None:
     return "; ".join(parts)
 
 
+REPLICA_HEADER = "x-pagedserve-replica"
+REQUEST_ID_HEADER = "x-pagedserve-request-id"  # Serve sets x-request-id itself
+QUEUE_HEADER = "x-pagedserve-queue"
+
+
+def admitted_headers(rid: str, adm) -> dict:
+    """The headers of a response whose request a replica admitted (``adm``): the replica,
+    the id as GET /v1/requests/{id} takes it (before a streamed body names it), and the
+    why-waiting of a request that was still waiting."""
+    headers = {REPLICA_HEADER: adm.replica_id, REQUEST_ID_HEADER: rid}
+    queued = queue_header(adm.queue)
+    if queued is not None:
+        headers[QUEUE_HEADER] = queued
+    return headers
+
+
 def request_object(request_id: str, status: dict) -> dict:
     return {"id": request_id, "object": "request", **status}
 

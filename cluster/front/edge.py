@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.cluster.front.schemas import error_body
 from pagedserve.cluster.front.tenants import DEFAULT_TENANT, TENANT_HEADER, check_tenant_name
+from pagedserve.cluster.wire.failures import ReplicaLost
 
 logger = logging.getLogger("pagedserve")
 
@@ -161,6 +162,16 @@ def remote_error(e: Exception) -> JSONResponse:
         return error(400, str(cause).splitlines()[-1] if str(cause) else type(cause).__name__)
     logger.error("replica call failed", exc_info=e)
     return error(500, "internal error; see the server log")
+
+
+def generation_error(rid: str, e: Exception) -> JSONResponse:
+    """The answer of a whole (not streamed) response whose engine stream failed: a lost
+    replica that no other replica stood in for (failover.Resumable) is a 503; anything
+    else is the system's, logged with the request id, a 500 for this request only."""
+    if isinstance(e, ReplicaLost):
+        return error(503, f"{e}; request {rid} could not be completed elsewhere", 1)
+    logger.error("request %s failed", rid, exc_info=e)
+    return error(500, f"internal error while generating request {rid}; see the server log")
 
 
 def _loc(e: dict) -> str:

@@ -1,7 +1,8 @@
 """What the front does with a request whose engine replica is lost (cluster/wire/lifeline.py
-says so; the ingress marks it lost and fails its streams with ReplicaLost):
+says so; the replica client, replica_client.py, marks it lost and fails its streams with
+ReplicaLost):
 
-    waiting for its Admission there ─▶ admission() raises ReplicaLost ─▶ the ingress admits
+    waiting for its Admission there ─▶ admission() raises ReplicaLost ─▶ the client admits
                                        it again (another replica: routing.py skips the lost)
     admitted, nothing sent yet       ─▶ Resumable admits it again and reads on
     a stream that sent tokens        ─▶ ReplicaLost reaches the response: an in-band 503

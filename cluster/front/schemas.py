@@ -590,7 +590,7 @@ class _SamplingFields(_IgnoredFields):
 
 class CompletionRequest(_SamplingFields):
     # A string, a list of token ids, or a batch: a list of strings or of token-id lists
-    # (one engine request per prompt; cluster/front/ingress.py).
+    # (one engine request per prompt; cluster/front/serving_completion.py).
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None

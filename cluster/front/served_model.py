@@ -1,0 +1,54 @@
+"""The model this front serves, as its engine replicas describe it, and what the front
+counts about the requests it serves.
+
+The replicas' info() (served name, max_model_len, tokenizer, logprob limit, ...) is asked
+once, on first need; a body that names another model is a 404 (OpenAI's words). The front's
+metrics (metrics.py) carry the served name as a label, so they are made with that info:
+until it has come there is nothing to count into, and every count here is skipped.
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from pagedserve.cluster.front.edge import error
+from pagedserve.cluster.front.metrics import ServeMetrics
+
+
+class ServedModel:
+    def __init__(self, engine) -> None:
+        self._engine = engine  # the replicas' Serve handle
+        self._info: dict | None = None
+        self.metrics: ServeMetrics | None = None  # made with the info
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self._engine.info.remote()
+            self.metrics = ServeMetrics(self._info["served_model_name"], self._info.get("kv_sizing"))
+        return self._info
+
+    async def max_model_len(self) -> int:
+        return (await self.info())["max_model_len"]
+
+    async def check_model(self, model: str | None) -> JSONResponse | None:
+        """The 404 for a body that names a model this front does not serve; None: it may go on."""
+        info = await self.info()
+        if model is not None and model != info["served_model_name"]:
+            return error(404, f"The model `{model}` does not exist. "
+                              f"Available: `{info['served_model_name']}`.")
+        return None
+
+    def first_output(self, ttft_s: float) -> None:
+        """A request's first output reached this front, ``ttft_s`` after it arrived here."""
+        if self.metrics is not None:
+            self.metrics.front_ttft.observe(ttft_s)
+
+    def observe(self, final) -> None:
+        """A request's last RequestOutput (None: it had none): its latencies and finish reasons."""
+        if final is not None and final.metrics is not None and self.metrics is not None:
+            self.metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs),
+                                          [c.finish_reason for c in final.outputs])
+
+    def observe_abort(self) -> None:
+        if self.metrics is not None:
+            self.metrics.count_finished(["abort"])
