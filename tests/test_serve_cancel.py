@@ -4,8 +4,8 @@ The story, read through ``/metrics`` only (what an operator sees): three streams
 together; one long stream (it would run 900 tokens) is dropped after its first tokens;
 the two others finish intact with exactly their ``max_tokens``; then KV usage and the
 running count fall to zero, and the generation-token counter proves the dropped request
-stopped early instead of running to its end. The same for a non-streaming request whose
-client times out.
+stopped early instead of running to its end, and vLLM's abort counter counts it once. The
+same for a non-streaming request whose client times out.
 """
 
 from __future__ import annotations
@@ -30,6 +30,20 @@ def scrape(base: str) -> dict[str, float]:
     return out
 
 
+def aborted(base: str) -> float:
+    """vllm:request_success_total{finished_reason="abort"}: the requests the front saw end unfinished."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
+def wait_aborted(base: str, want: float, timeout_s: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while (got := aborted(base)) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
 def wait_idle(base: str, timeout_s: float = 20.0) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and no KV block is held."""
     deadline = time.monotonic() + timeout_s
@@ -47,6 +61,7 @@ def test_disconnect_mid_stream_frees_kv_and_others_finish(openai_app):
     before = wait_idle(openai_app)
     assert before["pagedserve:kv_cache_usage_perc"] == 0
     gen0 = before["pagedserve:generation_tokens_total"]
+    aborts0 = aborted(openai_app)
 
     async def stream(ac, max_tokens: int, drop_after: int | None):
         body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -91,11 +106,13 @@ def test_disconnect_mid_stream_frees_kv_and_others_finish(openai_app):
     generated = after["pagedserve:generation_tokens_total"] - gen0
     # 48 + 40 for the intact streams; the dropped one stopped far short of its 900.
     assert 88 <= generated < 88 + LONG // 2, generated
+    assert wait_aborted(openai_app, aborts0 + 1) == aborts0 + 1  # the dropped one, counted once
 
 
 def test_non_streaming_client_timeout_aborts(openai_app):
     before = wait_idle(openai_app)
     gen0 = before["pagedserve:generation_tokens_total"]
+    aborts0 = aborted(openai_app)
     body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     try:
         httpx.post(f"{openai_app}/v1/completions", json=body, timeout=0.3)
@@ -106,3 +123,4 @@ def test_non_streaming_client_timeout_aborts(openai_app):
     assert after["pagedserve:kv_cache_usage_perc"] == 0
     assert after["pagedserve:num_requests_running"] == 0
     assert after["pagedserve:generation_tokens_total"] - gen0 < 1000  # stopped before its end
+    assert wait_aborted(openai_app, aborts0 + 1) == aborts0 + 1

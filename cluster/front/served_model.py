@@ -49,6 +49,7 @@ class ServedModel:
             self.metrics.observe_finished(final.metrics, max(len(c.token_ids) for c in final.outputs),
                                           [c.finish_reason for c in final.outputs])
 
-    def observe_abort(self) -> None:
-        if self.metrics is not None:
-            self.metrics.count_finished(["abort"])
+    def observe_abort(self, requests: int = 1) -> None:
+        """``requests`` engine requests ended unfinished (their client left, or they failed)."""
+        if self.metrics is not None and requests > 0:
+            self.metrics.count_finished(["abort"] * requests)

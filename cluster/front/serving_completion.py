@@ -76,8 +76,7 @@ class OpenAIServingCompletion:
             state = fmt.StreamState(rid, created, model, False, body.return_token_ids,
                                     body.return_tokens_as_token_ids, body.continuous_usage)
             self._live.hold(rid)
-            events = sse_events(streams, state, body.include_usage, self._model, self._live, shapers,
-                                count_aborts=False)
+            events = sse_events(streams, state, body.include_usage, self._model, self._live, shapers)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         finished = [False] * len(streams)
         finals: list = [None] * len(streams)
@@ -88,6 +87,7 @@ class OpenAIServingCompletion:
                     finals[i] = shapers[i].shape(out)
                     token_text.update(tt or {})
         except asyncio.CancelledError:  # client went away: merged() cancelled the streams
+            self._model.observe_abort(finished.count(False))
             raise
         except Exception as e:  # a lost replica no other took (Resumable), or the system's
             return generation_error(rid, e)

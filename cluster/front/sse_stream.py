@@ -25,11 +25,11 @@ logger = logging.getLogger("pagedserve")
 
 
 async def sse_events(streams: list, state: fmt.StreamState, include_usage: bool, model: ServedModel,
-                     live: LiveRequests, shapers: list | None = None, count_aborts: bool = True):
+                     live: LiveRequests, shapers: list | None = None):
     """SSE lines of the response ``state`` describes. ``shapers``: per stream, what turns its
-    outputs into the response's choices (openai_format.ChoiceShaper; None: as they come);
-    ``count_aborts``: a stream that ends unfinished counts as an abort in /metrics (chat
-    counts them; completions have not, streamed or not)."""
+    outputs into the response's choices (openai_format.ChoiceShaper; None: as they come).
+    Each stream that ends unfinished counts as an abort in /metrics (one per engine request,
+    as vLLM counts them)."""
     finished = [False] * len(streams)
     finals: list = [None] * len(streams)
     try:
@@ -58,5 +58,4 @@ async def sse_events(streams: list, state: fmt.StreamState, include_usage: bool,
             model.observe(out)
     finally:
         live.release(state.rid)
-        if count_aborts and not all(finished):
-            model.observe_abort()
+        model.observe_abort(finished.count(False))
