@@ -112,7 +112,7 @@ static inline __m512 reduce16(const __m512* a) {
 
 // block_avx512 for D = 16 C with each query head's q and accumulator in registers: per head,
 // 16 scores from one reduce16, then P.V over the block's V rows (in L1 after the first head).
-// block_avx512 above is compute bound where this one is not (kernels/bench_cpu_attention.py).
+// block_avx512 above is compute bound where this one is not (loadtest/kernel_checks/cpu_attention.py).
 template <int C>
 static inline void block_avx512_regs(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
                                      int64_t G, float* acc, float* m, float* l) {
@@ -318,7 +318,7 @@ static inline void block_avx2(const float* qs, const float* kb, const float* vb,
 #endif
 
 // The portable block (any D, G, BS): the same online softmax, one K row per (head, token)
-// and a scalar exp per score (slower than the vector blocks; kernels/bench_cpu_attention.py).
+// and a scalar exp per score (slower than the vector blocks; loadtest/kernel_checks/cpu_attention.py).
 static inline void block_scalar(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
                                 int64_t G, int64_t D, int64_t BS, float* acc, float* m, float* l, float* s) {
   for (int64_t g = 0; g < G; ++g) {

@@ -14,11 +14,11 @@ import json
 import sys
 from pathlib import Path
 
-from pagedserve.loadtest.arrivals import parse_rate
-from pagedserve.loadtest.metrics import parse_goodput
-from pagedserve.loadtest.report import (find_knee, format_table, latency_series, plot_latency_cdfs,
-                             plot_rate_sweep, write_json)
-from pagedserve.loadtest.runner import run_benchmark
+from pagedserve.loadtest.harness.arrivals import parse_rate
+from pagedserve.loadtest.harness.metrics import parse_goodput
+from pagedserve.loadtest.harness.report import (find_knee, format_table, latency_series, plot_latency_cdfs,
+                                                plot_rate_sweep, write_json)
+from pagedserve.loadtest.harness.runner import run_benchmark
 from pagedserve.loadtest.workloads import WORKLOADS, generate_workload
 
 
@@ -92,24 +92,32 @@ def bench(args) -> dict:
     return out
 
 
-# The benchmarks that run on their own (one process, no server to start by hand), listed in
-# --help with the first line of each one's docstring (read, not imported: no torch, no ray).
-BENCHMARKS = ("loadtest.bench_offline", "loadtest.bench_vs_vllm", "loadtest.bench_scheduler",
-              "loadtest.bench_dispatch", "loadtest.bench_frontend", "loadtest.bench_door", "loadtest.bench_structured",
-              "loadtest.bench_kv_quant", "loadtest.bench_kv_dtype", "loadtest.bench_thrash", "loadtest.bench_routing",
-              "loadtest.bench_spec",
-              "loadtest.kernel_checks.cpu_attention", "loadtest.gpu_check", "loadtest.cluster_check")
+# The benchmarks and checks that run on their own (one process, no server to start by hand),
+# by sub-package, listed in --help with the first line of each one's docstring (read, not
+# imported: no torch, no ray). tests/test_loadtest.py checks that every entry point is here.
+BENCHMARKS = (
+    "loadtest.offline.bench_offline", "loadtest.offline.bench_scheduler", "loadtest.offline.bench_dispatch",
+    "loadtest.offline.bench_structured", "loadtest.offline.bench_kv_quant", "loadtest.offline.bench_kv_dtype",
+    "loadtest.offline.bench_thrash",
+    "loadtest.serving.bench_frontend", "loadtest.serving.bench_door", "loadtest.serving.bench_routing",
+    "loadtest.serving.bench_spec",
+    "loadtest.peers.bench_vs_vllm",
+    "loadtest.multinode.cluster_check",
+    "loadtest.kernel_checks.cpu_attention", "loadtest.kernel_checks.gpu_kernels", "loadtest.kernel_checks.aot",
+    "loadtest.gpu_check",
+)
 
 
 def benchmarks_epilog() -> str:
     import ast
 
     root = Path(__file__).resolve().parent.parent
+    width = max(map(len, BENCHMARKS))
     lines = ["benchmarks (python -m pagedserve.MODULE --help for each one's flags):"]
     for mod in BENCHMARKS:
         doc = ast.get_docstring(ast.parse((root / (mod.replace(".", "/") + ".py")).read_text())) or ""
-        first = doc.split("\n")[0].rstrip(":").replace(" (issue 15)", "")
-        lines.append(f"  {mod:30s} {first}")
+        first = doc.split("\n")[0].rstrip(":,").replace(" (issue 15)", "")
+        lines.append(f"  {mod:{width}s}  {first}")
     return "\n".join(lines)
 
 
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog=benchmarks_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_args(sub.add_parser("bench", help="load-test a running server"))
-    from pagedserve.loadtest.compare import add_compare_args, run_compare
+    from pagedserve.loadtest.scenarios.compare import add_compare_args, run_compare
     add_compare_args(sub.add_parser("compare", help="side-by-side scenarios (starts the servers)"))
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -1,4 +1,4 @@
-"""python -m pagedserve.loadtest.bench_scheduler runs end to end (small sizes) and its last line is the
+"""python -m pagedserve.loadtest.offline.bench_scheduler runs end to end (small sizes) and its last line is the
 JSON the issue asks for, with the expected shape: paged beats contiguous."""
 
 import json
@@ -11,7 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_scheduler_prints_the_json_summary():
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedserve.loadtest.bench_scheduler", "--requests", "150", "--num-blocks", "512",
+        [sys.executable, "-m", "pagedserve.loadtest.offline.bench_scheduler", "--requests", "150", "--num-blocks", "512",
          "--steps", "50"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -26,7 +26,7 @@ def test_bench_scheduler_prints_the_json_summary():
 def test_bench_thrash_counts_preemptions_on_a_tight_pool():
     """The thrash benchmark's run drains every request and counts real preemptions: a pool
     of 64 blocks cannot hold 40 chat requests at once, a pool of 4,096 can."""
-    from pagedserve.loadtest.bench_thrash import run
+    from pagedserve.loadtest.offline.bench_thrash import run
 
     tight = run(protect=0, num_blocks=64, requests=40, seed=0, tenants=2)
     roomy = run(protect=0, num_blocks=4096, requests=40, seed=0, tenants=2)
@@ -35,7 +35,7 @@ def test_bench_thrash_counts_preemptions_on_a_tight_pool():
 
 
 def _kv_dtype_bench(*args):
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.bench_kv_dtype", *args],
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.offline.bench_kv_dtype", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])

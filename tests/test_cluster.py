@@ -1,7 +1,7 @@
 """The cluster, tested as a cluster (several Ray nodes on this machine): placement, node
 loss under load, scale-down and a rolling update, each against real Ray nodes.
 
-One run of ``python -m pagedserve.loadtest.cluster_check`` in a subprocess: it builds its
+One run of ``python -m pagedserve.loadtest.multinode.cluster_check`` in a subprocess: it builds its
 own multi-node clusters (cluster/ray_utils.py LocalCluster; the suite's session Ray is not
 touched), joins them with ``pagedserve serve --ray-address`` or a ``serve deploy`` apply,
 drives them with httpx and prints one JSON line of figures per phase. The tests below
@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def phases(tmp_path_factory):
     out = tmp_path_factory.mktemp("cluster-check")
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.cluster_check", "--result-dir", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.multinode.cluster_check",
+                           "--result-dir", str(out)],
                           cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=840)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert last.startswith('{"phases"'), proc.stdout[-3000:] + proc.stderr[-3000:]

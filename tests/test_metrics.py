@@ -62,7 +62,7 @@ def test_render_uses_vllm_names_with_prefix():
 
 def test_vllm_names_types_and_buckets_and_one_prefix_for_the_loadtest_scraper():
     from pagedserve.cluster.front.metrics import VLLM_ITL_BUCKETS
-    from pagedserve.loadtest.metrics import parse_prometheus
+    from pagedserve.loadtest.harness.metrics import parse_prometheus
 
     agg = StatsAggregator()
     agg.report("a", _snap(1, 2, 0.5, 64, 7, num_preemptions=3, prefix_cache_queries=20,

@@ -367,7 +367,7 @@ def test_two_nodes_each_fetch_their_own_copy_before_their_workers_load(tiny, ref
     from ray.cluster_utils import Cluster
 
     from pagedserve.cluster.ray_utils import cluster_view, shutdown_ray
-    from pagedserve.loadtest.servers import free_port, pagedserve_server
+    from pagedserve.loadtest.harness.servers import free_port, pagedserve_server
 
     uri = upload(s3, tiny, "cluster-tiny", JUNK)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")

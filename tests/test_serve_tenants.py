@@ -200,7 +200,7 @@ def test_dashboard_in_headless_chromium(url, tmp_path):
     screenshots, and the newest timeline row names the running requests' ids."""
     import threading
 
-    from pagedserve.loadtest.browser import Browser
+    from pagedserve.loadtest.harness.browser import Browser
 
     stop, ids = threading.Event(), set()
 

@@ -13,10 +13,10 @@ On SmolLM2-135M-Instruct (the default model), greedy:
                 the same requests at concurrency 8 (this project's httpx load tester),
                 off and on in turn ``--c8-pairs`` times (default 2): the median tok/s
 
-    python -m pagedserve.loadtest.bench_spec                 # everything (minutes on 2 cores)
-    python -m pagedserve.loadtest.bench_spec --no-http --no-vllm
-    python -m pagedserve.loadtest.bench_spec --prompts my_prompts.json
-    python -m pagedserve.loadtest.bench_spec --speculative-config '{"method": "ngram",
+    python -m pagedserve.loadtest.serving.bench_spec                 # everything (minutes on 2 cores)
+    python -m pagedserve.loadtest.serving.bench_spec --no-http --no-vllm
+    python -m pagedserve.loadtest.serving.bench_spec --prompts my_prompts.json
+    python -m pagedserve.loadtest.serving.bench_spec --speculative-config '{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 The default config drafts up to 8 tokens: a draft from a 4-token match in a passage being
@@ -45,11 +45,11 @@ import statistics
 import sys
 import time
 
-from pagedserve.loadtest.bench_vs_vllm import cpu_name
-from pagedserve.loadtest.peers import PY as VLLM_PY
-from pagedserve.loadtest.peers import run_offline_script, vllm_available, vllm_env, vllm_server
-from pagedserve.loadtest.runner import run_benchmark
-from pagedserve.loadtest.servers import ROOT, pagedserve_server
+from pagedserve.loadtest.harness.runner import run_benchmark
+from pagedserve.loadtest.harness.servers import ROOT, pagedserve_server
+from pagedserve.loadtest.peers.bench_vs_vllm import cpu_name
+from pagedserve.loadtest.peers.vllm_cpu import PY as VLLM_PY
+from pagedserve.loadtest.peers.vllm_cpu import run_offline_script, vllm_available, vllm_env, vllm_server
 from pagedserve.loadtest.workloads import RequestSpec
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}

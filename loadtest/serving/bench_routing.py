@@ -21,7 +21,7 @@ shared workloads, the hit rate a router should keep. The prompts are text (every
 reads text; the KV router's front tokenizes it once), made of words that are one token
 each in the model's vocabulary, so lengths are close to the token counts asked for.
 
-    python -m pagedserve.loadtest.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
+    python -m pagedserve.loadtest.serving.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
         [--routers kv prefix pow2] [--num-prefixes 8 --prefix-len 512 --suffix-len 32 --output-len 16]
         [--sessions 16 --turns 4] [--concurrency 8] [--num-gpu-blocks N] [--repeats R]
 
@@ -45,9 +45,9 @@ from collections import Counter
 
 import httpx
 
-from pagedserve.loadtest.client import RequestSpec, send_completion
-from pagedserve.loadtest.metrics import percentile
-from pagedserve.loadtest.servers import pagedserve_server
+from pagedserve.loadtest.harness.client import RequestSpec, send_completion
+from pagedserve.loadtest.harness.metrics import percentile
+from pagedserve.loadtest.harness.servers import pagedserve_server
 
 WORKLOADS = ("shared_prefix", "multi_turn", "random")
 ROUTERS = ("kv", "prefix", "pow2")

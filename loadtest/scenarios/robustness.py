@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import random
 
-from pagedserve.loadtest.metrics import percentile
-from pagedserve.loadtest.scenarios import Row, Run, Scenario, _ids
+from pagedserve.loadtest.harness.metrics import percentile
+from pagedserve.loadtest.scenarios.core import Row, Run, Scenario, _ids
 from pagedserve.loadtest.workloads import RequestSpec
 
 OUT_LEN = 64

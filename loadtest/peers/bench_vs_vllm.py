@@ -12,9 +12,9 @@
                 `vllm bench serve` runs): 128 requests of 200 random tokens in, 128 out,
                 ignore_eos, at concurrency 8 and 32
 
-    python -m pagedserve.loadtest.bench_vs_vllm            # the full run: long on 2 cores
-    python -m pagedserve.loadtest.bench_vs_vllm --quick    # a small version, no HTTP
-    python -m pagedserve.loadtest.bench_vs_vllm --no-hf --before-tree /tmp/before   # + a checkout's server in the HTTP pair
+    python -m pagedserve.loadtest.peers.bench_vs_vllm            # the full run: long on 2 cores
+    python -m pagedserve.loadtest.peers.bench_vs_vllm --quick    # a small version, no HTTP
+    python -m pagedserve.loadtest.peers.bench_vs_vllm --no-hf --before-tree /tmp/before   # + a checkout's server in the HTTP pair
 
 Engines run one after the other, never at once. The last line is one JSON object
 (``pagedserve_tok_s``, ``vllm_tok_s``, ``ratio_vs_vllm``, ``ratio_vs_hf_static``, ``b1_*``,
@@ -38,12 +38,12 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.loadtest.bench_offline import (BENCH_SHAPE, bench_model_path, copy_bandwidth_gbs, make_workload,
-                                               read_bandwidth_gbs, run_b1_decode, run_hf_static)
-from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_bench_serve, vllm_offline, vllm_server
-from pagedserve.loadtest.runner import run_benchmark
-from pagedserve.loadtest.servers import pagedserve_server
-from pagedserve.loadtest.vs_vllm import pagedserve_offline
+from pagedserve.loadtest.harness.runner import run_benchmark
+from pagedserve.loadtest.harness.servers import pagedserve_server
+from pagedserve.loadtest.offline.bench_offline import (BENCH_SHAPE, bench_model_path, copy_bandwidth_gbs,
+                                                       make_workload, read_bandwidth_gbs, run_b1_decode, run_hf_static)
+from pagedserve.loadtest.peers.vllm_cpu import setup_vllm, vllm_available, vllm_bench_serve, vllm_offline, vllm_server
+from pagedserve.loadtest.peers.vs_vllm import pagedserve_offline
 from pagedserve.loadtest.workloads import FIRST_ID, RequestSpec
 
 MAX_MODEL_LEN = 1024

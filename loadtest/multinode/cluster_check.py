@@ -1,7 +1,7 @@
 """The cluster, checked as a cluster: several Ray nodes on this machine, placement, node loss, scale-down, updates.
 
-    python -m pagedserve.loadtest.cluster_check                    # every phase
-    python -m pagedserve.loadtest.cluster_check --phases node_kill  # a subset
+    python -m pagedserve.loadtest.multinode.cluster_check                    # every phase
+    python -m pagedserve.loadtest.multinode.cluster_check --phases node_kill  # a subset
 
 Builds a multi-node Ray cluster on one machine (cluster/ray_utils.py LocalCluster: a head
 with no CPUs and worker nodes of 4 CPUs at 127.0.0.2, 127.0.0.3, ...), then for each
@@ -40,8 +40,8 @@ from pathlib import Path
 import httpx
 
 from pagedserve.cluster.ray_utils import LocalCluster, cluster_view, delete_app, deploy_config, shutdown_ray
-from pagedserve.loadtest.client import RequestResult, send_completion
-from pagedserve.loadtest.servers import free_port, pagedserve_server
+from pagedserve.loadtest.harness.client import RequestResult, send_completion
+from pagedserve.loadtest.harness.servers import free_port, pagedserve_server
 from pagedserve.loadtest.workloads import RequestSpec
 
 PHASES = ("spread", "tp", "node_kill", "scale_cycle", "rolling_update")
@@ -456,7 +456,7 @@ PHASE_FUNCS = {"spread": phase_spread, "tp": phase_tp, "node_kill": phase_node_k
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pagedserve.loadtest.cluster_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pagedserve.loadtest.multinode.cluster_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--model", default="pagedserve-demo", help="what each phase serves (default: the demo model)")

@@ -22,20 +22,20 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from pagedserve.loadtest import robustness, tenants_scenario
-from pagedserve.loadtest import scenarios as S
-from pagedserve.loadtest.peers import setup_vllm, vllm_available, vllm_server
-from pagedserve.loadtest.report import latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
-from pagedserve.loadtest.runner import run_benchmark
-from pagedserve.loadtest.servers import pagedserve_server
-from pagedserve.loadtest.vs_vllm import vs_vllm
+from pagedserve.loadtest.harness.report import latency_series, plot_latency_cdfs, plot_rate_sweep, write_json
+from pagedserve.loadtest.harness.runner import run_benchmark
+from pagedserve.loadtest.harness.servers import pagedserve_server
+from pagedserve.loadtest.peers.vllm_cpu import setup_vllm, vllm_available, vllm_server
+from pagedserve.loadtest.peers.vs_vllm import vs_vllm
+from pagedserve.loadtest.scenarios import core as S
+from pagedserve.loadtest.scenarios import robustness, tenants
 
 SCENARIOS = {"continuous-batching": S.continuous_batching, "paged-kv": S.paged_kv,
              "chunked-prefill": S.chunked_prefill, "prefix-caching": S.prefix_caching,
              "mixed-saturation": S.mixed_saturation, "rate-sweep": S.rate_sweep, "vs-vllm": vs_vllm,
              "overload": robustness.overload, "cancel-soak": robustness.cancel_soak,
-             "tenants": tenants_scenario.tenants}
-# The robustness scenarios (loadtest/robustness.py) run on request only: they measure
+             "tenants": tenants.tenants}
+# The robustness scenarios (loadtest/scenarios/robustness.py) run on request only: they measure
 # the server against itself, not against a baseline, and take minutes each.
 DEFAULT_SCENARIOS = [k for k in SCENARIOS if k not in ("overload", "cancel-soak", "tenants")]
 SERVER_ORDER = ("default", "tenants", "static", "no-chunk", "no-prefix", "paged-kv", "contig-kv", "vllm", "none")

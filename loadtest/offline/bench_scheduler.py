@@ -13,7 +13,7 @@
 The real Scheduler is driven with fake sampled tokens (EOS ignored; each request's
 output length comes from the workload). The last line is one JSON object.
 
-    python -m pagedserve.loadtest.bench_scheduler [--requests 600] [--num-blocks 2048] [--seed 0]
+    python -m pagedserve.loadtest.offline.bench_scheduler [--requests 600] [--num-blocks 2048] [--seed 0]
 """
 
 from __future__ import annotations

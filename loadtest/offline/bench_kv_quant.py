@@ -1,7 +1,7 @@
 """Quantised KV cache on a real model, CPU: accuracy against the unquantised cache, and decode speed.
 
-    python -m pagedserve.loadtest.bench_kv_quant accuracy [--model M] [--prompts 64] [--tokens 128]
-    python -m pagedserve.loadtest.bench_kv_quant speed [--model M] [--batch 32] [--context 2000] [--rounds 6]
+    python -m pagedserve.loadtest.offline.bench_kv_quant accuracy [--model M] [--prompts 64] [--tokens 128]
+    python -m pagedserve.loadtest.offline.bench_kv_quant speed [--model M] [--batch 32] [--context 2000] [--rounds 6]
 
 Both drive the model the engine loads (Worker: loader, CPU linear backend, the model's
 forward with the paged cache) directly with hand-built step metadata, so every format sees

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedserve.loadtest.client import RequestResult
+from pagedserve.loadtest.harness.client import RequestResult
 
 PREFIXES = ("pagedserve:", "vllm:")
 COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",

@@ -16,9 +16,9 @@ import os
 import random
 import sys
 
-from pagedserve.loadtest.peers import run_offline_script, vllm_available, vllm_offline
-from pagedserve.loadtest.scenarios import Row, Run, Scenario, _pair_row
-from pagedserve.loadtest.servers import ROOT
+from pagedserve.loadtest.harness.servers import ROOT
+from pagedserve.loadtest.peers.vllm_cpu import run_offline_script, vllm_available, vllm_offline
+from pagedserve.loadtest.scenarios.core import Row, Run, Scenario, _pair_row
 from pagedserve.loadtest.workloads import FIRST_ID, generate_workload
 
 _PAGEDSERVE_OFFLINE = r"""

@@ -1,7 +1,7 @@
 """The side-by-side scenarios of ``python -m pagedserve.loadtest compare``.
 
 Each scenario lists the runs it needs, each against a named server configuration, and
-turns their results into rows (ratio next to goal). The driver (loadtest.compare) starts
+turns their results into rows (ratio next to goal). The driver (loadtest.scenarios.compare) starts
 each server configuration once, runs everything that needs it, and stops it, so only one
 server is ever up at a time (two cores).
 
@@ -168,7 +168,7 @@ def chunked_prefill(ctx) -> Scenario:
 
     def rows(_, res):
         def p99_itl(r):
-            from pagedserve.loadtest.metrics import percentile
+            from pagedserve.loadtest.harness.metrics import percentile
             return percentile([x for q in r.results if q.kind == "decode" and q.success for x in q.itl], 99) * 1e3
         on, off = res["chunked"], res["no-chunk"]
         a, b = p99_itl(on), p99_itl(off)
@@ -249,7 +249,7 @@ def mixed_saturation(ctx) -> Scenario:
 # ---------------------------------------------------------------- request-rate sweep
 def rate_sweep(ctx) -> Scenario:
     """Measure capacity at rate inf, then offer fractions of it; the knee is the last
-    rate the server keeps up with (loadtest.report.find_knee)."""
+    rate the server keeps up with (loadtest.harness.report.find_knee)."""
     specs = generate_workload("chat", ctx.n(48, 12), max_model_len=ctx.max_model_len,
                               vocab_size=ctx.vocab_size, seed=ctx.seed + 5)
     fractions = (0.25, 0.5, 0.75, 1.0, 1.5) if not ctx.quick else (0.5, 1.0)
@@ -265,7 +265,7 @@ def rate_sweep(ctx) -> Scenario:
         return {"capacity": capacity, "points": points}
 
     def rows(_, res):
-        from pagedserve.loadtest.report import find_knee
+        from pagedserve.loadtest.harness.report import find_knee
         sw = res["sweep"]
         ctx.sweeps["pagedserve"] = sw["points"]
         knee = find_knee(sw["points"])

@@ -15,7 +15,7 @@ from /proc) over the batch divided by the requests sent.
     s200x128  a streamed completion, 200 prompt   a serving workload: CPU per output token
               ids in, 128 tokens out              of every process, the model's included
 
-    python -m pagedserve.loadtest.bench_frontend [--kinds models:300 bad400:300 tok1:200 stream64:64]
+    python -m pagedserve.loadtest.serving.bench_frontend [--kinds models:300 bad400:300 tok1:200 stream64:64]
         [--concurrency 8] [--model DIR] [--rounds 2] [--servers pagedserve vllm tree:DIR ...]
 
 ``--servers`` runs the same kinds against each server in turn, in one run: ``pagedserve``
@@ -24,7 +24,7 @@ server and engine-core processes) and ``tree:DIR`` (pagedserve from another chec
 ``git worktree`` of the commit before a change; this venv's packages). The serving-workload
 comparison of issue 28::
 
-    python -m pagedserve.loadtest.bench_frontend --kinds s200x128:64 --concurrency 16 \
+    python -m pagedserve.loadtest.serving.bench_frontend --kinds s200x128:64 --concurrency 16 \
         --servers pagedserve tree:/tmp/before vllm
 
 All servers start first; rounds then interleave servers and kinds (A B C D A B C D) so
@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedserve.loadtest.servers import pagedserve_server, session_pids
+from pagedserve.loadtest.harness.servers import pagedserve_server, session_pids
 
 # Process role by what its command line contains (Ray sets actor titles: ray::<Class>...).
 ROLES = (("ProxyActor", "proxy"), ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
@@ -157,7 +157,7 @@ def main() -> None:
     for name in args.servers:
         if name not in ("pagedserve", "vllm") and not name.startswith("tree:"):
             ap.error(f"unknown server {name!r}: pagedserve, vllm or tree:DIR")
-    from pagedserve.loadtest.compare import SERVE_SHAPE, ensure_model
+    from pagedserve.loadtest.scenarios.compare import SERVE_SHAPE, ensure_model
 
     model = args.model or ensure_model("serve-h512-l4-v2048", SERVE_SHAPE)
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
@@ -174,7 +174,7 @@ def server_process(name: str, model: str):
                        enable_chunked_prefill=True, kv_cache_memory="1GiB", num_threads=1,
                        allow_tenant_header=True)
     if name == "vllm":
-        from pagedserve.loadtest.peers import setup_vllm, vllm_server
+        from pagedserve.loadtest.peers.vllm_cpu import setup_vllm, vllm_server
 
         setup_vllm()
         return vllm_server(model, served_model_name="model", max_model_len=512,

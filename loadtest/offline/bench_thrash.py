@@ -6,7 +6,7 @@ exponential outputs) to completion on a KV pool too small for it, once with
 and once with the default; with one tenant and with two (whose fair share and slot
 share preempt as well). Reported: preemptions per request and steps to drain.
 
-    python -m pagedserve.loadtest.bench_thrash [--requests 600] [--blocks 1024 2048] [--seed 0]
+    python -m pagedserve.loadtest.offline.bench_thrash [--requests 600] [--blocks 1024 2048] [--seed 0]
 
 The last line is one JSON object.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedserve.loadtest.bench_scheduler import fake_result_partial, make_workload
+from pagedserve.loadtest.offline.bench_scheduler import fake_result_partial, make_workload
 from pagedserve.scheduler import (CacheConfig, Request, RequestStatus, SamplingParams, Scheduler,
                                   SchedulerConfig)
 from pagedserve.scheduler.config import SchedulerConfig as _Defaults

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pagedserve.loadtest.servers import ROOT, ServerProcess, free_port
+from pagedserve.loadtest.harness.servers import ROOT, ServerProcess, free_port
 
 VENV = ROOT / ".venv-vllm"
 PY = VENV / "bin" / "python"

@@ -1,6 +1,6 @@
 """The door under overload: open loop at 1x and 3x capacity, client TTFT beside the server's.
 
-    python -m pagedserve.loadtest.bench_door [--base-url URL] [--seconds 40] [--model pagedserve-demo]
+    python -m pagedserve.loadtest.serving.bench_door [--base-url URL] [--seconds 40] [--model pagedserve-demo]
 
 Starts ``pagedserve serve --model MODEL`` with default flags (or drives ``--base-url``),
 then lowers its own priority to nice 19 (the load generator shares the cores: it must not
@@ -23,9 +23,9 @@ import os
 
 import httpx
 
-from pagedserve.loadtest.metrics import percentile
-from pagedserve.loadtest.runner import run_benchmark
-from pagedserve.loadtest.servers import pagedserve_server
+from pagedserve.loadtest.harness.metrics import percentile
+from pagedserve.loadtest.harness.runner import run_benchmark
+from pagedserve.loadtest.harness.servers import pagedserve_server
 from pagedserve.loadtest.workloads import generate_workload
 
 HISTOGRAMS = {"front": "pagedserve:front_time_to_first_token_seconds",

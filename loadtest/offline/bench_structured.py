@@ -1,6 +1,6 @@
 """What a structured-output request costs the requests batched with it, offline.
 
-    python -m pagedserve.loadtest.bench_structured [--model pagedserve-demo] [--rounds 3]
+    python -m pagedserve.loadtest.offline.bench_structured [--model pagedserve-demo] [--rounds 3]
 
 Per round, two batches of 4 decoding requests on one engine, alternated so machine
 noise hits both alike: A = 4 unconstrained, B = 3 unconstrained + 1 json_schema. The

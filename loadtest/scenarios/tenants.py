@@ -16,10 +16,10 @@ import random
 import threading
 import time
 
-from pagedserve.loadtest.arrivals import arrival_times
-from pagedserve.loadtest.metrics import percentile
-from pagedserve.loadtest.robustness import OUT_LEN
-from pagedserve.loadtest.scenarios import Row, Run, Scenario, _ids
+from pagedserve.loadtest.harness.arrivals import arrival_times
+from pagedserve.loadtest.harness.metrics import percentile
+from pagedserve.loadtest.scenarios.core import Row, Run, Scenario, _ids
+from pagedserve.loadtest.scenarios.robustness import OUT_LEN
 from pagedserve.loadtest.workloads import RequestSpec
 
 STEADY_FRAC = 0.2
@@ -44,7 +44,7 @@ def _screenshot_later(url: str, path, after_s: float) -> threading.Thread:
     def take() -> None:
         time.sleep(after_s)
         try:
-            from pagedserve.loadtest.browser import Browser, find_chromium
+            from pagedserve.loadtest.harness.browser import Browser, find_chromium
 
             if find_chromium() is None:
                 t.result = "not saved (no chromium on PATH)"

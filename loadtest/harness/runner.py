@@ -1,7 +1,7 @@
 """Drive one benchmark run: send a workload at its arrival times, under a concurrency
 cap, while sampling the server's ``/metrics``; then wait for the server to drain.
 
-    t=0 ── arrival[0] ── arrival[1] ── ...     (Gamma process, loadtest.arrivals)
+    t=0 ── arrival[0] ── arrival[1] ── ...     (Gamma process, loadtest.harness.arrivals)
              │ wait for a --max-concurrency slot, and for the parent turn (multi-turn)
              ▼
            send_completion (streaming)  ──▶ RequestResult
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pagedserve.loadtest.arrivals import arrival_times
-from pagedserve.loadtest.client import RequestResult, get_served_model, send_completion
-from pagedserve.loadtest.metrics import ServerSample, compute_metrics, parse_prometheus, server_view
+from pagedserve.loadtest.harness.arrivals import arrival_times
+from pagedserve.loadtest.harness.client import RequestResult, get_served_model, send_completion
+from pagedserve.loadtest.harness.metrics import ServerSample, compute_metrics, parse_prometheus, server_view
 from pagedserve.loadtest.workloads import RequestSpec, summarize
 
 

@@ -1,6 +1,6 @@
 """Per-step dispatch overhead of the Ray executor at TP=1 and TP=2.
 
-    python -m pagedserve.loadtest.bench_dispatch [--model DIR] [--batch 8] [--steps 200]
+    python -m pagedserve.loadtest.offline.bench_dispatch [--model DIR] [--batch 8] [--steps 200]
 
 One engine step = the scheduler actor sends a plan, every rank runs it, rank 0 returns
 the result. The benchmark drives real worker actors with real decode plans (a batch of

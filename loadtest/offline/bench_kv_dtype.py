@@ -9,7 +9,7 @@ comes at the first fill, and a bigger pool fills later, when its sequences have 
 so the peak grows a little less than the pool; the memory-bound mean is the steady state.
 The last line is one JSON object.
 
-    python -m pagedserve.loadtest.bench_kv_dtype [--kv-cache-memory 720MiB] [--model DIR] [--requests 600]
+    python -m pagedserve.loadtest.offline.bench_kv_dtype [--kv-cache-memory 720MiB] [--model DIR] [--requests 600]
         [--workload chat|long] [--seed 0 | --seeds 0-4]
 
 ``--seeds`` runs one workload per seed and prints, per format, the peak ratio to bf16 for each
@@ -29,7 +29,7 @@ import argparse
 import json
 import random
 
-from pagedserve.loadtest.bench_scheduler import VOCAB, make_workload, simulate
+from pagedserve.loadtest.offline.bench_scheduler import VOCAB, make_workload, simulate
 from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token
 
 SMOLLM2_135M = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}

@@ -8,8 +8,8 @@
 plus pagedserve's batch-1 decode speed against this machine's memory-bandwidth bound
 (weight bytes read per step / measured copy bandwidth). Last line: one JSON object.
 
-    python -m pagedserve.loadtest.bench_offline            # 128 requests, long on 2 cores (HF dominates)
-    python -m pagedserve.loadtest.bench_offline --quick    # a small version, quick
+    python -m pagedserve.loadtest.offline.bench_offline            # 128 requests, long on 2 cores (HF dominates)
+    python -m pagedserve.loadtest.offline.bench_offline --quick    # a small version, quick
 """
 
 from __future__ import annotations
