@@ -306,7 +306,7 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
         opts["ray_actor_options"] = actor_resources(opts["placement_group_bundles"][0])
     else:
         # tp=1: the worker runs inside the scheduler actor (no dispatch hop at all; see
-        # loadtest/bench_dispatch.py for what a worker actor would add).
+        # loadtest/offline/bench_dispatch.py for what a worker actor would add).
         worker = engine_bundles(engine_config, 0.0)[0]
         opts["ray_actor_options"] = dict(actor_resources(worker), num_cpus=replica_cpus)
     # The engine's knobs set where the app is built reach the replica even on a Ray cluster that

@@ -217,7 +217,7 @@ def get_open_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-# ---- a multi-node Ray cluster on one machine (tests, loadtest/cluster_check.py)
+# ---- a multi-node Ray cluster on one machine (tests, loadtest/multinode/cluster_check.py)
 class LocalCluster:
     """A head and worker nodes on this machine (``ray.cluster_utils.Cluster``), each its
     own raylet, resources and object store, as ``ray up`` makes them on several machines.
@@ -275,7 +275,7 @@ def _join(address: str, namespace: str) -> None:
 def cluster_view(address: str, namespace: str = "serve") -> dict:
     """What a user would check on a cluster, from a driver that joins it: the live nodes,
     every actor's class, state and node, every placement group's state and the node of
-    each bundle, and Serve's deployments. JSON-ready (loadtest/cluster_check.py)."""
+    each bundle, and Serve's deployments. JSON-ready (loadtest/multinode/cluster_check.py)."""
     _join(address, namespace)
     from ray._private import state
     from ray import serve

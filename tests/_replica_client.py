@@ -2,7 +2,7 @@
 stream on an output channel (real ZeroMQ on 127.0.0.1), call ``AsyncEngine.generate`` with
 its route, read the Admission from the generator (the request's lifeline, what Serve streams),
 then the outputs from the channel with their cumulative fields rebuilt (``Accumulated``), as
-``OpenAIIngress._start`` does.
+``ReplicaClient.generate`` (cluster/front/replica_client.py) does.
 
 ``generate(core, rid, prompt, params, **kw)`` yields the Admission, then (RequestOutput,
 token_text) items; closing it early cancels the lifeline, as a client that goes away does,

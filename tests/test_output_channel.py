@@ -175,7 +175,7 @@ def _greedy(n: int) -> SamplingParams:
 
 
 async def _over_channel(core, ch, rid, prompt, params):
-    """(Accumulated stream over the channel, admission), as OpenAIIngress._start opens one."""
+    """(Accumulated stream over the channel, admission), as ReplicaClient.generate opens one."""
     sub = ch.open(rid)
     gen = core.generate(rid, prompt, params, output_route=ch.route)
     adm = await gen.__anext__()

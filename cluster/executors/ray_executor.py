@@ -10,7 +10,7 @@ pickle per step written to a PUSH socket per rank, rank 0's result read from one
 socket (cluster/executors/zmq_dispatch.py; Unix sockets when all ranks share the node).
 A Ray Compiled Graph cost about twice as much per step here and could not tell a step
 that every rank rolled back from a group out of step, so it went (git history keeps it;
-loadtest/bench_dispatch.py measures the channel).
+loadtest/offline/bench_dispatch.py measures the channel).
 
 The data plane (activations) never goes through Ray: torch.distributed carries it.
 

@@ -69,7 +69,7 @@ logger = logging.getLogger("pagedserve")
 
 # Stats are pushed at most this often while busy (and at once when the engine goes idle
 # with new figures), and at least this often when idle. Each push is a Serve call that the
-# aggregator and the engine replica pay on the serving core (loadtest/bench_frontend.py
+# aggregator and the engine replica pay on the serving core (loadtest/serving/bench_frontend.py
 # measures it). The live view is sent every live_view.VIEW_INTERVAL_S anyway; Prometheus
 # scrapes in seconds.
 _STATS_MIN_INTERVAL_S = 0.5

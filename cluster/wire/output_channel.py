@@ -6,7 +6,7 @@ ingress replica's requests, instead of one Ray stream item per request per step.
               (one message per ingress per step)          (merges the steps its reader missed)
 
 Ray stream items cost serving-path CPU per token in the engine replica, Ray and the
-ingress (loadtest/bench_frontend.py measures it; BENCHMARKS.md). vLLM's engine core, too,
+ingress (loadtest/serving/bench_frontend.py measures it; BENCHMARKS.md). vLLM's engine core, too,
 sends its API server one message per step.
 
 ``generate()``'s Ray stream stays the request's lifeline. Its first item is the
