@@ -2,7 +2,8 @@
 anything of pagedserve, but ray only through cluster/. One sub-package per kind:
 
     __main__.py     python -m pagedserve.loadtest {bench,compare}; --help lists every bench
-    workloads.py    the seeded synthetic workloads every bench takes its prompts from
+    workloads.py    the seeded synthetic workloads of the HTTP benches (the offline benches
+                    still draw their own chat-like workload: offline/bench_offline.py)
     gpu_check.py    the one prepared GPU check (with gpu_check_setup.sh, gpu_image_packages.txt)
     harness/        the HTTP load harness: client, runner, metrics, report, servers
     scenarios/      the side-by-side scenarios of ``compare``
