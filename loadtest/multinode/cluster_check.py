@@ -56,11 +56,15 @@ class Load:
     """``clients`` streaming completions, each sending the next when one ends; every
     result is kept (RequestResult: start, first token, end, error, replica)."""
 
-    def __init__(self, base: str, clients: int, max_tokens: int, seed: int = 0, whole: int = 0) -> None:
-        """``whole``: that many of the clients ask for whole (not streamed) responses."""
-        self.base, self.clients, self.max_tokens, self.whole = base, clients, max_tokens, whole
+    def __init__(self, base: str, clients: int, max_tokens: int, seed: int = 0, whole: int = 0,
+                 words: int = 16) -> None:
+        """``whole``: that many of the clients ask for whole (not streamed) responses;
+        ``words``: the prompts' length."""
+        self.base, self.clients, self.max_tokens, self.whole, self.words = base, clients, max_tokens, whole, words
         self.results: list[RequestResult] = []
         self.inflight: dict[str, RequestResult] = {}  # streams being answered (client.send_completion)
+        self.prompts: dict[str, str] = {}  # request id -> its prompt
+        self.prompt: str | None = None  # every request's prompt, when set
         self._rng = random.Random(seed)
         self._stop = asyncio.Event()
         self._n = 0
@@ -76,8 +80,10 @@ class Load:
                 await asyncio.sleep(0.2)
                 continue
             self._n += 1
-            words = " ".join(self._rng.choice(("alpha", "beta", "gamma", "delta")) for _ in range(16))
-            spec = RequestSpec(f"c{i}-{self._n}", words, 16, self.max_tokens)
+            words = self.prompt or " ".join(self._rng.choice(("alpha", "beta", "gamma", "delta"))
+                                            for _ in range(self.words))
+            spec = RequestSpec(f"c{i}-{self._n}", words, self.words, self.max_tokens)
+            self.prompts[spec.request_id] = words
             if i < self.clients - self.whole:
                 self.results.append(await send_completion(client, self.base, spec, "model", timeout=120,
                                                           inflight=self.inflight))
@@ -292,19 +298,18 @@ def phase_node_kill(ctx: Ctx) -> dict:
     return out
 
 
-def _streaming_node(view: dict, inflight: dict[str, RequestResult]) -> str | None:
+def _streaming_node(node_of: dict[str, str], inflight: dict[str, RequestResult]) -> str | None:
     """The worker node whose engine replica holds the most streams that have sent tokens
-    (None while none has): the node to kill, whatever the router did with the load."""
-    node_of = {a["name"].rsplit("#", 1)[-1]: a["node"] for a in engine_replicas(view)}
+    (None while none has). ``node_of``: replica id -> node."""
     streaming = Counter(node_of.get(r.replica) for r in list(inflight.values()) if r.first_token_time > 0)
     streaming.pop(None, None)
     return streaming.most_common(1)[0][0] if streaming else None
 
 
 async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
-    # First 8 whole-response requests, long ones, while both replicas are idle: the router
-    # alternates between equal queues, so each replica holds some when the node dies; they
-    # have sent the client nothing, and must be retried, not failed. Then 6 streams.
+    # First 8 whole-response requests, long ones, while both replicas are idle: those on the
+    # lost node have sent the client nothing, and must be retried, not failed (the router may
+    # put them all on one replica). Then 6 streams, each a closed loop of 160-token answers.
     burst = Load(base, clients=8, max_tokens=300, whole=8, seed=1)
     burst_task = asyncio.ensure_future(burst.run())
     await asyncio.sleep(0.3)
@@ -316,13 +321,24 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
     await asyncio.sleep(3.0)
     # The victim: the node whose replica streams the most tokens now (Serve's replica actor
     # names end in the replica id the engine reports in the x-pagedserve-replica header).
+    view = await asyncio.to_thread(ctx.view)
+    node_of = {a["name"].rsplit("#", 1)[-1]: a["node"] for a in engine_replicas(view)}
     victim_node, t0 = None, time.perf_counter()
     while victim_node is None and time.perf_counter() - t0 < 30:
-        view = await asyncio.to_thread(ctx.view)
-        victim_node = _streaming_node(view, load.inflight)
+        victim_node = _streaming_node(node_of, load.inflight)
         if victim_node is None:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.05)
     victim_node = victim_node or _replica_nodes(view)[0]  # no stream started in 30 s: the test says so
+    # Then 4 whole responses that have sent nothing when it dies, there by construction: the
+    # prompt of a stream it holds, whose blocks its prefix cache has (the KV router's affinity).
+    there = next((r for r in list(load.inflight.values()) if node_of.get(r.replica) == victim_node), None)
+    held = Load(base, clients=4, max_tokens=300, whole=4, seed=3)
+    if there is not None:
+        held.prompt = load.prompts.get(there.request_id)
+    held_task = asyncio.ensure_future(held.run())
+    await asyncio.sleep(0.05)
+    held.stop()  # each client's one request runs to its end
+    await asyncio.sleep(0.5)  # routed and queued there
     victims = {a["name"].rsplit("#", 1)[-1] for a in engine_replicas(view) if a["node"] == victim_node}
     kill_t = time.perf_counter()
     await asyncio.to_thread(cluster.kill, victim_node)
@@ -339,8 +355,8 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
     await asyncio.sleep(4.0)  # requests on the new replica too
     load.stop()
     stop_health.set()
-    await asyncio.gather(*tasks, burst_task)
-    load.results += burst.results
+    await asyncio.gather(*tasks, burst_task, held_task)
+    load.results += burst.results + held.results
     return dict(kill_t=kill_t, victim_replicas=victims, victim_node=victim_node, results=load.results,
                 replaced_in_s=None if replaced is None else round(replaced, 1),
                 health_checks=len(codes), health_non_200=sum(1 for _, c in codes if c != 200),
