@@ -8,7 +8,7 @@ built on first use like cpu_decode_attention.py):
 
 In torch each of these is 4-8 ops, each a dispatch (a fixed Python-side cost) and a pass
 over memory; at decode batch sizes the dispatches are most of the cost (RMSNorm alone runs
-17 times a step on the bench model; BENCHMARKS.md has the timings). fp32 only
+17 times a step on the bench model; docs/notes/benchmarks-history.md has the timings). fp32 only
 (the CPU engine's dtype for exactness against transformers): the same formulas in the same
 order as transformers' (HF's rsqrt as 1/sqrt, rotary's two products then the sum, built
 with -ffp-contract=off so no product is fused into an add); only the sum of squares runs

@@ -2,8 +2,8 @@
 
 The same fp32 ``F.linear`` runs at very different speeds across x86 CPUs: it goes through
 MKL's sgemm, which is fast on some vendors' parts and slow on others (on some parts oneDNN
-with a pre-packed weight is several times faster at every batch size; BENCHMARKS.md has the
-figures). The CPU also changes between runs of this project, so the
+with a pre-packed weight was measured faster at every batch size: docs/notes/benchmarks-history.md
+has the figures). The CPU also changes between runs of this project, so the
 choice is made by a probe at load time, not hard-coded:
 
     "aten"    F.linear(x, W, b)                     plain [out, in] weight
