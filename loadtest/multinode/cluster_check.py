@@ -56,11 +56,9 @@ class Load:
     """``clients`` streaming completions, each sending the next when one ends; every
     result is kept (RequestResult: start, first token, end, error, replica)."""
 
-    def __init__(self, base: str, clients: int, max_tokens: int, seed: int = 0, whole: int = 0,
-                 words: int = 16) -> None:
-        """``whole``: that many of the clients ask for whole (not streamed) responses;
-        ``words``: the prompts' length."""
-        self.base, self.clients, self.max_tokens, self.whole, self.words = base, clients, max_tokens, whole, words
+    def __init__(self, base: str, clients: int, max_tokens: int, seed: int = 0, whole: int = 0) -> None:
+        """``whole``: that many of the clients ask for whole (not streamed) responses."""
+        self.base, self.clients, self.max_tokens, self.whole = base, clients, max_tokens, whole
         self.results: list[RequestResult] = []
         self.inflight: dict[str, RequestResult] = {}  # streams being answered (client.send_completion)
         self.prompts: dict[str, str] = {}  # request id -> its prompt
@@ -81,8 +79,8 @@ class Load:
                 continue
             self._n += 1
             words = self.prompt or " ".join(self._rng.choice(("alpha", "beta", "gamma", "delta"))
-                                            for _ in range(self.words))
-            spec = RequestSpec(f"c{i}-{self._n}", words, self.words, self.max_tokens)
+                                            for _ in range(16))
+            spec = RequestSpec(f"c{i}-{self._n}", words, 16, self.max_tokens)
             self.prompts[spec.request_id] = words
             if i < self.clients - self.whole:
                 self.results.append(await send_completion(client, self.base, spec, "model", timeout=120,
