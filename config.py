@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfig, SpeculativeConfig
-from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype
+from pagedserve.scheduler.kv.kv_cache_dtype import canonical_kv_cache_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # "1" when an engine or worker is built: install the planted failures of worker/faults.py.
@@ -23,7 +23,7 @@ class EngineConfig:
     model: str | None = None  # HF dir, .gguf, repo id, URI or a built-in name; None: SmolLM2-135M-Instruct (model_source.py)
     tokenizer: str | None = None  # defaults to ``model``
     revision: str | None = None  # a repo id's branch, tag or commit (vLLM's); pinned to the commit found
-    download_dir: str | None = None  # where a repo id / URI is fetched on each node (worker/model_fetch.py)
+    download_dir: str | None = None  # where a repo id / URI is fetched on each node (worker/loading/model_fetch.py)
     served_model_name: str | None = None  # the id /v1/models lists; None: ``model`` as given
     # What /v1/models shows as ``root``: ``model`` as the user gave it. The CLI resolves
     # ``model`` to a directory before the engine starts, and keeps the given one here.
@@ -41,7 +41,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # CPU: bytes of KV cache (default 2 GiB, capped by RAM)
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3"), "fp8_e5m2", "int8": 1-byte values with one
     # 1-byte scale (a UE5M3 absmax code) per (token, KV head), counted in the budget
-    # (scheduler/kv_cache_dtype.py)
+    # (scheduler/kv/kv_cache_dtype.py)
     kv_cache_dtype: str = "auto"
     seed: int = 0
     # The most logprobs a request may ask for per token (vLLM's --max-logprobs); -1: the

@@ -21,7 +21,7 @@ from ray import serve
 
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.front.metrics import StatsAggregator
-from pagedserve.cluster.front.routing import ROUTERS
+from pagedserve.cluster.front.router.routing import ROUTERS
 from pagedserve.cluster.placement import (actor_resources, check_group_fits, decide_for_cluster, engine_bundles,
                                           placement_strategy)
 from pagedserve.cluster.ray_utils import ON_HEAD_NODE, bind_host, serve_grpc_on_node_ip
@@ -51,7 +51,7 @@ SERVE_OPTION_DEFAULTS: dict[str, Any] = dict(
     # How long a replica being removed (scale-down, update) may take to finish its
     # streams; None: long enough for a max_model_len stream at GRACE_TOKENS_PER_S.
     graceful_shutdown_timeout_s=None,
-    # How the front picks an engine replica (cluster/front/routing.py ROUTERS): "kv", "prefix"
+    # How the front picks an engine replica (cluster/front/router/routing.py ROUTERS): "kv", "prefix"
     # or "pow2"; None: "kv" where more than one replica can run, else "pow2".
     request_router=None)
 # The slowest decode a draining stream is given time for (tokens/s, one stream): a
@@ -372,9 +372,9 @@ def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
 def pinned_model(engine_config: EngineConfig) -> EngineConfig:
     """A repo id ``model`` pinned to the commit it names now, where the app is built (its
     config and tokenizer fetched here): every replica, whenever Serve starts it, and every
-    worker then load those same files (worker/model_fetch.py). Other models as they are."""
-    from pagedserve.worker.model_fetch import is_remote
-    from pagedserve.worker.model_source import resolve_model
+    worker then load those same files (worker/loading/model_fetch.py). Other models as they are."""
+    from pagedserve.worker.loading.model_fetch import is_remote
+    from pagedserve.worker.loading.model_source import resolve_model
 
     if not is_remote(engine_config.model):
         return engine_config

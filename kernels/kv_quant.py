@@ -8,7 +8,7 @@ A quantised layer cache is four tensors (the format is the value cache's torch d
     x[slot, h, :]  ~=  float(q[slot, h, :]) * scale[slot, h],   scale = absmax(code) / QMAX
 
 One byte per (token, KV head) holds that row's absmax, set when the token is written
-(scheduler/kv_cache_dtype.py says why this layout), rounded *up* to four significant bits:
+(scheduler/kv/kv_cache_dtype.py says why this layout), rounded *up* to four significant bits:
 an unsigned float with a 5-bit exponent and 3 mantissa bits (UE5M3, like NVFP4's UE4M3 block
 scales) covering 2^-15 .. 114,688, code 255 = NaN. The row's scale is that absmax times
 ``1/QMAX`` in fp32, so ``|x| / scale <= QMAX`` up to the division's last bit (clamped: nothing
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-# kv_cache_dtype name (canonical, see scheduler/kv_cache_dtype.py) -> storage dtype
+# kv_cache_dtype name (canonical, see scheduler/kv/kv_cache_dtype.py) -> storage dtype
 KV_QUANT_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 QUANT_DTYPES = tuple(KV_QUANT_DTYPES.values())
 # Largest magnitude each format stores: e4m3fn 448 (no inf), e5m2 57344, int8 127 (-128 unused:

@@ -28,7 +28,7 @@ back inside the call. The estimates add up to ~410 s, the 8B section ~75 s of it
     in different places; a greedy near-tie then flips a token and the rest of the sequence
     diverges, so bf16 token equality may legitimately fail. In fp32 (IEEE dots in the Triton
     kernel, TF32 off in torch) the two differ by ~1e-6, far below the random model's top-1
-    margins (worker/random_models.py), and equality is expected token for token.
+    margins (worker/loading/random_models.py), and equality is expected token for token.
  6. b1: batch-1 decode step time from CUDA events (around the worker's execute_model)
     against the HBM roofline: (weight bytes + KV bytes read per step) / the copy bandwidth,
     on the ~0.85B model in bf16.
@@ -195,7 +195,7 @@ class Ctx:
 
     def small(self) -> str:
         if self._small is None:
-            from pagedserve.worker.random_models import make_random_llama
+            from pagedserve.worker.loading.random_models import make_random_llama
 
             t = time.time()
             self._small = make_random_llama(os.path.join(self.work, "small"), **self.small_cfg)
@@ -397,7 +397,7 @@ def write_random_llama_fast(path: str, cfg: dict, dev: torch.device) -> int:
     timing run needs (its tokens are not compared). Returns the bytes written."""
     from safetensors.torch import save_file
 
-    from pagedserve.worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
+    from pagedserve.worker.loading.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 
     os.makedirs(path, exist_ok=True)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]

@@ -20,7 +20,7 @@
 # travels. The packages the image lacks are each needed by one feature only, and imported
 # where that feature starts: ray and pyzmq by tensor_parallel_size > 1 (cluster/executors/
 # ray_executor.py, zmq_dispatch.py), xgrammar by structured outputs (cluster/engine/
-# structured_output.py, worker/sampler.py), gguf by .gguf checkpoints (worker/gguf_loader.py),
+# structured_output.py, worker/sampler.py), gguf by .gguf checkpoints (worker/loading/gguf_loader.py),
 # pydantic, fastapi and uvicorn by the HTTP server (cluster/front/), msgspec by nothing.
 # `gpu_check --cpu-smoke --image-packages-only` (tests/test_script_smokes.py) runs the whole
 # check with every package outside the image unimportable, so a new top-level import of one

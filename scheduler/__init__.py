@@ -5,9 +5,9 @@ Pure Python (no torch, no ray), so it is unit-tested alone and imported by worke
 for the wire types only.
 """
 
-from pagedserve.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.scheduler.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
-from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.kv.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, Logprobs, ModelRunnerOutput,
                                NewRequestData, SchedulerOutput)
 from pagedserve.scheduler.request import FinishReason, Request, RequestStatus

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT, FairRequestQueue
-from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.kv.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.ngram_proposer import NgramProposer
 from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.scheduler.request import Request, RequestStatus

@@ -1,5 +1,5 @@
 """Write small GGUF files with the ``gguf`` package's writer, as llama.cpp's converter would:
-from one of worker/random_models.py's random HF checkpoints (weights quantized, Llama q/k rows
+from one of worker/loading/random_models.py's random HF checkpoints (weights quantized, Llama q/k rows
 permuted to ggml's rope layout, the byte-level BPE tokenizer as metadata), or a bare file of
 another architecture for the refusal test. Used by tests only."""
 
@@ -13,9 +13,9 @@ import os
 import numpy as np
 from safetensors.numpy import load_file
 
-from pagedserve.worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS
+from pagedserve.worker.loading.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS
 
-# HF name pieces -> GGUF (the inverse of worker/gguf_loader.py's tables, written out again
+# HF name pieces -> GGUF (the inverse of worker/loading/gguf_loader.py's tables, written out again
 # on purpose: a shared table would let a wrong entry pass both sides).
 _LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
           "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
@@ -56,7 +56,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0") -> str:
-    """``hf_dir`` (a worker/random_models.py checkpoint) as a GGUF at ``out``: 2-D weights in ``qtype``,
+    """``hf_dir`` (a worker/loading/random_models.py checkpoint) as a GGUF at ``out``: 2-D weights in ``qtype``,
     norms and biases in F32, as llama.cpp's converter lays them out."""
     import gguf
 

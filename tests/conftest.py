@@ -98,7 +98,7 @@ def delete_app(name: str) -> None:
 
 @pytest.fixture(scope="session")
 def serve_model(tmp_path_factory):
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     return make_test_model("llama-gqa2-hd64", tmp_path_factory.getbasetemp() / "serve-models")
 

@@ -5,7 +5,7 @@ refuses naming it (protocol.NOT_IMPLEMENTED). A field that no such schema has is
 in a body or a message and named back to the client; inside our own nested objects it is
 refused.
 
-Adding a field to cluster/front/schemas.py means registering it below as implemented (or, if ignoring
+Adding a field to cluster/front/openai/schemas.py means registering it below as implemented (or, if ignoring
 it cannot change what a client gets back, adding it to both ignored lists). The walk
 covers the nested models too (messages, content parts, stream_options), and the check
 is shown to fail on a planted field; the openai SDK's own request parameters are held to
@@ -22,8 +22,8 @@ import pydantic
 import pytest
 from pydantic import BaseModel
 
-from pagedserve.cluster.front import schemas as protocol
-from pagedserve.cluster.front.schemas import (ACCEPTED_AND_IGNORED, ChatCompletionRequest,
+from pagedserve.cluster.front.openai import schemas as protocol
+from pagedserve.cluster.front.openai.schemas import (ACCEPTED_AND_IGNORED, ChatCompletionRequest,
                                                CompletionRequest)
 
 README = Path(__file__).resolve().parent.parent / "deploy" / "README.md"

@@ -105,7 +105,7 @@ def test_a_late_token_that_ends_the_request_takes_it_out_of_the_queue():
 # ---------------------------------------------------------------- the engine against the oracle
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     return oracle_case(make_test_model("llama-gqa4-hd128", tmp_path_factory.getbasetemp() / "async-models"))
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagedserve.scheduler.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.scheduler.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def free_ids(pool: BlockPool) -> list[int]:

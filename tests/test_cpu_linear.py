@@ -126,7 +126,7 @@ def test_every_batch_size_counts_alike_in_the_choice():
 
 
 def _model(path):
-    from pagedserve.worker.loader import load_model
+    from pagedserve.worker.loading.loader import load_model
     from pagedserve.worker.model_config import ModelConfig
 
     return load_model(ModelConfig.from_pretrained(path, dtype="float32"), "cpu")
@@ -135,7 +135,7 @@ def _model(path):
 def test_packing_drops_plain_weights_keeps_tied_embedding(tmp_path):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
     from pagedserve.worker.layers.linear import PackableLinear
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     model = _model(make_test_model("qwen2-tied", tmp_path))
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
@@ -152,7 +152,7 @@ def test_packing_drops_plain_weights_keeps_tied_embedding(tmp_path):
 
 def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     with caplog.at_level(logging.INFO, logger="pagedserve"):
@@ -166,7 +166,7 @@ def test_auto_probes_and_logs_its_choice(tmp_path, caplog, monkeypatch):
 
 def test_the_probe_runs_once_per_machine_kind_and_model_shape(tmp_path, monkeypatch):
     from pagedserve.worker.layers import cpu_backend
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     probes = []
@@ -202,7 +202,7 @@ def test_a_bf16_model_gets_a_backend_that_runs_on_this_cpu(tmp_path, monkeypatch
     by name says why."""
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
     from pagedserve.worker.layers.linear import PackableLinear
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     model = _model(make_test_model("llama-mha", tmp_path / "a")).to(torch.bfloat16)
@@ -223,7 +223,7 @@ def test_a_bf16_model_gets_a_backend_that_runs_on_this_cpu(tmp_path, monkeypatch
 def test_panel_packing_replaces_the_plain_weights(tmp_path):
     from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
     from pagedserve.worker.layers.linear import PackableLinear
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     model = _model(make_test_model("qwen2-tied", tmp_path))  # Qwen2: q/k/v have biases
     layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
@@ -243,7 +243,7 @@ def test_panel_packing_replaces_the_plain_weights(tmp_path):
 def oracle_case(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     path = make_test_model("qwen2-tied", tmp_path_factory.getbasetemp() / "cpu-linear-models")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -105,7 +105,7 @@ def test_not_asked_for_a_tensor_without_a_whole_huge_page():
 def test_the_engine_kv_pool_is_in_huge_pages(tmp_path):
     from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     llm = LLM(model=make_test_model("llama-mha", tmp_path), max_model_len=512, num_gpu_blocks_override=1024)
     try:

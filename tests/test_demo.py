@@ -8,8 +8,8 @@ import os
 import torch
 import transformers
 
-from pagedserve.worker.demo import DEMO_CONFIG, demo_model_path
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.demo import DEMO_CONFIG, demo_model_path
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 
 

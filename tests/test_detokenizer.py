@@ -146,8 +146,8 @@ def test_flush_releases_an_incomplete_character_like_decode(tok):
 
 
 def test_project_tokenizer_round_trip():
-    # The demo/test tokenizer of worker/tokenizer_build.py (ASCII-trained: CJK is bytes).
-    from pagedserve.worker.tokenizer_build import build_tokenizer
+    # The demo/test tokenizer of worker/loading/tokenizer_build.py (ASCII-trained: CJK is bytes).
+    from pagedserve.worker.loading.tokenizer_build import build_tokenizer
 
     t = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(600), eos_token="<|end_of_text|>",
                                 clean_up_tokenization_spaces=False)

@@ -14,7 +14,7 @@ from _replica_client import generate
 from pagedserve.cluster.replica.engine_replica import Admission, AsyncEngine
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_a_replica_publishes_its_cached_prefixes_to_a_subscriber(model):
     import time
 
     from pagedserve.cluster.wire.kv_events import KVEventSubscriber
-    from pagedserve.scheduler.kv_cache_utils import ROOT_HASH, hash_block_tokens
+    from pagedserve.scheduler.kv.kv_cache_utils import ROOT_HASH, hash_block_tokens
 
     core = AsyncEngine(EngineConfig(model=model, dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
                                     max_num_seqs=2), kv_events_host="127.0.0.1")

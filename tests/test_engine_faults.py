@@ -22,7 +22,7 @@ from pagedserve.cluster.wire.failures import EngineDeadError, RequestFailed
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker import faults
 from pagedserve.config import EngineConfig
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 MAX_NUM_SEQS = 2
 

@@ -24,7 +24,7 @@ from pagedserve.cluster.engine.llm_engine import LLMEngine
 from pagedserve.cluster.executors.uniproc import UniProcExecutor
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 SHAPES = ["qwen2-tied", "llama-gqa4-hd128", "llama-mha"]
 PROMPT_LENS = [1, 2, 3, 5, 9, 16, 17, 31, 33, 64, 100, 129, 150, 200, 257, 300]

@@ -17,11 +17,11 @@ import torch
 
 from _gguf_helpers import parse_gguf_once, write_foreign_gguf, write_gguf_from_hf
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.gguf_loader import iter_gguf_weights
+from pagedserve.worker.loading.gguf_loader import iter_gguf_weights
 from pagedserve.worker.model_config import ModelConfig
-from pagedserve.worker.model_source import (DEFAULT_MODEL_NAME, default_model_file, file_sha256,
+from pagedserve.worker.loading.model_source import (DEFAULT_MODEL_NAME, default_model_file, file_sha256,
                                             resolve_model)
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[5, 17, 99, 300, 20, 21, 22, 23], [7], list(range(40, 90)), [260, 261, 3, 3, 3]]

@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.model_source import DEFAULT_MODEL_NAME, default_model_file, resolve_model
+from pagedserve.worker.loading.model_source import DEFAULT_MODEL_NAME, default_model_file, resolve_model
 from _gguf_helpers import parse_gguf_once
 
 QUESTIONS = [

@@ -30,7 +30,7 @@ def gpu_cluster(tmp_path_factory):
     from ray.serve.context import _set_global_client
 
     from pagedserve.cluster.ray_utils import LocalCluster, get_open_port
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     if ray.is_initialized():  # the session's Ray, if a test before left it up
         serve.shutdown()

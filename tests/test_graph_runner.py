@@ -19,10 +19,10 @@ from _sched_helpers import add, make_scheduler
 
 from pagedserve.cluster.cli.args import add_engine_args, engine_config_from_args
 from pagedserve.worker.cuda_graphs import capture_sizes, graphs_disabled_reason
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.model_runner import ModelRunner
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

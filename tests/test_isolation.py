@@ -16,7 +16,7 @@ import pytest
 
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker import faults
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 PROMPTS = [[5, 9, 13, 17, 21, 25], [7, 11, 3, 40, 41, 42, 43, 44, 45]]
 

@@ -4,7 +4,7 @@ collision-safe keys, LRU eviction of cached free blocks, contiguous reservation.
 Block size 4 throughout, so block k holds tokens [4k, 4k+4)."""
 
 from pagedserve.scheduler import CacheConfig, KVCacheManager, Request, SamplingParams
-from pagedserve.scheduler.kv_cache_utils import extend_block_hashes
+from pagedserve.scheduler.kv.kv_cache_utils import extend_block_hashes
 
 
 def manager(num_blocks=8, **kw) -> KVCacheManager:

@@ -1,4 +1,4 @@
-"""KV events (scheduler/kv_events.py): a subscriber that applies a replica's batches holds
+"""KV events (scheduler/kv/kv_events.py): a subscriber that applies a replica's batches holds
 exactly the prefixes the replica's cache holds, and matches a prompt's leading blocks as
 the replica's own lookup does. Block size 4, as in test_kv_cache_manager."""
 
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from pagedserve.scheduler import CacheConfig, KVCacheManager, Request, SamplingParams
-from pagedserve.scheduler.kv_cache_utils import extend_block_hashes
-from pagedserve.scheduler.kv_events import REMOVED, STORED, KVEventBatch, KVEventLog, KVView
+from pagedserve.scheduler.kv.kv_cache_utils import extend_block_hashes
+from pagedserve.scheduler.kv.kv_events import REMOVED, STORED, KVEventBatch, KVEventLog, KVView
 
 
 def manager(num_blocks=8) -> KVCacheManager:

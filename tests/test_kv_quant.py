@@ -18,7 +18,7 @@ from pagedserve.kernels.attention_ref import gather_kv_ref
 from pagedserve.kernels.kv_quant import (QMAX, QUANT_DTYPES, SCALE_DTYPE, check_scales, decode_amax,
                                          dequantize_rows, encode_amax, kv_cache_torch_dtype, quantize_rows, row_scales)
 from pagedserve.loadtest.kernel_checks.paged_batch import make_paged_batch
-from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
+from pagedserve.scheduler.kv.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
 # Worst-case rounding of one value, relative to its row's scale s = absmax / QMAX:
@@ -244,7 +244,7 @@ def test_prefix_caching_and_preemption_unchanged_on_a_quantised_cache(tmp_path, 
     recompute after a preemption, give the outputs of a plain run on the same cache format."""
     from test_engine_oracle import PROMPT_LENS, _engine, _params, _prompts, _run
 
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     # "Same tokens, same bytes" needs K/V computed the same whatever the batch: oneDNN's packed
     # GEMM and the panel GEMM are batch-invariant here, plain F.linear (MKL) is not (a prefill

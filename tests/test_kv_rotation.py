@@ -52,7 +52,7 @@ def test_model_rotates_only_on_a_quantised_cache(tmp_path, monkeypatch):
     oracle's), and the int8 run starts as the plain one (its first tokens)."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.worker.models import llama
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     path = make_test_model("llama-gqa2-hd64", tmp_path)
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [100, 3, 3, 40, 41]]

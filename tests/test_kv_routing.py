@@ -1,4 +1,4 @@
-"""The KV router's policy (cluster/front/kv_routing.py) on real scheduler state: the block
+"""The KV router's policy (cluster/front/router/kv_routing.py) on real scheduler state: the block
 hashes it computes from a prompt are the ones the replica's prefix cache stores (salts and
 tenant isolation included), so a view fed by the replica's KV events matches exactly what
 the replica would reuse; the cost ranks the holder first, load overrides it past the
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from _sched_helpers import make_scheduler, step
-from pagedserve.cluster.front.kv_routing import BY_LOAD, BY_PREFIX, KVRoutingPolicy, ReplicaLoad, rank
+from pagedserve.cluster.front.router.kv_routing import BY_LOAD, BY_PREFIX, KVRoutingPolicy, ReplicaLoad, rank
 from pagedserve.scheduler import Request, SamplingParams
-from pagedserve.scheduler.kv_events import KVEventLog, KVView
+from pagedserve.scheduler.kv.kv_events import KVEventLog, KVView
 
 BS = 4
 
@@ -115,7 +115,7 @@ def test_a_replica_reports_its_waiting_prefill_net_of_its_cache():
     """The backlog a replica publishes counts only what its waiting prompts must still
     prefill: prompts whose prefix it holds weigh little, so they do not push the next
     request of that prefix to a replica without it."""
-    from pagedserve.scheduler.kv_events import waiting_prefill
+    from pagedserve.scheduler.kv.kv_events import waiting_prefill
 
     sched = replica()
     prefix = list(range(1, 33))  # 8 blocks of 4
@@ -144,7 +144,7 @@ def test_sent_blocks_count_while_in_flight_then_for_a_grace_period():
     request is in flight there (it may wait in a queue for seconds before its prefill
     stores the blocks), then for SENT_TTL_S; a request routed elsewhere than first scored
     moves its marks; a replica that goes takes its marks with it."""
-    from pagedserve.cluster.front.routing import SENT_TTL_S, _SentBlocks
+    from pagedserve.cluster.front.router.routing import SENT_TTL_S, _SentBlocks
 
     sent = _SentBlocks()
     sent.send("r1", "a", [11, 12])

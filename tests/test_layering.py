@@ -104,6 +104,21 @@ def test_every_cluster_file_is_in_one_of_its_parts():
         assert doc and "Imports" in doc, part
 
 
+MAX_FOLDER_FILES = 16  # Python files in one folder of the package: past that, a folder wants sub-rooms
+
+
+def test_no_package_folder_is_crowded():
+    """Every folder of the package (loadtest/ included; tests/ is the suite, not the package)
+    holds at most MAX_FOLDER_FILES Python files, __init__.py counted."""
+    folders = {ROOT, *(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*") if p.is_dir())}
+    crowded = {
+        str(f.relative_to(ROOT)) or ".": n
+        for f in folders
+        if "__pycache__" not in f.parts and (n := len(list(f.glob("*.py")))) > MAX_FOLDER_FILES
+    }
+    assert not crowded, f"folders over {MAX_FOLDER_FILES} Python files: {crowded}"
+
+
 MAX_SWITCHES = 8  # PAGEDSERVE_* environment variables the shipped code reads
 
 
@@ -163,7 +178,7 @@ _LOADED = "import sys; bad = sorted({m.split('.')[0] for m in sys.modules} & {%s
 
 @pytest.mark.parametrize("modules, heavy", [
     # scheduler/ and everything it re-exports: pure Python
-    (["pagedserve.scheduler", "pagedserve.scheduler.scheduler", "pagedserve.scheduler.kv_cache_manager"],
+    (["pagedserve.scheduler", "pagedserve.scheduler.scheduler", "pagedserve.scheduler.kv.kv_cache_manager"],
      ["torch", "ray", "triton"]),
     # the public API's import costs nothing; LLM loads the engine, never ray (TP 1 offline)
     (["pagedserve"], ["torch", "ray", "triton"]),

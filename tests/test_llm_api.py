@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

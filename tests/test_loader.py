@@ -10,10 +10,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import tp_rank_override
-from pagedserve.worker.random_models import make_random_llama, make_test_model
+from pagedserve.worker.loading.random_models import make_random_llama, make_test_model
 
 
 @pytest.fixture(scope="session")

@@ -148,7 +148,7 @@ def test_queue_time_ends_when_the_request_is_scheduled_not_when_its_first_token_
     part of its TTFT, not of its queue time."""
     from pagedserve.cluster.llm import LLM
     from pagedserve.scheduler.sampling_params import SamplingParams
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     llm = LLM(model=make_test_model("llama-gqa2-hd64", tmp_path), dtype="float32", max_model_len=256,
               num_gpu_blocks_override=64, max_num_seqs=2)

@@ -16,10 +16,10 @@ import torch
 import transformers
 
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.models import get_model_class
-from pagedserve.worker.random_models import TEST_SHAPES, make_random_llama, make_test_model
+from pagedserve.worker.loading.random_models import TEST_SHAPES, make_random_llama, make_test_model
 
 BLOCK_SIZE = 8
 

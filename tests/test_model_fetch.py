@@ -1,4 +1,4 @@
-"""Weights on every node (worker/model_fetch.py): ``--model`` as a Hugging Face repo id or an
+"""Weights on every node (worker/loading/model_fetch.py): ``--model`` as a Hugging Face repo id or an
 s3:// URI travels as itself, and each process that opens the model fetches it onto its own
 node first, once per node, under a lock, never taking a partial copy for a whole one.
 
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.worker import model_fetch
-from pagedserve.worker.model_fetch import (CONFIG_FILES, INDEX_FILE, fetch_model, is_remote,
+from pagedserve.worker.loading import model_fetch
+from pagedserve.worker.loading.model_fetch import (CONFIG_FILES, INDEX_FILE, fetch_model, is_remote,
                                            object_store_dir)
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 REPO = "pagedserve-tests/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the snapshot folder's name: a commit hash
@@ -270,7 +270,7 @@ def test_missing_prefix_is_an_error_naming_the_uri_and_the_node(s3, tmp_path, mo
 FETCH_SCRIPT = r"""
 import json, logging, os, sys, time
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-from pagedserve.worker import model_fetch
+from pagedserve.worker.loading import model_fetch
 uri, ready, go, delay, copied = sys.argv[1:6]
 copy = model_fetch._copy_file
 def slow_copy(*args):

@@ -68,7 +68,7 @@ def test_foreign_scheduler_worker_cluster_first_on_path_do_not_break_generation(
         import json, scheduler, worker, cluster
         assert (scheduler.FOREIGN, worker.FOREIGN, cluster.FOREIGN) == ("scheduler", "worker", "cluster")
         from pagedserve import LLM, SamplingParams
-        from pagedserve.worker.demo import demo_model_path
+        from pagedserve.worker.loading.demo import demo_model_path
         llm = LLM(model=demo_model_path(), max_model_len=256, num_gpu_blocks_override=64, seed=0)
         try:
             outs = llm.generate(["Once upon a time", "hello"],

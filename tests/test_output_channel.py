@@ -23,7 +23,7 @@ from pagedserve.cluster.wire.stream import Accumulated, slim
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 
 async def _ended():

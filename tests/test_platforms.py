@@ -88,7 +88,7 @@ def test_a_cuda_worker_on_a_torch_without_cuda_fails_naming_itself_and_the_fix(t
 
 def test_dtype_auto_is_bf16_on_cuda_for_fp32_and_gguf_and_the_checkpoints_elsewhere(tmp_path):
     from pagedserve.worker.model_config import ModelConfig
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     assert auto_dtype("float32", "cuda") == "bfloat16"
     assert auto_dtype("float16", "cuda") == "float16" and auto_dtype("bfloat16", "cuda") == "bfloat16"
@@ -230,7 +230,7 @@ def test_the_profile_runs_the_largest_step_the_scheduler_can_send():
 def test_decode_graphs_are_captured_up_to_the_verify_rows(tmp_path):
     from pagedserve.worker.model_config import ModelConfig
     from pagedserve.worker.model_runner import ModelRunner
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     cfg = ModelConfig.from_pretrained(make_test_model("llama-gqa2-hd64", tmp_path), max_model_len=128)
     runner = ModelRunner(torch.nn.Identity(), cfg, block_size=16, device=torch.device("cpu"), max_num_seqs=8,
@@ -242,7 +242,7 @@ def test_the_profile_steps_run_on_the_cpu_at_the_largest_shapes(tmp_path):
     """The forward, prompt-logprobs and sampler passes the CUDA profile measures, run here
     at their shapes (the measuring itself needs a GPU: loadtest/gpu_check.py)."""
     from pagedserve.worker.memory_plan import profile_shapes
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
     from pagedserve.worker.worker import Worker
 
     path = make_test_model("llama-gqa2-hd64", tmp_path)

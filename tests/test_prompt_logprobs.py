@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 TOP = 3
 

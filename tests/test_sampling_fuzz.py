@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pagedserve.cluster.front.schemas import CompletionRequest
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.cluster.front.openai.schemas import CompletionRequest
+from pagedserve.worker.loading.random_models import make_test_model
 
 FUZZ_EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "120"))
 VOCAB = 512  # the test model's

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pagedserve.scheduler import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig
 from pagedserve.scheduler.config import Reservation
-from pagedserve.scheduler.kv_cache_utils import hash_cache_salt
+from pagedserve.scheduler.kv.kv_cache_utils import hash_cache_salt
 
 from _sched_helpers import block_ids, step
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.worker.model_source import DEFAULT_MODEL_NAME
+from pagedserve.worker.loading.model_source import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPARE_SCENARIOS = ["prefix-caching", "mixed-saturation", "rate-sweep"]
@@ -49,7 +49,7 @@ TESTS = {"test_compare_quick_smoke": "compare", "test_bench_frontend_prices_each
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, tuple[Future, Path]]:
     """Every selected test's script, started at once in two lanes."""
-    from pagedserve.worker.random_models import make_random_llama
+    from pagedserve.worker.loading.random_models import make_random_llama
 
     work = {name: tmp_path_factory.mktemp(name) for name in set(TESTS.values())}
     model = work["bench_frontend"] / "m"

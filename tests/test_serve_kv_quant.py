@@ -74,7 +74,7 @@ def test_int8_cache_serves_the_offline_engines_tokens_to_concurrent_clients(url,
 
 
 def test_metrics_report_the_quantised_bytes_and_the_pool_comes_back(url, offline, serve_model):
-    from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token
+    from pagedserve.scheduler.kv.kv_cache_dtype import kv_cache_bytes_per_token
     from pagedserve.worker.model_config import ModelConfig
 
     deadline = time.monotonic() + 10

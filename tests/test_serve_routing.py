@@ -1,4 +1,4 @@
-"""The KV router (cluster/front/routing.py) on a real Serve app of two engine replicas:
+"""The KV router (cluster/front/router/routing.py) on a real Serve app of two engine replicas:
 
 - each prompt prefix stays on the replica that prefilled it (the replica named in the
   ``x-pagedserve-replica`` header), and the second request of a prefix finds it cached;

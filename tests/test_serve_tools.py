@@ -19,10 +19,10 @@ import jsonschema
 import openai
 import pytest
 
-from pagedserve.cluster.front.schemas import ChatCompletionRequest
+from pagedserve.cluster.front.openai.schemas import ChatCompletionRequest
 from pagedserve.cluster.text.chat_template import renders_tools
-from pagedserve.cluster.front.tool_choice import tool_plan
-from pagedserve.cluster.front.tool_parsers import parse
+from pagedserve.cluster.front.openai.tool_choice import tool_plan
+from pagedserve.cluster.front.openai.tool_parsers import parse
 from pagedserve.cluster.text.tokenizer_pool import render_chat
 
 # Bounded schemas (enums, booleans): a random model under the grammar ends them quickly.
@@ -223,8 +223,8 @@ def test_real_model_named_tool_call():
     through ``pagedserve.LLM``, planned and parsed by the same code as the server: the
     arguments validate, and greedy decoding fills in the city the question names."""
     from pagedserve import LLM
-    from pagedserve.cluster.front.tool_choice import constrain_to_schema
-    from pagedserve.worker.model_source import default_model_file
+    from pagedserve.cluster.front.openai.tool_choice import constrain_to_schema
+    from pagedserve.worker.loading.model_source import default_model_file
 
     try:
         default_model_file()

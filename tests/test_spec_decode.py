@@ -482,7 +482,7 @@ import test_engine_oracle as oracle  # noqa: E402  (its HF references and driver
 
 @pytest.fixture(scope="module", params=oracle.SHAPES)
 def shape_case(request, tmp_path_factory):
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     return oracle.oracle_case(make_test_model(request.param, tmp_path_factory.getbasetemp() / "spec-models"))
 
@@ -516,7 +516,7 @@ def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_f
     """Also where the engine may plan ahead: there a step with drafts is sent before the last
     step's outputs are detokenized, so a stop string is found while the next step runs."""
     from pagedserve.cluster.llm import LLM
-    from pagedserve.worker.random_models import make_test_model
+    from pagedserve.worker.loading.random_models import make_test_model
 
     path = make_test_model("llama-mha", tmp_path_factory.getbasetemp() / "spec-models")
     prompts = oracle._prompts(256)[4:12]

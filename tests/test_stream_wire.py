@@ -16,7 +16,7 @@ from pagedserve.cluster.executors.uniproc import UniProcExecutor
 from pagedserve.cluster.wire.stream import Accumulated, merge, merge_texts, slim
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 
 @pytest.fixture(scope="module")

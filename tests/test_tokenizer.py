@@ -12,7 +12,7 @@ import sys
 import pytest
 import transformers
 
-from pagedserve.worker.tokenizer_build import BOS, BOS_ID, EOS, EOS_ID, IM_END, IM_START, PAD, PAD_ID, build_tokenizer, generate_corpus, save_tokenizer
+from pagedserve.worker.loading.tokenizer_build import BOS, BOS_ID, EOS, EOS_ID, IM_END, IM_START, PAD, PAD_ID, build_tokenizer, generate_corpus, save_tokenizer
 
 VOCAB = 1024
 

@@ -11,11 +11,11 @@ import random
 import jsonschema
 import pytest
 from _tools_data import ASK, NAMED, SCHEMAS, TOOLS
-from pagedserve.cluster.front.schemas import ChatCompletionRequest
+from pagedserve.cluster.front.openai.schemas import ChatCompletionRequest
 from pagedserve.cluster.text.tokenizer_pool import render_chat
-from pagedserve.cluster.front.tool_choice import ToolPlan, tool_plan
+from pagedserve.cluster.front.openai.tool_choice import ToolPlan, tool_plan
 from pagedserve.cluster.text.chat_template import adapt_messages, renders_tools
-from pagedserve.cluster.front.tool_parsers import ToolStream, parse, parse_hermes
+from pagedserve.cluster.front.openai.tool_parsers import ToolStream, parse, parse_hermes
 
 
 def _plan(**body):
@@ -132,7 +132,7 @@ def test_auto_sse_chunks_and_whole_response():
     renders tools (no served test model has one): the SSE chunks carry content, then
     the call; the whole response has both; finish_reason becomes "tool_calls"."""
     from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
-    from pagedserve.cluster.front import openai_format as fmt
+    from pagedserve.cluster.front.openai import openai_format as fmt
 
     pieces = ["Checking", ". <tool", '_call>{"name": "set_alarm", ', '"arguments": {"on": true}}',
               "</tool_call>"]

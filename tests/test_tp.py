@@ -11,10 +11,10 @@ import torch
 import torch.multiprocessing as mp
 
 from pagedserve.kernels.metadata import AttentionMetadata
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from pagedserve.worker.random_models import make_random_llama, make_test_model
+from pagedserve.worker.loading.random_models import make_random_llama, make_test_model
 
 BLOCK_SIZE = 4
 

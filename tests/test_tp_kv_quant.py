@@ -11,10 +11,10 @@ import torch.multiprocessing as mp
 from test_tp import BLOCK_SIZE, _metadata
 
 from pagedserve.kernels.kv_quant import SCALE_DTYPE
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 
 def _two_steps(path: str, tp_size: int, dtype: torch.dtype) -> torch.Tensor:

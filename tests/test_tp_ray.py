@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.random_models import make_test_model
+from pagedserve.worker.loading.random_models import make_test_model
 
 SHAPES = ["llama-gqa2-hd64", "qwen2-tied"]
 PROMPT_LENS = [1, 7, 16, 33, 90]

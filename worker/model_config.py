@@ -1,5 +1,5 @@
 """The model's shape and numerics, parsed from a Hugging Face ``config.json`` or from a
-GGUF file's metadata (``worker/gguf_loader.py`` turns it into the same dict).
+GGUF file's metadata (``worker/loading/gguf_loader.py`` turns it into the same dict).
 
 Only what the Llama family needs. Both config dialects are accepted: the old one
 (``rope_theta`` + ``rope_scaling``, transformers 4) and the new one (``rope_parameters``,
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pagedserve.platforms import auto_dtype
-from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, open_gguf
+from pagedserve.worker.loading.gguf_loader import find_gguf_file, gguf_hf_config, open_gguf
 
 # Architecture name in config.json -> the family members we implement (worker/models).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")

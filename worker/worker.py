@@ -15,16 +15,16 @@ import torch
 
 from pagedserve.kernels import kv_cache_torch_dtype
 from pagedserve.kernels.kv_quant import check_fp8_device
-from pagedserve.scheduler.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
+from pagedserve.scheduler.kv.kv_cache_dtype import canonical_kv_cache_dtype, kv_cache_bytes_per_token
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan, SchedulerOutput
 from pagedserve.worker import parallel_state
 from pagedserve.config import EngineConfig
 from pagedserve.platforms import CUDA_INSTALL_HINT, cuda_unusable_reason
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_this_process
-from pagedserve.worker.loader import load_model
+from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.memory_plan import MemoryPlan, profile_shapes
 from pagedserve.worker.model_config import ModelConfig
-from pagedserve.worker.model_fetch import local_model_path
+from pagedserve.worker.loading.model_fetch import local_model_path
 from pagedserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

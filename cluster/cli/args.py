@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.scheduler.kv_cache_dtype import KV_CACHE_DTYPES
+from pagedserve.scheduler.kv.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedserve.config import CPU_LINEAR_CHOICES, EngineConfig
 
 
@@ -163,14 +163,14 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     """Check ``--model`` before anything starts (Ray, workers) and fix what it resolves to,
     so a bad path or an unsupported checkpoint is one line on stderr and exit code 1.
-    A GGUF file is prepared here, once (worker/model_source.py). A repo id or a URI is
+    A GGUF file is prepared here, once (worker/loading/model_source.py). A repo id or a URI is
     checked from its config and tokenizer alone, fetched onto this node, and stays the
-    source: every node that loads it fetches it itself (worker/model_fetch.py), a repo id
+    source: every node that loads it fetches it itself (worker/loading/model_fetch.py), a repo id
     at the commit found here."""
     import dataclasses
 
     from pagedserve.worker.model_config import ModelConfig
-    from pagedserve.worker.model_source import resolve_model
+    from pagedserve.worker.loading.model_source import resolve_model
 
     try:
         resolved = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir,

@@ -12,7 +12,7 @@ KiB per token, GiB per sequence (binary units, 1 GiB = 2**30 bytes).
 With tensor parallelism each GPU holds ``ceil(num_kv_heads / tp)`` KV heads (KV heads
 are replicated, not split, when there are fewer of them than GPUs) and ``1/tp`` of the
 weights. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly. The
-quantised formats and their scale layout are scheduler/kv_cache_dtype.py's, the same the
+quantised formats and their scale layout are scheduler/kv/kv_cache_dtype.py's, the same the
 workers size their pool with.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedserve.platforms import auto_dtype
-from pagedserve.scheduler.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
+from pagedserve.scheduler.kv.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
 
 GiB = 1 << 30
 KiB = 1 << 10

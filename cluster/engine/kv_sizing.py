@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
+from pagedserve.scheduler.kv.kv_cache_dtype import kv_cache_bytes_per_token, kv_cache_scale_bytes_per_token
 
 logger = logging.getLogger("pagedserve")
 

@@ -35,8 +35,8 @@ from pagedserve.scheduler.vocab_limits import check_vocab_limits
 from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
 from pagedserve.platforms import decide_here
 from pagedserve.worker.model_config import ModelConfig
-from pagedserve.worker.model_fetch import local_model_path
-from pagedserve.worker.model_source import resolve_model
+from pagedserve.worker.loading.model_fetch import local_model_path
+from pagedserve.worker.loading.model_source import resolve_model
 
 logger = logging.getLogger("pagedserve")
 
@@ -88,7 +88,7 @@ class LLMEngine:
         # an engine built in-process (the offline LLM, tests) decides for this node.
         self.config = dataclasses.replace(decide_here(engine_config), model=path)
         if resolved.remote:  # a repo id or URI goes on as itself, at the commit found here: each
-            # worker fetches the weights onto its own node (worker/model_fetch.py)
+            # worker fetches the weights onto its own node (worker/loading/model_fetch.py)
             self.config.model, self.config.revision = engine_config.model, resolved.revision
         self.model_config = ModelConfig.from_pretrained(
             path, dtype=self.config.dtype, max_model_len=self.config.max_model_len, device=self.config.device)

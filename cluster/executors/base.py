@@ -17,7 +17,7 @@ class Executor:
     def __init__(self, engine_config: EngineConfig) -> None:
         # engine_config.model is a resolved local directory by now (LLMEngine resolves
         # the demo model before building the executor), or a repo id / URI that each
-        # worker fetches onto its own node (worker/model_fetch.py).
+        # worker fetches onto its own node (worker/loading/model_fetch.py).
         self.engine_config = engine_config
 
     def check_health(self, timeout_s: float) -> None:

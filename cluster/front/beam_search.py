@@ -28,10 +28,10 @@ from typing import Awaitable, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.cluster.front import openai_format as fmt
+from pagedserve.cluster.front.openai import openai_format as fmt
 from pagedserve.cluster.front.edge import error, remote_error
 from pagedserve.cluster.front.replica_client import ReplicaClient
-from pagedserve.cluster.front.schemas import (ChatCompletionChoice, ChatCompletionResponse, ChatResponseMessage,
+from pagedserve.cluster.front.openai.schemas import (ChatCompletionChoice, ChatCompletionResponse, ChatResponseMessage,
                                                CompletionChoice, CompletionResponse, UsageInfo)
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput

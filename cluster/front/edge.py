@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedserve.cluster.front.schemas import error_body
+from pagedserve.cluster.front.openai.schemas import error_body
 from pagedserve.cluster.front.tenants import DEFAULT_TENANT, TENANT_HEADER, check_tenant_name
 from pagedserve.cluster.wire.failures import ReplicaLost
 

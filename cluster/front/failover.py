@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from pagedserve.cluster.front.lost_replicas import pop_routed, routed_to
+from pagedserve.cluster.front.router.lost_replicas import pop_routed, routed_to
 from pagedserve.cluster.wire.failures import ReplicaLost
 
 logger = logging.getLogger("pagedserve")

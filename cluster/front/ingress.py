@@ -40,7 +40,7 @@ from pagedserve.cluster.front.door import DASHBOARD_HTML, LiveRequests, request_
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers, remote_error)
 from pagedserve.cluster.front.replica_client import ReplicaClient
-from pagedserve.cluster.front.schemas import (BatchChatCompletionRequest, ChatCompletionRequest,
+from pagedserve.cluster.front.openai.schemas import (BatchChatCompletionRequest, ChatCompletionRequest,
                                                CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                                ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
                                                random_id)

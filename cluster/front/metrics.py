@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from pagedserve.cluster.front import route_counts
+from pagedserve.cluster.front.router import route_counts
 from pagedserve.cluster.wire.stats import COUNTER_KEYS, GAUGE_KEYS, PER_POS_KEY, TENANT_KEYS
 from pagedserve.scheduler.stats import WAITING_REASONS
 

@@ -5,7 +5,7 @@ the front's tokenizer pool (cluster/text/tokenizer_pool.py), and the replica get
 
 The tokenizer is loaded from where the replicas loaded theirs (the path in their info():
 the model's directory, or the GGUF's converted one in $PAGEDSERVE_CACHE; a repo id or URI is
-fetched onto this node, config and tokenizer only: worker/model_fetch.py), on a thread, once.
+fetched onto this node, config and tokenizer only: worker/loading/model_fetch.py), on a thread, once.
 Until it is loaded, or where the front's node has no such files, prompts go to the replicas
 as text, which tokenize them as with one replica, and the router routes them by load.
 """
@@ -16,7 +16,7 @@ import asyncio
 import logging
 
 from pagedserve.cluster.text.tokenizer_pool import TokenizerPool, load_tokenizer
-from pagedserve.worker.model_fetch import local_model_path
+from pagedserve.worker.loading.model_fetch import local_model_path
 
 logger = logging.getLogger("pagedserve")
 

@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from pagedserve.cluster.front.door import FrontLimit, LiveRequests, ShedGate
 from pagedserve.cluster.front.edge import error
 from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission
-from pagedserve.cluster.front.lost_replicas import mark_lost
+from pagedserve.cluster.front.router.lost_replicas import mark_lost
 from pagedserve.cluster.front.prompt_tokens import PromptTokens
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.tenants import DEFAULT_TENANT

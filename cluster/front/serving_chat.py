@@ -19,15 +19,15 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.cluster.front import openai_format as fmt
+from pagedserve.cluster.front.openai import openai_format as fmt
 from pagedserve.cluster.front.door import REPLICA_HEADER, REQUEST_ID_HEADER, LiveRequests, admitted_headers
 from pagedserve.cluster.front.edge import error, generation_error, remote_error
-from pagedserve.cluster.front.openai_format import prompt_logprobs_json
+from pagedserve.cluster.front.openai.openai_format import prompt_logprobs_json
 from pagedserve.cluster.front.replica_client import ReplicaClient
-from pagedserve.cluster.front.schemas import ChatCompletionResponse, UsageInfo
+from pagedserve.cluster.front.openai.schemas import ChatCompletionResponse, UsageInfo
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.sse_stream import sse_events
-from pagedserve.cluster.front.tool_choice import constrain_to_schema, tool_plan
+from pagedserve.cluster.front.openai.tool_choice import constrain_to_schema, tool_plan
 
 
 @dataclass(slots=True)

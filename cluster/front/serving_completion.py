@@ -23,11 +23,11 @@ from contextlib import aclosing
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.cluster.front import openai_format as fmt
+from pagedserve.cluster.front.openai import openai_format as fmt
 from pagedserve.cluster.front.door import LiveRequests, admitted_headers
 from pagedserve.cluster.front.edge import error, generation_error, remote_error
 from pagedserve.cluster.front.merged_streams import merged
-from pagedserve.cluster.front.openai_format import ChoiceShaper, batch_response
+from pagedserve.cluster.front.openai.openai_format import ChoiceShaper, batch_response
 from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.sse_stream import sse_events

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from contextlib import aclosing
 
-from pagedserve.cluster.front import openai_format as fmt
+from pagedserve.cluster.front.openai import openai_format as fmt
 from pagedserve.cluster.front.door import LiveRequests
 from pagedserve.cluster.front.merged_streams import merged
 from pagedserve.cluster.front.served_model import ServedModel

@@ -62,7 +62,7 @@ from pagedserve.cluster.wire.stream import Admission, QueueStatus
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
-from pagedserve.scheduler.kv_events import waiting_prefill
+from pagedserve.scheduler.kv.kv_events import waiting_prefill
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
@@ -129,7 +129,7 @@ class AsyncEngine:
         pool = self.engine.scheduler.kv_cache_manager.block_pool
         if kv_events_host is not None and pool.enable_caching:
             from pagedserve.cluster.wire.kv_events import KVEventPublisher
-            from pagedserve.scheduler.kv_events import KVEventLog
+            from pagedserve.scheduler.kv.kv_events import KVEventLog
 
             pool.kv_events = KVEventLog()
             self._kv_pub = KVEventPublisher(kv_events_host)

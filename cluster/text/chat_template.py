@@ -1,5 +1,5 @@
 """What the chat template sees of a conversation's tools (the prompt side of
-``tools`` / ``tool_choice``; the constraint side is cluster/front/tool_choice.py): does the
+``tools`` / ``tool_choice``; the constraint side is cluster/front/openai/tool_choice.py): does the
 template render tools, and the earlier tool calls fitted to what it can render."""
 
 from __future__ import annotations

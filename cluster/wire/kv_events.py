@@ -1,5 +1,5 @@
 """A replica's prefix-cache events on the wire, for the fronts' routers
-(scheduler/kv_events.py has the events themselves).
+(scheduler/kv/kv_events.py has the events themselves).
 
     engine replica, engine thread, every step       each front's router
       KVEventLog.take() ─▶ XPUB ──────tcp──────▶ SUB ─▶ KVView (per replica)
@@ -22,7 +22,7 @@ from typing import Callable
 
 import zmq
 
-from pagedserve.scheduler.kv_events import KVEventBatch, KVSnapshot
+from pagedserve.scheduler.kv.kv_events import KVEventBatch, KVSnapshot
 
 BATCH, CLEARED_BATCH, SNAPSHOT = 0, 1, 2
 TOPIC = b"kv"
@@ -100,7 +100,7 @@ class KVEventSubscriber:
     the router calls it before it scores a request, so it needs no task of its own)."""
 
     def __init__(self, address: str, context: zmq.Context | None = None) -> None:
-        from pagedserve.scheduler.kv_events import KVView
+        from pagedserve.scheduler.kv.kv_events import KVView
 
         self.address = address
         self.view = KVView()

@@ -16,7 +16,7 @@ beats stop and the front gives up after SILENCE_S.
 The beats come from a thread of their own, so a long engine step or a busy event loop
 does not silence them. The payload is nothing: a peer that is not the replica can learn
 nothing here, and a wrong peer can at worst make one front think a replica is lost (it
-then routes around it until Serve's own view catches up, see cluster/front/routing.py).
+then routes around it until Serve's own view catches up, see cluster/front/router/routing.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GenerateRequest: one generation request as the front hands it to an engine replica,
 the single argument of the replica's ``generate`` call. The front's router reads it
-before Serve sends it (cluster/front/routing.py: the prompt's token ids, cache salt and
+before Serve sends it (cluster/front/router/routing.py: the prompt's token ids, cache salt and
 tenant name the blocks a replica may already hold).
 
 ``prompt`` is the text (the replica tokenizes it), or token ids: sent so by the client, or

@@ -139,7 +139,7 @@ def main() -> None:
     args = p.parse_args()
     model = args.model
     if model is None:
-        from pagedserve.worker.random_models import make_test_model
+        from pagedserve.worker.loading.random_models import make_test_model
 
         model = make_test_model("llama-gqa2-hd64", os.path.join(tempfile.gettempdir(), "pagedserve-test-models"))
 

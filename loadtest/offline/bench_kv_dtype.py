@@ -1,7 +1,7 @@
 """Paged-KV simulation at one fixed memory budget, per KV-cache dtype (no model, no torch).
 
 The same budget in bytes becomes a different number of 16-token blocks for each cache
-format (scheduler/kv_cache_dtype.py, scales included), and the real Scheduler runs
+format (scheduler/kv/kv_cache_dtype.py, scales included), and the real Scheduler runs
 bench_scheduler's synthetic chat workload to completion on each pool. Reported per format:
 bytes per token, blocks, peak concurrent sequences and their mean over the memory-bound
 steps (pool >= 95% used), preemptions, and the ratios to the model-dtype cache. The peak
@@ -30,7 +30,7 @@ import json
 import random
 
 from pagedserve.loadtest.offline.bench_scheduler import VOCAB, make_workload, simulate
-from pagedserve.scheduler.kv_cache_dtype import kv_cache_bytes_per_token
+from pagedserve.scheduler.kv.kv_cache_dtype import kv_cache_bytes_per_token
 
 SMOLLM2_135M = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
 # (label, kv_cache_dtype, model dtype bytes)

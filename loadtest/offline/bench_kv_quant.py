@@ -30,7 +30,7 @@ import torch
 
 from pagedserve.kernels import AttentionMetadata, write_kv_cache
 from pagedserve.config import EngineConfig
-from pagedserve.worker.model_source import resolve_model
+from pagedserve.worker.loading.model_source import resolve_model
 from pagedserve.worker.worker import Worker
 
 FORMATS = ("auto", "fp8", "fp8_e5m2", "int8")

@@ -30,7 +30,7 @@ BENCH_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
 
 
 def bench_model_path(root: str | None = None) -> str:
-    from pagedserve.worker.random_models import make_random_llama
+    from pagedserve.worker.loading.random_models import make_random_llama
 
     root = root or os.environ.get("PAGEDSERVE_CACHE", os.path.expanduser("~/.cache/pagedserve"))
     path = os.path.join(root, "bench-llama-63m-v1")

@@ -54,7 +54,7 @@ OFFLINE_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers
 def ensure_model(name: str, shape: dict) -> str:
     path = MODEL_CACHE / name
     if not (path / "config.json").exists():
-        from pagedserve.worker.random_models import make_random_llama
+        from pagedserve.worker.loading.random_models import make_random_llama
         tmp = MODEL_CACHE / f".{name}-{os.getpid()}"
         make_random_llama(tmp, **shape)
         os.replace(tmp, path)

@@ -9,7 +9,7 @@ R``) and the same workloads, in one run:
                    take turns from random sessions (vLLM's multi-turn benchmark)
     random         prompts that share nothing: the fallback must not lose
 
-    routers   kv      the replica holding most of the prompt's blocks (cluster/front/routing.py)
+    routers   kv      the replica holding most of the prompt's blocks (cluster/front/router/routing.py)
               prefix  Ray Serve LLM's PrefixCacheAffinityRouter (a prefix tree of prompt text)
               pow2    Serve's power of two choices
 
@@ -58,7 +58,7 @@ def one_token_words(model: str, limit: int = 3000) -> list[str]:
     """Lower-case words that the model's tokenizer spells as one token after a space."""
     from transformers import AutoTokenizer
 
-    from pagedserve.worker.model_source import resolve_model
+    from pagedserve.worker.loading.model_source import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(model).path, local_files_only=True)
     words = sorted({t[1:] for t in tok.get_vocab() if t.startswith("\u0120") and t[1:].isalpha()
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
     if a.model is None:
-        from pagedserve.worker.model_source import DEFAULT_MODEL_NAME
+        from pagedserve.worker.loading.model_source import DEFAULT_MODEL_NAME
 
         a.model = DEFAULT_MODEL_NAME
     a.num_gpu_blocks = a.num_gpu_blocks or default_blocks(a)

@@ -307,7 +307,7 @@ def main(argv=None) -> int:
                     help="the c8 servers' --cpu-omp-threads-bind (default: the server's, auto)")
     args = ap.parse_args(argv)
     spec = json.loads(args.speculative_config)
-    from pagedserve.worker.model_source import resolve_model
+    from pagedserve.worker.loading.model_source import resolve_model
 
     model = str(resolve_model(None).path)
     grounded = GROUNDED if args.prompts is None else json.load(open(args.prompts))

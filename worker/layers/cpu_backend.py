@@ -34,7 +34,7 @@ from pagedserve.kernels import cpu_gemm
 from pagedserve.kernels.cpu_linear import (BACKENDS, onednn_available, panel_available, probe_linear_backends,
                                            relative_time)
 from pagedserve.worker import cpu_memory
-from pagedserve.worker.model_cache import cache_root
+from pagedserve.worker.loading.model_cache import cache_root
 from pagedserve.worker.layers.embedding import ParallelLMHead
 from pagedserve.worker.layers.linear import PackableLinear
 

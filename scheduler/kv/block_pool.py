@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedserve.scheduler.kv_cache_utils import BlockKey
-from pagedserve.scheduler.kv_events import KVEventLog
+from pagedserve.scheduler.kv.kv_cache_utils import BlockKey
+from pagedserve.scheduler.kv.kv_events import KVEventLog
 
 
 class KVCacheBlock:

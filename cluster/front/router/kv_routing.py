@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
-from pagedserve.scheduler.kv_cache_utils import ROOT_HASH, hash_block_tokens, hash_cache_salt
+from pagedserve.scheduler.kv.kv_cache_utils import ROOT_HASH, hash_block_tokens, hash_cache_salt
 
 BY_PREFIX, BY_LOAD = "prefix", "load"
 

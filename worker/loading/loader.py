@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedserve.kernels import resolve_attention_backend
 
-from pagedserve.worker.gguf_loader import iter_gguf_weights
+from pagedserve.worker.loading.gguf_loader import iter_gguf_weights
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.models import get_model_class
 

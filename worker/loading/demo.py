@@ -1,5 +1,5 @@
 """The built-in demo model, ``--model pagedserve-demo``: fast, with exact known shapes, for
-tests and benchmarks (the default model is a real one: worker/model_source.py).
+tests and benchmarks (the default model is a real one: worker/loading/model_source.py).
 
 A small Llama (hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192, 2048 positions,
 fp32, ~7.3M parameters, 29 MB) with deterministic random weights (its text is gibberish) and
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from pagedserve.worker.model_cache import build_once, cache_root
+from pagedserve.worker.loading.model_cache import build_once, cache_root
 
 DEMO_MODEL_NAME = "pagedserve-demo"  # the --model name, and the id /v1/models lists
 DEMO_VERSION = "demo-v1"
@@ -29,7 +29,7 @@ DEMO_CONFIG = dict(
 
 def demo_model_path() -> str:
     """Path of the demo model directory, building it on first use (a few seconds)."""
-    from pagedserve.worker.random_models import make_random_llama  # transformers only when building
+    from pagedserve.worker.loading.random_models import make_random_llama  # transformers only when building
 
     return build_once(os.path.join(cache_root(), DEMO_VERSION),
                       lambda tmp: make_random_llama(tmp, "llama", seed=0, **DEMO_CONFIG))

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import json
 
-from pagedserve.cluster.front.schemas import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
+from pagedserve.cluster.front.openai.schemas import (DeltaFunctionCall, DeltaToolCall, FunctionCall,
                                                 ToolCall, tool_call_id)
-from pagedserve.cluster.front.tool_choice import ToolPlan
+from pagedserve.cluster.front.openai.tool_choice import ToolPlan
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 

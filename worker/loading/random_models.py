@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pagedserve.worker.model_cache import build_once
-from pagedserve.worker.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
+from pagedserve.worker.loading.model_cache import build_once
+from pagedserve.worker.loading.tokenizer_build import BOS_ID, EOS_ID, PAD_ID, save_tokenizer
 
 _BASE: dict[str, Any] = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

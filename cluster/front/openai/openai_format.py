@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from pagedserve.cluster.front import tool_parsers
-from pagedserve.cluster.front.schemas import (ChatCompletionChoice, ChatCompletionResponse,
+from pagedserve.cluster.front.openai import tool_parsers
+from pagedserve.cluster.front.openai.schemas import (ChatCompletionChoice, ChatCompletionResponse,
                                                ChatCompletionStreamResponse, ChatLogprobs, ChatLogprobToken,
                                                ChatLogprobTop, ChatResponseMessage, ChatStreamChoice,
                                                CompletionChoice, CompletionLogprobs, CompletionResponse,
                                                CompletionStreamResponse, DeltaMessage, PromptLogprob,
                                                PromptTokensDetails, UsageInfo, error_body)
-from pagedserve.cluster.front.tool_choice import ToolPlan
+from pagedserve.cluster.front.openai.tool_choice import ToolPlan
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.outputs import Logprobs
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pagedserve.scheduler.block_pool import BlockPool, KVCacheBlock
+from pagedserve.scheduler.kv.block_pool import BlockPool, KVCacheBlock
 from pagedserve.scheduler.config import CacheConfig
-from pagedserve.scheduler.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, request_salt
+from pagedserve.scheduler.kv.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, request_salt
 from pagedserve.scheduler.request import Request
 
 
