@@ -12,8 +12,6 @@ from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfi
 from pagedserve.scheduler.kv.kv_cache_dtype import canonical_kv_cache_dtype
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# "1" when an engine or worker is built: install the planted failures of worker/faults.py.
-FAULT_INJECTION_ENV = "PAGEDSERVE_FAULT_INJECTION"
 # --cpu-linear: the probe, or one of kernels/cpu_linear.BACKENDS (this module imports no torch).
 CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "aten")
 

@@ -107,7 +107,7 @@ def bound_worker_config(engine_config: EngineConfig) -> EngineConfig:
 # The environment an engine replica (and so its worker actors) gets from the process that
 # builds the app: every engine-side switch of deploy/README.md's table, and a few of torch's.
 ENGINE_ENV = ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "GOMP_SPINCOUNT", "PAGEDSERVE_CACHE",
-              "PAGEDSERVE_GGUF_WEIGHT_CACHE", "PAGEDSERVE_CPU_EXT", "PAGEDSERVE_FAULT_INJECTION")
+              "PAGEDSERVE_GGUF_WEIGHT_CACHE", "PAGEDSERVE_CPU_EXT", "PAGEDSERVE_PLUGINS")
 
 
 def cpu_threads(engine_config: EngineConfig) -> EngineConfig:

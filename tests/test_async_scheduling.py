@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 
 from _sched_helpers import add, make_scheduler
+from fault_plugin import PLUGINS_ENV, PLUGIN_PATH, marker
 from pagedserve.cluster.llm import LLM
 from pagedserve.scheduler import ModelRunnerOutput, RequestStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker import faults
 from test_engine_oracle import MAX_TOKENS, _assert_same, _engine, _params, _run, oracle_case
 
 
@@ -157,13 +157,13 @@ def test_seeded_sampling_equals_the_synchronous_engine(case):
 
 
 def test_stop_strings_aborts_and_a_failing_request_leave_nothing_behind(case, monkeypatch):
-    monkeypatch.setenv(faults.ENV, "1")
+    monkeypatch.setenv(PLUGINS_ENV, PLUGIN_PATH)
     path, prompts, refs = case
     llm = LLM(model=path, max_model_len=512, num_gpu_blocks_override=64, max_num_seqs=8, async_scheduling=True)
     engine = llm.engine
     ok = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     engine.add_request("ok", prompts[6], ok)
-    engine.add_request("bad", prompts[7], SamplingParams(temperature=0.0, max_tokens=24, stop=[faults.marker("setup")]))
+    engine.add_request("bad", prompts[7], SamplingParams(temperature=0.0, max_tokens=24, stop=[marker("setup")]))
     engine.add_request("gone", prompts[8], ok)
     done = {}
     steps = 0
@@ -176,7 +176,7 @@ def test_stop_strings_aborts_and_a_failing_request_leave_nothing_behind(case, mo
             engine.abort_request("gone")  # while a step holding it is in flight
         if steps == 5:  # a step that raises while the next plan is already queued behind it
             engine.add_request("step", prompts[5], SamplingParams(temperature=0.0, max_tokens=24,
-                                                                   stop=[faults.marker("step")]))
+                                                                   stop=[marker("step")]))
     assert done["bad"].error is not None and "gone" not in done
     assert done["step"].error is not None and "engine step failed" in done["step"].error
     assert done["ok"].outputs[0].token_ids == llm.generate([prompts[6]], ok, use_tqdm=False)[0].outputs[0].token_ids

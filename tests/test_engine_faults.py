@@ -17,10 +17,10 @@ import time
 import pytest
 
 from _replica_client import generate
+from fault_plugin import PLUGINS_ENV, PLUGIN_PATH, marker
 from pagedserve.cluster.replica.engine_replica import AsyncEngine
 from pagedserve.cluster.wire.failures import EngineDeadError, RequestFailed
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker import faults
 from pagedserve.config import EngineConfig
 from pagedserve.worker.loading.random_models import make_test_model
 
@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def core(model, monkeypatch):
-    monkeypatch.setenv(faults.ENV, "1")
+    monkeypatch.setenv(PLUGINS_ENV, PLUGIN_PATH)
     engine = AsyncEngine(EngineConfig(model=model, dtype="float32", max_model_len=256,
                                       num_gpu_blocks_override=64, max_num_seqs=MAX_NUM_SEQS))
     yield engine
@@ -72,7 +72,7 @@ def test_a_failing_request_fails_alone_while_another_streams(core, site):
         await asyncio.sleep(0.05)  # the other one is in the batch before the poisons come
         # max_num_seqs + 1 poisons, one after another: none may stick in the batch.
         for i in range(MAX_NUM_SEQS + 1):
-            poison = generate(core, f"p{i}", [7] * 8, _greedy(8, stop=[faults.marker(site)]))
+            poison = generate(core, f"p{i}", [7] * 8, _greedy(8, stop=[marker(site)]))
             with pytest.raises(RequestFailed, match="InjectedFault"):
                 await _collect(poison)
         assert await other == alone
@@ -95,7 +95,7 @@ def test_a_broken_worker_fails_everyone_once_and_the_engine_goes_quiet(core):
             await asyncio.sleep(0.005)
         t0 = time.monotonic()
         poison = asyncio.create_task(_collect(generate(core, "p", [7] * 8,
-                                                            _greedy(8, stop=[faults.marker("broken")]))))
+                                                            _greedy(8, stop=[marker("broken")]))))
         results = await asyncio.wait_for(asyncio.gather(*streams, poison, return_exceptions=True), 10)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert time.monotonic() - t0 < 5

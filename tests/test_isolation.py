@@ -14,8 +14,8 @@ import os
 
 import pytest
 
+from fault_plugin import PLUGINS_ENV, PLUGIN_PATH, SITES, marker
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker import faults
 from pagedserve.worker.loading.random_models import make_test_model
 
 PROMPTS = [[5, 9, 13, 17, 21, 25], [7, 11, 3, 40, 41, 42, 43, 44, 45]]
@@ -33,15 +33,15 @@ def _build(model, inject: bool, **kw):
     """The hooks are installed when the engine is built, or never (off the hot path)."""
     from pagedserve.cluster.llm import LLM
 
-    saved = os.environ.pop(faults.ENV, None)
+    saved = os.environ.pop(PLUGINS_ENV, None)
     if inject:
-        os.environ[faults.ENV] = "1"
+        os.environ[PLUGINS_ENV] = PLUGIN_PATH
     try:
         return LLM(model=model, **{**ENGINE, **kw})
     finally:
-        os.environ.pop(faults.ENV, None)
+        os.environ.pop(PLUGINS_ENV, None)
         if saved is not None:
-            os.environ[faults.ENV] = saved
+            os.environ[PLUGINS_ENV] = saved
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_planted_failure_fails_that_request_alone(llm, site):
     alone = [o.outputs[0].token_ids for o in llm.generate(
         [p for p, _ in neighbours], [s for _, s in neighbours], use_tqdm=False)]
     poison = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
-                            stop=[faults.marker(site)])
+                            stop=[marker(site)])
     prompts = [neighbours[0][0], PROMPTS[0], neighbours[1][0], neighbours[2][0]]
     params = [neighbours[0][1], poison, neighbours[1][1], neighbours[2][1]]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -113,7 +113,7 @@ def test_a_failing_step_is_re_run_in_parts_and_only_the_request_at_fault_fails(l
     prompts = [[3 + i, 9, 27 + i, 81 % (i + 7)] for i in range(8)]
     params = [_greedy(10) if i % 2 else _seeded(100 + i, 10) for i in range(8)]
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    poison = SamplingParams(temperature=0.0, max_tokens=6, stop=[faults.marker("step")])
+    poison = SamplingParams(temperature=0.0, max_tokens=6, stop=[marker("step")])
     reruns = []
     real = step_containment.subplan
 
@@ -143,7 +143,7 @@ def test_a_broken_worker_is_the_engines_failure_and_leaves_nothing_running(model
 
     broken = _build(model, inject=True)
     try:
-        poison = SamplingParams(max_tokens=4, stop=[faults.marker("broken")])
+        poison = SamplingParams(max_tokens=4, stop=[marker("broken")])
         with pytest.raises(StepFailedError, match="probe"):
             broken.generate([PROMPTS[0], PROMPTS[1]], [_greedy(), poison], use_tqdm=False)
         _idle(broken)
@@ -153,11 +153,11 @@ def test_a_broken_worker_is_the_engines_failure_and_leaves_nothing_running(model
 
 def test_faults_are_inert_when_the_engine_is_built_without_the_variable(model, monkeypatch):
     clean = _build(model, inject=False)
-    monkeypatch.setenv(faults.ENV, "1")  # too late: nothing was installed
+    monkeypatch.setenv(PLUGINS_ENV, PLUGIN_PATH)  # too late: nothing was installed
     try:
-        for site in faults.SITES:
+        for site in SITES:
             out = clean.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
-                                                              stop=[faults.marker(site)]), use_tqdm=False)[0]
+                                                              stop=[marker(site)]), use_tqdm=False)[0]
             assert out.error is None and len(out.outputs[0].token_ids) == 4
         assert "_prepare_inputs" not in vars(clean.engine.executor.worker.runner)
     finally:

@@ -11,7 +11,9 @@ interpreter (this test process may already have imported torch or ray for other 
                 never import each other; wire/ imports nothing of cluster/ but itself;
                 text/ (tokenization) is shared by the front and the replica, imports none
     loadtest/   anything of pagedserve, but ray only through cluster/
-    nothing imports loadtest/ or tests/
+    plugins.py  (the PAGEDSERVE_PLUGINS loader, called by worker/ and cluster/engine) only the stdlib
+    nothing imports loadtest/ or tests/ (tests/' helpers by their bare names included), and
+    the shipped code never names the tests' fault plugin: tests install it from outside
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("scheduler", "kernels", "worker", "cluster", "loadtest")
 CLUSTER_PARTS = ("cli", "front", "replica", "engine", "executors", "text", "wire")
 CLUSTER_FILES = ("app.py", "llm.py", "placement.py", "ray_utils.py")  # composition roots and Ray's helpers
+# tests/' modules, as its files import each other (``from _sched_helpers import ...``)
+TEST_MODULES = frozenset(p.stem for p in (ROOT / "tests").glob("*.py"))
 
 
 def _unit(path: Path) -> str:
@@ -62,6 +66,8 @@ def _target(mod: str) -> str | None:
     parts = mod.split(".")
     if parts[0] in ("torch", "ray", "triton"):
         return parts[0]
+    if parts[0] in TEST_MODULES:
+        return "tests"
     if parts[0] != "pagedserve" or len(parts) < 2:
         return None
     if parts[1] == "cluster" and len(parts) > 2 and parts[2] in CLUSTER_PARTS:
@@ -92,6 +98,12 @@ FORBIDDEN = {
 def _source_files():
     for pkg in PACKAGES:
         yield from sorted((ROOT / pkg).rglob("*.py"))
+
+
+def _shipped_files() -> list[Path]:
+    """The package's own code: the top-level modules and every package but loadtest/."""
+    return [*sorted(ROOT.glob("*.py")),
+            *(p for pkg in PACKAGES if pkg != "loadtest" for p in sorted((ROOT / pkg).rglob("*.py")))]
 
 
 def test_every_cluster_file_is_in_one_of_its_parts():
@@ -127,12 +139,31 @@ def test_environment_switches_are_few_and_each_is_in_the_deploy_table():
     MAX_SWITCHES PAGEDSERVE_* variables, and deploy/README.md's table lists every one."""
     import re
 
-    shipped = [*ROOT.glob("*.py"), *(p for pkg in PACKAGES if pkg != "loadtest" for p in (ROOT / pkg).rglob("*.py"))]
-    names = {m for p in shipped for m in re.findall(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
+    names = {m for p in _shipped_files() for m in re.findall(r"PAGEDSERVE_[A-Z0-9_]*[A-Z0-9]", p.read_text())}
     assert len(names) <= MAX_SWITCHES, sorted(names)
     table = (ROOT / "deploy" / "README.md").read_text().split("### Environment switches", 1)[1].split("\n### ", 1)[0]
     listed = set(re.findall(r"^\| `(PAGEDSERVE_[A-Z0-9_]+)`", table, re.M))
     assert names <= listed, f"read by the code, not in deploy/README.md's table: {sorted(names - listed)}"
+
+
+def test_fault_hooks_are_installed_from_outside():
+    """The planted failures are a test plugin (tests/fault_plugin.py, loaded through
+    PAGEDSERVE_PLUGINS): no shipped file holds a fault hook, names the plugin or its
+    fault, or switches planted failures on; the shipped code only calls plugins.py."""
+    import re
+
+    names = re.compile(r"fault_plugin|InjectedFault|pagedserve-fault|FAULT_INJECTION|install_(engine|runner)\(self\)")
+    bad = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in _shipped_files() if (m := names.search(p.read_text()))]
+    bad += [str(p.relative_to(ROOT)) for p in _shipped_files() if "fault" in p.stem]
+    assert not bad, bad
+
+
+def test_the_plugin_loader_imports_only_the_stdlib():
+    """plugins.py runs in every engine and worker process and is imported by worker/ and
+    cluster/engine: it imports nothing of the package, nor torch or ray."""
+    mods = {m.split(".")[0] for _, m in _imports(ROOT / "plugins.py")}
+    assert not mods & {"pagedserve", "torch", "ray", "triton", *PACKAGES}, sorted(mods)
+    assert mods <= set(sys.stdlib_module_names) | {"__future__"}, sorted(mods)
 
 
 @pytest.mark.parametrize("unit", sorted(FORBIDDEN))

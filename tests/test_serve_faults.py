@@ -1,7 +1,7 @@
 """Poison requests against a real Ray Serve app on 127.0.0.1, through the openai client.
 
 An app of its own (route prefix /faults) whose engine replica runs with the planted-
-failure hook on (PAGEDSERVE_FAULT_INJECTION=1, worker/faults.py). The story:
+failure plugin loaded (PAGEDSERVE_PLUGINS=tests/fault_plugin.py). The story:
 
 - the outside tester's seed poisons (2**64; 2**64 - 1 with n=2) get a 400 while another
   request streams, and the stream completes with exactly its tokens;
@@ -26,9 +26,8 @@ import openai
 import pytest
 
 from conftest import SERVE_ENGINE, delete_app
+from fault_plugin import PLUGINS_ENV, PLUGIN_PATH, marker
 from test_serve_cancel import scrape, wait_idle
-
-from pagedserve.worker import faults
 
 APP, PREFIX = "faults-test", "/faults"
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -45,11 +44,11 @@ def base(serve_url, serve_model):
     # No shedding: 30 requests onto 4 slots must queue (the time-out test needs waiters).
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None,
                                               "max_queue_delay_s": None})
-    os.environ[faults.ENV] = "1"  # read by build_app into the engine replica's runtime env
+    os.environ[PLUGINS_ENV] = PLUGIN_PATH  # read by build_app into the engine replica's runtime env
     try:
         app = build_app(cfg, name_prefix="faults-")
     finally:
-        del os.environ[faults.ENV]
+        del os.environ[PLUGINS_ENV]
     serve.run(app, name=APP, route_prefix=PREFIX)
     yield serve_url + PREFIX
     delete_app(APP)
@@ -130,7 +129,7 @@ def assert_no_internals(text: str) -> None:
 def test_planted_failures_fail_alone_and_leave_the_server_serving(base, client, model, site):
     ref = _reference(client, model)
     replica = _replica(base)
-    body = dict(model=model, prompt="poison", max_tokens=8, temperature=0, stop=[faults.marker(site)])
+    body = dict(model=model, prompt="poison", max_tokens=8, temperature=0, stop=[marker(site)])
 
     def plain():
         return client.completions.create(**body)

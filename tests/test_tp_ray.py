@@ -178,24 +178,24 @@ def test_tp2_contains_a_failing_step_and_a_rank_out_of_step_ends_the_engine(tmp_
     from pagedserve.cluster.executors import zmq_dispatch
     from pagedserve.cluster.wire.failures import ExecutorDeadError
     from pagedserve.cluster.llm import LLM
-    from pagedserve.worker import faults
+    from fault_plugin import PLUGINS_ENV, PLUGIN_PATH, marker
 
     path = make_test_model(SHAPES[0], tmp_path_factory.getbasetemp() / "tp-fault-models")
     prompts = _prompts(512)[:4]
-    monkeypatch.setenv(faults.ENV, "1")  # passed on to the worker actors
+    monkeypatch.setenv(PLUGINS_ENV, PLUGIN_PATH)  # passed on to the worker actors
     monkeypatch.setattr(zmq_dispatch, "AGREE_TIMEOUT_S", 3.0)
     llm = LLM(model=path, tensor_parallel_size=2, dtype="float32", max_model_len=256,
               num_gpu_blocks_override=128, max_num_seqs=8, async_scheduling=True)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        poison = SamplingParams(temperature=0.0, max_tokens=4, stop=[faults.marker("step")])
+        poison = SamplingParams(temperature=0.0, max_tokens=4, stop=[marker("step")])
         outs = llm.generate(prompts[:2] + [[5, 6, 7]] + prompts[2:], [params, params, poison, params, params],
                             use_tqdm=False)
         assert outs[2].error is not None and "engine step failed" in outs[2].error
         assert [o.outputs[0].token_ids for o in outs[:2] + outs[3:]] == ref
         assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
-        split = SamplingParams(temperature=0.0, max_tokens=4, stop=[faults.marker("one_rank")])
+        split = SamplingParams(temperature=0.0, max_tokens=4, stop=[marker("one_rank")])
         with pytest.raises(ExecutorDeadError, match="out of step|did not report"):
             llm.generate([prompts[0], [5, 6, 7]], [params, split], use_tqdm=False)
     finally:

@@ -36,14 +36,14 @@ rewritten by the re-run (same slots, same tokens).
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 import torch
 
 from pagedserve.kernels import AttentionMetadata
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
-from pagedserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, FAULT_INJECTION_ENV
+from pagedserve import plugins
+from pagedserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, capture_sizes, graphs_disabled_reason
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.model_config import ModelConfig
@@ -103,10 +103,7 @@ class ModelRunner:
                                             pad_eager=pad_eager)
         # The epoch of the last plan that raised: plans of that epoch or older are skipped.
         self._failed_epoch = -1
-        if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the tests
-            from pagedserve.worker import faults
-
-            faults.install_runner(self)
+        plugins.on_runner(self)  # PAGEDSERVE_PLUGINS' install_runner hooks (plugins.py)
 
     # ------------------------------------------------------------------ the journal
     # Entries (kind, ...), undone last first: the state before the failed plan comes back.

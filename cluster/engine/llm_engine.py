@@ -32,7 +32,8 @@ from pagedserve.scheduler import Request, RequestStatus, Scheduler
 from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, ProbePlan
 from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
-from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
+from pagedserve import plugins
+from pagedserve.config import EngineConfig
 from pagedserve.platforms import decide_here
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.loading.model_fetch import local_model_path
@@ -127,10 +128,7 @@ class LLMEngine:
         # When the step in flight was sent, if it was sent in turn (drafts: waited for first); else None
         self._sent_in_turn: float | None = None
         self._epoch = 0  # failed steps seen (step_containment.py): stamped on every plan
-        if os.environ.get(FAULT_INJECTION_ENV) == "1":  # planted failures, for the isolation tests
-            from pagedserve.worker import faults
-
-            faults.install_engine(self)
+        plugins.on_engine(self)  # PAGEDSERVE_PLUGINS' install_engine hooks (plugins.py)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -34,7 +34,8 @@ from pagedserve.cluster.placement import actor_resources, in_bundle, worker_plac
 from pagedserve.cluster.ray_utils import LOOPBACK, get_open_port, init_ray, node_ip
 from pagedserve.platforms import share_node_gpus, worker_bundles
 from pagedserve.scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from pagedserve.config import FAULT_INJECTION_ENV, EngineConfig
+from pagedserve.config import EngineConfig
+from pagedserve.plugins import PLUGINS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +134,8 @@ class RayExecutor(Executor):
             if not use_gpu:
                 mine = os.environ.get("GLIBC_TUNABLES")
                 env["GLIBC_TUNABLES"] = f"{mine}:{WORKER_GLIBC_TUNABLES}" if mine else WORKER_GLIBC_TUNABLES
-            if os.environ.get(FAULT_INJECTION_ENV) == "1":  # a driver's test hooks reach its workers
-                env[FAULT_INJECTION_ENV] = "1"
+            if os.environ.get(PLUGINS_ENV):  # the driver's plugins load in its workers too
+                env[PLUGINS_ENV] = os.environ[PLUGINS_ENV]
             if env:
                 opts["runtime_env"] = {"env_vars": env}
             self.workers.append(actor_cls.options(**opts).remote(engine_config, rank, tp))

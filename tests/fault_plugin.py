@@ -1,14 +1,15 @@
-"""Planted failures, for the tests of failure isolation and containment (nothing else).
+"""Planted failures, for the tests of failure isolation and containment: a test plugin.
 
 A real poison request (a seed torch cannot take, a top_p float32 flushes to 0) is a
 moving target: each one found gets fixed or validated away. The isolation it exposed
 must hold for the next one too, so the tests plant a failure at each place a request can
 fail and check that only that request fails.
 
-Off the hot path: nothing here runs unless ``PAGEDSERVE_FAULT_INJECTION=1`` is in the
-environment of the process when its engine or worker is built (Serve passes it on to
-engine replicas; worker actors inherit it). Then ``install_engine`` / ``install_runner``
-wrap a few methods of that one object, and a request whose ``stop`` strings include
+Not in the package: a test loads it with ``PAGEDSERVE_PLUGINS=<path of this file>``
+(``PLUGIN_PATH`` below) in the environment of the process when its engine or worker is built
+(plugins.py; Serve passes it on to engine replicas, the Ray executor to worker actors,
+which load it from the path). Then ``install_engine`` / ``install_runner`` wrap a few
+methods of that one object, and a request whose ``stop`` strings include
 ``marker(site)`` raises ``InjectedFault`` there:
 
     site         where                                       what the engine does
@@ -27,7 +28,11 @@ the tiny test models cannot produce "<pagedserve-fault:...>" before the failure 
 
 from __future__ import annotations
 
-from pagedserve.config import FAULT_INJECTION_ENV as ENV
+import os
+
+from pagedserve.plugins import PLUGINS_ENV  # noqa: F401 (for the tests: set it to PLUGIN_PATH)
+
+PLUGIN_PATH = os.path.abspath(__file__)  # the value of PLUGINS_ENV that loads this plugin
 SITES = ("setup", "sample", "detokenize", "step", "broken", "one_rank")
 
 
@@ -46,7 +51,7 @@ def _planted(site: str, params) -> bool:
 
 
 def _fire(site: str) -> None:
-    raise InjectedFault(f"injected fault at site {site!r} (test hook, {ENV}=1)")
+    raise InjectedFault(f"injected fault at site {site!r} (test plugin {os.path.basename(PLUGIN_PATH)})")
 
 
 def install_engine(engine) -> None:
