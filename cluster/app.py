@@ -10,7 +10,6 @@ the import path for ``serve run`` / ``serve deploy`` config files (deploy/serve_
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -19,14 +18,12 @@ from typing import Any
 import ray
 from ray import serve
 
-from pagedserve.cluster.replica.engine_replica import AsyncEngine
+from pagedserve.cluster.replica.serve_replica import EngineReplica
 from pagedserve.cluster.front.metrics import StatsAggregator
 from pagedserve.cluster.front.router.routing import ROUTERS
 from pagedserve.cluster.placement import (actor_resources, check_group_fits, decide_for_cluster, engine_bundles,
                                           placement_strategy)
-from pagedserve.cluster.ray_utils import ON_HEAD_NODE, bind_host, serve_grpc_on_node_ip
-from pagedserve.cluster.wire.lifeline import Lifeline
-from pagedserve.cluster.wire.request import GenerateRequest
+from pagedserve.cluster.ray_utils import ON_HEAD_NODE, serve_grpc_on_node_ip
 from pagedserve.config import EngineConfig
 from pagedserve.platforms import PLACEMENT_STRATEGIES
 from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, plan_auto
@@ -110,22 +107,6 @@ ENGINE_ENV = ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "GOMP_SPINCOUNT", "PAGEDSERV
               "PAGEDSERVE_GGUF_WEIGHT_CACHE", "PAGEDSERVE_CPU_EXT", "PAGEDSERVE_PLUGINS")
 
 
-def cpu_threads(engine_config: EngineConfig) -> EngineConfig:
-    """On CPU, the ranks of a deployment's only engine replica share the cores it sees,
-    unless --num-threads says otherwise (with several replicas, each keeps the threads of
-    its Ray CPU reservation). Ray sets OMP_NUM_THREADS=1 in a 1-CPU actor, which left the
-    model on one core while the serving path used only part of the other: sharing the
-    cores raised HTTP output throughput and cut TTFT at both low and high concurrency."""
-    if (engine_config.num_threads is not None or engine_config.device != "cpu"
-            or parse_bind(engine_config.cpu_omp_threads_bind, engine_config.tensor_parallel_size)):
-        return engine_config  # a bound worker takes one thread per core of its own
-    cores = len(os.sched_getaffinity(0))
-    n = max(1, cores // engine_config.tensor_parallel_size)
-    logger.info("CPU threads per rank: %d (%d cores, tensor_parallel_size %d; --num-threads to choose)",
-                n, cores, engine_config.tensor_parallel_size)
-    return dataclasses.replace(engine_config, num_threads=n)
-
-
 @serve.deployment(name="StatsAggregator", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class StatsAggregatorDeployment:
     def __init__(self) -> None:
@@ -145,89 +126,9 @@ class StatsAggregatorDeployment:
         return self.agg.views()
 
 
-@serve.deployment(name="EngineDeployment")
-class EngineDeployment:
-    """One engine replica. This Serve replica actor IS the scheduler actor."""
-
-    def __init__(self, engine_config: EngineConfig, stats=None, all_cores: bool = False) -> None:
-        serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
-        try:
-            replica_id = serve.get_replica_context().replica_id.unique_id
-        except Exception:
-            replica_id = None
-        self._stats = stats
-        sink = None if stats is None else (lambda rid, snap: stats.report.remote(rid, snap))
-        if all_cores:  # the only engine replica: its ranks may use the node's cores
-            engine_config = cpu_threads(engine_config)
-        # Several replicas: publish the prefix cache's changes for KV-aware routing.
-        self.core = AsyncEngine(engine_config, stats_sink=sink, replica_id=replica_id,
-                                kv_events_host=None if all_cores else bind_host())
-        # The fronts' line to this process: they learn at once when it or its node dies.
-        self._lifeline = Lifeline(bind_host())
-        self.core.lifeline_address = self._lifeline.address
-        info = self.core.info()
-        logger.info("engine replica %s ready: %s", info["replica_id"], info.get("kv_sizing"))
-
-    async def generate(self, req: GenerateRequest, *, output_route):
-        """The request's lifeline (AsyncEngine.generate): its Admission, then its end or
-        failure; the outputs take the ingress's channel (cluster/wire/output_channel.py)."""
-        async for item in self.core.generate(req.request_id, req.prompt, req.params, req.priority, req.cache_salt,
-                                             req.messages, req.add_generation_prompt, req.tenant, req.tools,
-                                             output_route=output_route):
-            yield item
-
-    async def request_info(self, request_id: str) -> dict | None:
-        return await self.core.request_info(request_id)
-
-    def info(self) -> dict:
-        return self.core.info()
-
-    def record_routing_stats(self) -> dict:
-        """What Serve hands the fronts' routers as this replica's ``routing_stats``: where
-        it publishes its prefix cache's changes (None with one replica)."""
-        return {"kv_events": self.core.kv_events_address}
-
-    def stats(self) -> dict:
-        return self.core.stats()
-
-    async def tokenize(self, prompt=None, messages=None, add_special_tokens=None,
-                       add_generation_prompt=True, tools=None) -> list[int]:
-        return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,
-                                        tools)
-
-    async def token_strs(self, tokens: list[int]) -> list[str]:
-        return await self.core.token_strs(tokens)
-
-    def tokenizer_info(self) -> dict:
-        return self.core.tokenizer_info()
-
-    async def detokenize(self, tokens: list[int], skip_special_tokens: bool = False) -> str:
-        return await self.core.detokenize(tokens, skip_special_tokens)
-
-    async def check_health(self) -> None:
-        """Serve's health check: the loop is alive and every TP worker answers. Raising
-        here a few times in a row makes Serve replace the replica (fresh placement group)."""
-        await self.core.check_health()
-
-    async def health(self) -> None:
-        """The same check, for the ingress's GET /health."""
-        await self.core.check_health()
-
-    async def __del__(self) -> None:
-        # Serve calls this on graceful replica shutdown (downscaling, serve.shutdown).
-        if self._stats is not None:
-            # Bounded: when the whole app is deleted the aggregator may be gone already, and
-            # a handle call then waits for a replica forever; Serve force-killed this one
-            # after its grace period, before the engine shut its workers down.
-            async def remove() -> None:
-                await self._stats.remove.remote(self.core.replica_id)
-
-            try:
-                await asyncio.wait_for(remove(), timeout=0.5)
-            except Exception:  # gone, or timed out: the aggregator drops stale replicas itself
-                pass
-        self._lifeline.close()
-        self.core.shutdown()
+# The engine replica as a Serve deployment: the class is the replica's own
+# (cluster/replica/serve_replica.py); Serve calls its generate() directly.
+EngineDeployment = serve.deployment(name="EngineDeployment")(EngineReplica)
 
 
 def serve_options(serve_opts: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import weakref
 
 from pagedserve.cluster.wire.output_channel import OutputChannel
 from pagedserve.cluster.wire.stream import Accumulated
+from pagedserve.cluster.wire.request import EngineRequest
 
 _channels: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, OutputChannel]" = weakref.WeakKeyDictionary()
 
@@ -65,7 +66,7 @@ def _close_quietly(ch: OutputChannel) -> None:
 async def generate(core, request_id: str, prompt, params, **kw):
     ch = channel()
     sub = ch.open(request_id)
-    life = Lifeline(core.generate(request_id, prompt, params, output_route=ch.route, **kw))
+    life = Lifeline(core.generate(EngineRequest(request_id, prompt, params, **kw), output_route=ch.route))
     try:
         adm = await life.__anext__()
     except BaseException:

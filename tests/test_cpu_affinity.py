@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from pagedserve.cluster.app import bound_worker_config, cpu_threads, resolve_cpu_bind
+from pagedserve.cluster.app import bound_worker_config, resolve_cpu_bind
+from pagedserve.cluster.replica.serve_replica import cpu_threads
 from pagedserve.config import EngineConfig
 from pagedserve.worker.cpu_affinity import parse_bind, parse_core_list, plan_auto
 

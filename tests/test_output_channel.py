@@ -21,6 +21,7 @@ from pagedserve.cluster.wire.failures import RequestFailed
 from pagedserve.cluster.wire.output_channel import ChannelSender, OutputChannel
 from pagedserve.cluster.wire.stream import Accumulated, slim
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
 from pagedserve.worker.loading.random_models import make_test_model
@@ -177,7 +178,7 @@ def _greedy(n: int) -> SamplingParams:
 async def _over_channel(core, ch, rid, prompt, params):
     """(Accumulated stream over the channel, admission), as ReplicaClient.generate opens one."""
     sub = ch.open(rid)
-    gen = core.generate(rid, prompt, params, output_route=ch.route)
+    gen = core.generate(EngineRequest(rid, prompt, params), output_route=ch.route)
     adm = await gen.__anext__()
     assert adm.accepted, adm.message
     return Accumulated(sub.attach(_Lifeline(gen))), adm
@@ -249,7 +250,7 @@ def test_an_ingress_that_stops_reading_fails_its_requests_and_frees_their_blocks
         port = probe.bind_to_random_port("tcp://127.0.0.1")
 
     async def scenario():
-        gen = core.generate("lost", [5] * 20, _greedy(200), output_route=(f"tcp://127.0.0.1:{port}", b"k"))
+        gen = core.generate(EngineRequest("lost", [5] * 20, _greedy(200)), output_route=(f"tcp://127.0.0.1:{port}", b"k"))
         assert (await gen.__anext__()).accepted
         with pytest.raises(RequestFailed, match="stopped reading"):
             async for _ in gen:

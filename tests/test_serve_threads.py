@@ -1,11 +1,11 @@
-"""The engine replica's CPU threads (cluster/app.py cpu_threads): Ray gives a 1-CPU actor
+"""The engine replica's CPU threads (cluster/replica/serve_replica.py cpu_threads): Ray gives a 1-CPU actor
 OMP_NUM_THREADS=1; a deployment's only engine replica takes the cores it sees instead,
 split among its tensor-parallel ranks, unless --num-threads chose."""
 
 import dataclasses
 import os
 
-from pagedserve.cluster.app import cpu_threads
+from pagedserve.cluster.replica.serve_replica import cpu_threads
 from pagedserve.config import EngineConfig
 
 

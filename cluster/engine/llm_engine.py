@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 from pagedserve.cluster.text.tokenizer_pool import load_tokenizer
 from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
-from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.cluster.wire.failures import ExecutorDeadError
 from pagedserve.cluster.engine.step_containment import StepFailedError, contain, subplan
+from pagedserve.cluster.engine.step_timer import StepTimer
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
 from pagedserve.cluster.engine.request_options import (num_samples, sample_params, select_best,
                                                        truncate_prompt)
@@ -124,9 +125,9 @@ class LLMEngine:
         self.last_plan = None
         # async_scheduling: (plan, wait for its result) of the step running now
         self._inflight: tuple | None = None
-        self._last_step_end: float | None = None  # when the last step waited for in turn ended
-        # When the step in flight was sent, if it was sent in turn (drafts: waited for first); else None
-        self._sent_in_turn: float | None = None
+        self.timer = StepTimer(self.scheduler)  # the proposer's step and host times
+        # The step variant, chosen once (vLLM V1: step / step_with_batch_queue).
+        self._step_fn = self._step_async if self.config.async_scheduling else self._step_sync
         self._epoch = 0  # failed steps seen (step_containment.py): stamped on every plan
         plugins.on_engine(self)  # PAGEDSERVE_PLUGINS' install_engine hooks (plugins.py)
 
@@ -163,32 +164,37 @@ class LLMEngine:
             return self.structured.compile(params.structured_outputs)
         return None
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                     arrival_time: float | None = None, priority: int = 0,
-                     cache_salt: str | None = None, tenant: str | None = None) -> EngineRequest:
-        """Every check a request can fail, once (cluster/engine/engine_request.py): ValueError
-        naming the problem. Reads configuration and the tokenizer only: any thread may call it."""
-        params = check_vocab_limits(params, self.model_config.vocab_size, self.config.max_logprobs)
-        prompt_ids = self.tokenize(prompt)
+    def make_request(self, req: EngineRequest) -> EngineRequest:
+        """Every check a request can fail, once (cluster/wire/request.py): ValueError naming
+        the problem. Fills in ``req``'s token ids (tokenizing a text prompt that is still
+        text, offline), its vocabulary-limited params, the text the model sees and the
+        compiled grammar; returns it. Reads configuration and the tokenizer only: any thread
+        may call it (a replica's tokenizer pool encodes with its own tokenizer copy first)."""
+        params = check_vocab_limits(req.params, self.model_config.vocab_size, self.config.max_logprobs)
+        prompt = req.prompt
+        if req.messages is not None and req.prompt_token_ids is None:
+            raise ValueError("a chat request must be rendered and tokenized before make_request.")
+        prompt_ids = self.tokenize(prompt if req.prompt_token_ids is None else req.prompt_token_ids)
         if not prompt_ids:
             raise ValueError("the prompt is empty.")
         full_len = len(prompt_ids)
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         self.check_length(len(prompt_ids), params.max_tokens)
-        grammar = self.check_params(params)
+        req.grammar = self.check_params(params)
         if len(prompt_ids) < full_len:  # RequestOutput.prompt is what the model saw
-            prompt = self.tokenizer.decode(prompt_ids)
-        elif not isinstance(prompt, str):
-            prompt = None
-        return EngineRequest(request_id, prompt_ids, params, prompt, grammar, priority, cache_salt,
-                             tenant, arrival_time)
+            req.prompt_text = self.tokenizer.decode(prompt_ids)
+        else:  # the text itself, where this call tokenized it
+            req.prompt_text = prompt if isinstance(prompt, str) and req.prompt_token_ids is None else None
+        req.params, req.prompt_token_ids = params, prompt_ids
+        return req
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, tenant: str | None = None) -> None:
-        """vLLM's offline entry: ``make_request`` then ``add_engine_request``."""
-        self.add_engine_request(self.make_request(request_id, prompt, params, arrival_time, priority,
-                                                  cache_salt, tenant))
+        """vLLM's offline entry: one EngineRequest, ``make_request`` then ``add_engine_request``."""
+        req = EngineRequest(request_id, prompt, params, priority, cache_salt, tenant=tenant,
+                            arrival_time=arrival_time)
+        self.add_engine_request(self.make_request(req))
 
     def add_engine_request(self, req: EngineRequest) -> None:
         """Trusts ``req`` (made by ``make_request``); only the engine's state can refuse it
@@ -199,7 +205,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use.")
         arrival = time.monotonic() if req.arrival_time is None else req.arrival_time
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        group = _Group(request_id, req.prompt, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
+        group = _Group(request_id, req.prompt_text, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
                        params=params, prompt_logprobs=None if params.prompt_logprobs is None
                        else [None] * len(prompt_ids))
         requests = []
@@ -296,56 +302,69 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Plan a step, run it, return what it produced. With ``async_scheduling`` the
-        plan of step N+1 is made and sent while step N runs, then N's outputs are
-        processed (detokenized, stop strings, streamed) while N+1 runs: this call
-        returns step N's outputs, and the first call none. Structured outputs need each
-        token before the next step's grammar mask, so while one may run steps run in turn.
-        A plan with drafts needs the tokens they follow, not their text: while requests
-        draft, step N+1 is planned and sent as soon as the scheduler has N's tokens, and
-        N's outputs are processed while it runs."""
-        inflight = self._inflight
-        if inflight is not None and self._sent_in_turn is not None:
-            # A step sent in turn (drafts) is waited for before anything else is planned;
-            # whether the next one drafts is asked once its verdicts are in.
-            self._inflight = None
-            plan, result = inflight[0], self._wait(*inflight)
-            self._record_in_turn(plan, result, time.perf_counter(), self._sent_in_turn, overlapped=True)
-            settled = self._settle(plan, result)
-            if self._overlaps_outputs() and self.scheduler.drafting():
-                early = self._submit_in_turn()
-            else:  # no next step in turn: the worker's wait until the next one is not the host's work
-                early, self._last_step_end = [], None
-            return self._emit(*settled) + early
-        pipelined = (self.config.async_scheduling and not self.structured.matchers
-                     and not self.scheduler.drafting())
-        if inflight is not None and not pipelined:
-            self._inflight = None
-            self._last_step_end = None
-            return self._finish_step(inflight[0], self._wait(*inflight))
-        if not pipelined and self._overlaps_outputs():
-            return self._submit_in_turn()
+        """Plan a step, run it, return what it produced: ``_step_sync``, or with
+        ``async_scheduling`` ``_step_async`` (chosen when the engine is built), whose call
+        returns the outputs of the step before (the first call none)."""
+        return self._step_fn()
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """``step()`` without async_scheduling: plan, run, wait, process. Also the async
+        engine's step while a grammar is live (its next mask needs each token first)."""
         plan = self._schedule()
         if self.structured.matchers:
             self.structured.fill_bitmask(plan, self.scheduler.get_request)
-        has_work = self._has_work(plan)
-        if not pipelined:
-            if not has_work:
-                return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
-            t0 = time.perf_counter()
-            result = self._wait(plan, lambda: self.executor.execute_model(plan))
-            self._record_in_turn(plan, result, time.perf_counter(), t0)
-            return self._finish_step(plan, result)
-        self._last_step_end = None
-        self._sent_in_turn = None
-        self._inflight = (plan, self.executor.submit(plan)) if has_work else None
+        if not self._has_work(plan):
+            return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
+        t0 = time.perf_counter()
+        result = self._wait(plan, lambda: self.executor.execute_model(plan))
+        self.timer.in_turn(plan, result, time.perf_counter(), t0)
+        return self._finish_step(plan, result)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """``step()`` with async_scheduling: one step in flight while the host works. Which
+        way this step goes is read from the engine's state, in this order:
+
+            a step sent in turn is in flight       wait for it, send the next in turn, process
+                                                   its outputs while that one runs (drafts)
+            a grammar is live or requests draft    in turn: finish a pipelined step still in
+                                                   flight first; then with a grammar the sync
+                                                   step, with drafts the next step sent in turn
+            otherwise                              pipelined: plan N+1 and send it, then
+                                                   process N's outputs (the first call: none)
+
+        Drafts need the tokens they follow, not their text, so while requests draft the next
+        step is sent as soon as the scheduler has the last one's tokens."""
+        if self._inflight is not None and self.timer.sent_in_turn is not None:
+            return self._step_after_in_turn()
+        if self.structured.matchers or self.scheduler.drafting():
+            if self._inflight is not None:  # a pipelined step: its outputs before anything new
+                inflight, self._inflight = self._inflight, None
+                self.timer.reset()
+                return self._finish_step(inflight[0], self._wait(*inflight))
+            return self._step_sync() if self.structured.matchers else self._submit_in_turn()
+        return self._step_pipelined()
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        inflight = self._inflight
+        plan = self._schedule()
+        self.timer.reset()
+        self.timer.sent_in_turn = None
+        self._inflight = (plan, self.executor.submit(plan)) if self._has_work(plan) else None
         return self._finish_step(inflight[0], self._wait(*inflight)) if inflight is not None else []
 
-    def _overlaps_outputs(self) -> bool:
-        """Whether steps in turn (drafts) send the next plan before the last step's outputs are
-        processed: where the engine may run a step while the host works (async_scheduling)
-        and no grammar needs the outputs first."""
-        return bool(self.config.async_scheduling) and not self.structured.matchers
+    def _step_after_in_turn(self) -> list[RequestOutput]:
+        """The step sent in turn is waited for before anything else is planned; whether the
+        next one drafts is asked once its verdicts are in."""
+        inflight, self._inflight = self._inflight, None
+        plan, result = inflight[0], self._wait(*inflight)
+        self.timer.in_turn(plan, result, time.perf_counter(), self.timer.sent_in_turn, overlapped=True)
+        settled = self._settle(plan, result)
+        if not self.structured.matchers and self.scheduler.drafting():
+            early = self._submit_in_turn()
+        else:  # no next step in turn: the worker's wait until the next one is not the host's work
+            early = []
+            self.timer.reset()
+        return self._emit(*settled) + early
 
     def _submit_in_turn(self) -> list[RequestOutput]:
         """Plan the next step from the scheduler's current state and send it, in turn (the
@@ -353,9 +372,9 @@ class LLMEngine:
         settled at once: its outputs, if any."""
         plan = self._schedule()
         if not self._has_work(plan):
-            self._last_step_end = None
+            self.timer.reset()
             return self._finish_step(plan, ModelRunnerOutput(step_id=plan.step_id))
-        self._sent_in_turn = time.perf_counter()
+        self.timer.sent_in_turn = time.perf_counter()
         self._inflight = (plan, self.executor.submit(plan))
         return []
 
@@ -374,21 +393,6 @@ class LLMEngine:
     @staticmethod
     def _has_work(plan) -> bool:
         return bool(plan.total_num_scheduled_tokens or plan.finished_req_ids or plan.preempted_req_ids)
-
-    def _record_in_turn(self, plan, result: ModelRunnerOutput, t1: float, t0: float,
-                        overlapped: bool = False) -> None:
-        """A step taken in turn, sent at t0, waited for until t1: its time for the cost model,
-        and how long the worker sat idle since the last one ended (the host's work, the
-        plan's and the result's trips), what planning ahead overlaps with the step, up to the
-        step's own length (beyond it the engine had nothing to run). Where the host processed
-        outputs meanwhile (``overlapped``), t1 - t0 may hold some of that work: the worker's
-        own time stands for the step."""
-        step_s = (result.execute_s or t1 - t0) if overlapped else t1 - t0
-        self.scheduler.record_step_time(plan.total_num_scheduled_tokens, step_s)
-        if self._last_step_end is not None:
-            busy = result.execute_s or t1 - t0
-            self.scheduler.record_host_time(min(max(t1 - self._last_step_end - busy, 0.0), busy))
-        self._last_step_end = t1
 
     def _wait(self, plan, result) -> ModelRunnerOutput:
         """``result()`` (the step's result), or, if the step raised in the workers, the

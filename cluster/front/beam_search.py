@@ -35,6 +35,7 @@ from pagedserve.cluster.front.openai.schemas import (ChatCompletionChoice, ChatC
                                                CompletionChoice, CompletionResponse, UsageInfo)
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
+from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -132,7 +133,9 @@ async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, 
     ids = itertools.count()
 
     async def one(tokens: list[int]) -> dict[int, float]:
-        stream, adm = await client.generate(f"{rid}-beam-{next(ids)}", tokens, step_params, body, None, tenant)
+        req = EngineRequest(f"{rid}-beam-{next(ids)}", tokens, step_params, body.priority, body.cache_salt,
+                            tenant=tenant)
+        stream, adm = await client.generate(req, whole=not body.stream)
         if stream is None:
             raise _Refused(adm)
         final = None

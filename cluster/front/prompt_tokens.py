@@ -45,15 +45,17 @@ class PromptTokens:
         except Exception:  # the replicas tokenize; tried again on a later request
             logger.warning("no tokenizer at the front; prompts go as text", exc_info=True)
 
-    async def encode(self, prompt, messages, add_generation_prompt, tools, truncating: bool) -> list[int] | None:
-        """The prompt's token ids, or None: already ids, or no tokenizer here yet. Raises
-        ValueError (a 400) as the replica's pool would: the same checks, the same words."""
+    async def encode(self, req) -> list[int] | None:
+        """The prompt ids of ``req`` (an EngineRequest, cluster/wire/request.py), or None:
+        already ids, or no tokenizer here yet. Raises ValueError (a 400) as the replica's
+        pool would: the same checks, the same words."""
+        prompt, messages = req.prompt, req.messages
         if isinstance(prompt, list) or (prompt is None and messages is None):
             return None
         pool = self._pool
         if pool is None:
             self._start()
             return None
-        if messages is None and not truncating:
+        if messages is None and req.params.truncate_prompt_tokens is None:
             pool.check_chars(prompt)  # O(1), before the pool does any work
-        return await pool.run(pool.encode_prompt, prompt, messages, add_generation_prompt, tools)
+        return await pool.run(pool.encode_prompt, prompt, messages, req.add_generation_prompt, req.tools)

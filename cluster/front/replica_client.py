@@ -35,7 +35,7 @@ from pagedserve.cluster.ray_utils import bind_host
 from pagedserve.cluster.wire.failures import ReplicaLost
 from pagedserve.cluster.wire.lifeline import LifelineWatch
 from pagedserve.cluster.wire.output_channel import OutputChannel
-from pagedserve.cluster.wire.request import GenerateRequest
+from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.cluster.wire.stream import Accumulated
 
 logger = logging.getLogger("pagedserve")
@@ -59,26 +59,26 @@ class ReplicaClient:
         # The KV router scores replicas on token ids: the prompt is tokenized here, once.
         self._tokens = PromptTokens(model.info) if tokenize_for_router else None
 
-    async def generate(self, rid: str, prompt, params, body, messages=None, tenant=None,
-                       template: bool | str = True, tools=None, arrival: float | None = None):
-        """Open the engine stream; return (stream, admission) or (None, error response).
-        ``template``: what the chat template appends (ChatCompletionRequest.template_mode);
-        ``arrival``: when this front took the request (its TTFT starts there). A request
-        whose replica is lost before it has sent anything is tried on another (Resumable)."""
+    async def generate(self, req: EngineRequest, *, whole: bool, arrival: float | None = None):
+        """Open the engine stream of ``req``; return (stream, admission) or (None, error
+        response). ``whole``: the response is sent when it ends (not streamed), so it may be
+        tried again at any point; ``arrival``: when this front took the request (its TTFT
+        starts there). A request whose replica is lost before it has sent anything is tried on
+        another (Resumable). With the KV router, a text prompt or chat is tokenized here first
+        and goes on as token ids (``req.prompt``; ``req.messages`` None)."""
         if self._tokens is not None:
             try:
-                ids = await self._tokens.encode(prompt, messages, template, tools,
-                                                params.truncate_prompt_tokens is not None)
+                ids = await self._tokens.encode(req)
             except ValueError as e:
                 return None, error(400, str(e))
             if ids is not None:
-                prompt, messages = ids, None
+                req.prompt, req.messages = ids, None
+        rid = req.request_id
 
         async def again(retry: bool = False):
             for attempt in range(MAX_ATTEMPTS):
                 try:
-                    return await self._generate_once(rid, prompt, params, body, messages, tenant, template,
-                                                     tools, arrival, retry or attempt > 0)
+                    return await self._generate_once(req, arrival, retry or attempt > 0)
                 except ReplicaLost as e:
                     if attempt + 1 == MAX_ATTEMPTS:
                         return None, error(503, f"{e}; no replica took the request {rid}", 1)
@@ -94,14 +94,14 @@ class ReplicaClient:
         stream, adm = await again()
         if stream is None:
             return None, adm
-        resumable = Resumable(stream, adm, resume, not body.stream,
+        resumable = Resumable(stream, adm, resume, whole,
                               lambda a: self._live.placed(rid, a.replica_id))
         return resumable, adm
 
-    async def _generate_once(self, rid: str, prompt, params, body, messages, tenant, template, tools, arrival,
-                             retry: bool = False):
+    async def _generate_once(self, req: EngineRequest, arrival: float | None, retry: bool = False):
         """One try. ``retry``: its replica was lost: the door let it in once already, and
         its wait so far is the loss's, not a queue's (the front limit does not see it)."""
+        rid, tenant = req.request_id, req.tenant
         who = tenant or DEFAULT_TENANT
         now = time.monotonic()
         # (This request is in the live list already: the others are one fewer.)
@@ -119,7 +119,6 @@ class ReplicaClient:
             self._bind_checked = now
             asyncio.ensure_future(self._recheck_bind())  # a GCS call: never on this loop
         sub = self._channel.open(rid, arrival, self._model.first_output)
-        req = GenerateRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools)
         stream = self._engine.options(stream=True).generate.remote(req, output_route=self._channel.route)
         try:
             adm = await admission(rid, stream, lambda: self._loss)

@@ -28,6 +28,7 @@ from pagedserve.cluster.front.openai.schemas import ChatCompletionResponse, Usag
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.sse_stream import sse_events
 from pagedserve.cluster.front.openai.tool_choice import constrain_to_schema, tool_plan
+from pagedserve.cluster.wire.request import EngineRequest
 
 
 @dataclass(slots=True)
@@ -139,8 +140,9 @@ class OpenAIServingChat:
             except Exception as e:  # arrives wrapped (RayTaskError)
                 return remote_error(e)
             messages = None
-        stream, adm = await self._client.generate(rid, prompt, params, body, messages, tenant, template, tools,
-                                                  arrival if arrival is not None else self._live.arrival(rid))
+        req = EngineRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools)
+        stream, adm = await self._client.generate(req, whole=not body.stream,
+                                                  arrival=arrival if arrival is not None else self._live.arrival(rid))
         if stream is None:
             return adm
         return _ChatStarted(rid, stream, params, plan, echo, info["served_model_name"], int(time.time()),

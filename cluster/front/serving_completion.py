@@ -31,6 +31,7 @@ from pagedserve.cluster.front.openai.openai_format import ChoiceShaper, batch_re
 from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.sse_stream import sse_events
+from pagedserve.cluster.wire.request import EngineRequest
 
 
 class OpenAIServingCompletion:
@@ -101,8 +102,10 @@ class OpenAIServingCompletion:
         """Admit every prompt (concurrently); (streams, admissions) or (None, error response)."""
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         arrival = self._live.arrival(rid)
-        tasks = [asyncio.ensure_future(self._client.generate(sub, p, params, body, None, tenant, arrival=arrival))
-                 for sub, p in zip(ids, prompts)]
+        reqs = [EngineRequest(sub, p, params, body.priority, body.cache_salt, tenant=tenant)
+                for sub, p in zip(ids, prompts)]
+        tasks = [asyncio.ensure_future(self._client.generate(req, whole=not body.stream, arrival=arrival))
+                 for req in reqs]
         try:
             await asyncio.wait(tasks)
         except asyncio.CancelledError:  # the client left while we were admitting

@@ -48,7 +48,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedserve.cluster.engine.detokenizer import token_texts
-from pagedserve.cluster.engine.engine_request import EngineRequest
 from pagedserve.cluster.replica.admission import DrainMeter, admit, drain_seconds, retry_after
 from pagedserve.cluster.text.chat_template import renders_tools
 from pagedserve.cluster.replica.live_view import VIEW_INTERVAL_S, StepTimeline, replica_view
@@ -57,13 +56,13 @@ from pagedserve.cluster.text.tokenizer_pool import TokenizerPool
 from pagedserve.cluster.wire.failures import EngineDeadError, ExecutorDeadError, RequestFailed
 from pagedserve.cluster.wire.output_channel import DONE, OutputRouter
 from pagedserve.cluster.wire.outputs import RequestOutput
+from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.cluster.wire.stats import stats_snapshot
 from pagedserve.cluster.wire.stream import Admission, QueueStatus
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
 from pagedserve.scheduler.kv.kv_events import waiting_prefill
-from pagedserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
@@ -302,36 +301,31 @@ class AsyncEngine:
             self._pending_blocks[req.request_id] = -(-num_prompt_tokens // self.config.block_size)
         return rejected
 
-    def _make_request(self, request_id, prompt, messages, add_generation_prompt, params: SamplingParams,
-                      tools, priority, cache_salt, tenant) -> EngineRequest:
+    def _make_request(self, req: EngineRequest) -> EngineRequest:
         """Tokenizer pool thread: text -> ids (a chat's through its template), then the one
         validation of the request (LLMEngine.make_request); the engine thread trusts it."""
-        if messages is not None or isinstance(prompt, str):
-            prompt = self._tok.encode_prompt(prompt, messages, add_generation_prompt, tools)
-        return self.engine.make_request(request_id, prompt, params, None, priority, cache_salt, tenant)
+        if req.needs_encoding:
+            req.prompt_token_ids = self._tok.encode_prompt(req.prompt, req.messages, req.add_generation_prompt,
+                                                           req.tools)
+        return self.engine.make_request(req)
 
-    async def _prepare(self, request_id, prompt, messages, add_generation_prompt, params, tools,
-                       priority, cache_salt, tenant) -> EngineRequest:
+    async def _prepare(self, req: EngineRequest) -> EngineRequest:
         # O(1) checks first, on the event loop: a 20 MB prompt costs nothing more.
         # (Not with truncate_prompt_tokens: then a prompt of any length is fine; the
         # body limit still bounds what the pool tokenizes.)
-        if isinstance(prompt, str) and messages is None and params.truncate_prompt_tokens is None:
+        prompt, params = req.prompt, req.params
+        if isinstance(prompt, str) and req.messages is None and params.truncate_prompt_tokens is None:
             self._tok.check_chars(prompt)
         elif (isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len
               and params.truncate_prompt_tokens is None):
             self.engine.check_length(len(prompt), params.max_tokens)
-        return await self._tok.run(self._make_request, request_id, prompt, messages, add_generation_prompt,
-                                   params, tools, priority, cache_salt, tenant)
+        return await self._tok.run(self._make_request, req)
 
-    async def generate(self, request_id: str, prompt: str | list[int] | None,
-                       params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                       messages: list[dict] | None = None, add_generation_prompt: bool = True,
-                       tenant: str | None = None, tools: list[dict] | None = None, *,
-                       output_route: tuple[str, bytes]):
+    async def generate(self, req: EngineRequest, *, output_route: tuple[str, bytes]):
         """The request's lifeline: its Admission, then nothing until it ends after the final
         output (or raises the request's failure). The outputs go out on ``output_route`` (an
         ingress's OutputChannel.route: cluster/wire/output_channel.py), one message per step."""
-        entered = time.monotonic()
+        entered, request_id = time.monotonic(), req.request_id
         if self._dead is not None:
             yield Admission(False, self.replica_id, 503,
                             f"This engine replica is unavailable ({self._dead}); retry shortly.",
@@ -339,8 +333,7 @@ class AsyncEngine:
             return
         self._ensure_loop()
         try:
-            req = await self._prepare(request_id, prompt, messages, add_generation_prompt, params, tools,
-                                      priority, cache_salt, tenant)
+            req = await self._prepare(req)
         except ValueError as e:
             yield Admission(False, self.replica_id, 400, str(e))
             return

@@ -1,7 +1,7 @@
 """What crosses a process boundary between the front, the replica, the engine loop and
 the executors, in one place that each side imports (and no side imports the other):
 
-    request.py          GenerateRequest: a generation request, front to replica
+    request.py          EngineRequest: the one request object, front to engine
     outputs.py          RequestOutput / CompletionOutput: what a request produced so far
     stream.py           a generate() stream's items: Admission, QueueStatus, then outputs
                         (merged when a reader falls behind)

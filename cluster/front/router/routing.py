@@ -144,7 +144,7 @@ class _SentBlocks:
 
 
 def _generate_request(pending_request):
-    """The GenerateRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
+    """The EngineRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
     if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
         return None
     return pending_request.args[0]

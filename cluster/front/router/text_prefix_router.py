@@ -3,7 +3,7 @@ replicas, the peer the KV router (routing.py) is measured against. Its policy is
 unchanged: a character-level prefix tree in an actor, built from where it routed earlier
 prompts. What this adds is how it reads a request: Ray's reads ``.prompt`` or
 ``.messages`` from the first argument that has either attribute, and stops at the first
-one even when it is None; a GenerateRequest (cluster/wire/request.py) has both, one of
+one even when it is None; an EngineRequest (cluster/wire/request.py) has both, one of
 them None. Other calls (info, tokenize) and token-id prompts have no text: None, which
 Ray's router takes as "route by load". Imported only when chosen: Ray's router needs
 pyarrow (the bench extra).
