@@ -24,6 +24,12 @@ may get 1 + k tokens, its last token and k drafts (ngram_proposer.py), checked i
 The blocks taken for the drafts stay with the request (its next tokens go there); a block
 is offered to the prefix cache only once verified tokens fill it, and the K/V a rejected
 draft wrote is overwritten by the token that takes its slot.
+
+The Scheduler holds its parts and hands each what it reads: the KV cache manager
+(kv/kv_cache_manager.py), the waiting queue (request_queue.py, fair_queue.py), the tenant
+policy (tenant_policy.py: reservations, victims, slot shares, why-waiting answers) and the
+draft proposer (ngram_proposer.py). update_from_output hands the Scheduler itself to
+step_results.py: a step's result touches most of its state.
 """
 
 from __future__ import annotations
@@ -32,13 +38,14 @@ from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT, FairRequestQueue
 from pagedserve.scheduler.kv.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.ngram_proposer import NgramProposer
-from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                                          SchedulerOutput)
 from pagedserve.scheduler.request import Request, RequestStatus
 from pagedserve.scheduler.request_queue import FCFSRequestQueue, PriorityRequestQueue
 from pagedserve.scheduler.stats import WAITING_REASONS, SchedulerStats
-from pagedserve.scheduler.step_results import StepResults
+from pagedserve.scheduler.step_results import update_from_output
 from pagedserve.scheduler.tenancy import Ledger, classes_of
-from pagedserve.scheduler.tenant_scheduling import TenantScheduling
+from pagedserve.scheduler.tenant_policy import TenantPolicy
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -47,7 +54,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting_requests`` (the HTTP layer answers 429)."""
 
 
-class Scheduler(TenantScheduling, StepResults):
+class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -67,11 +74,8 @@ class Scheduler(TenantScheduling, StepResults):
         # plain FCFS baseline. With one tenant the fair queue is exactly its sub-queue.
         self.waiting = sub_queue() if self.policy == "static" else FairRequestQueue(
             sub_queue, scheduler_config.tenant_weights)
-        self.reservations = scheduler_config.reservations if self.policy != "static" else {}
-        self.protect_steps = scheduler_config.preemption_protect_steps
-        self.tenant_tokens: dict[str, int] = {}  # cumulative scheduled tokens per tenant
-        self.admit_rate = 0.0  # requests admitted per step (EMA): the basis of est. start
-        self._share_victim: Request | None = None  # preempted for a tenant's slot share this step
+        # Who goes next and who gives way across tenants, classes and reservations.
+        self.tenant_policy = TenantPolicy(scheduler_config, cache_config, self.waiting, self.kv_cache_manager)
         self.running: list[Request] = []  # in admission order
         self.finished_req_ids: list[str] = []  # ended since the previous plan
         self.static_batch: set[str] = set()  # policy "static": members of the batch in flight
@@ -106,8 +110,7 @@ class Scheduler(TenantScheduling, StepResults):
         room = self.max_seq_len - n
         user_max = request.sampling_params.max_tokens
         request.max_tokens = room if user_max is None else min(user_max, room)
-        if self.reservations:
-            self._check_fits_outside_reservations(request)
+        self.tenant_policy.check_fits_outside_reservations(request)
         request.status = RequestStatus.WAITING
         if self.scheduler_config.isolate_tenant_prefix_cache and request.tenant != DEFAULT_TENANT:
             request.cache_tenant = request.tenant
@@ -159,6 +162,7 @@ class Scheduler(TenantScheduling, StepResults):
         bs = self.block_size
         budget = self.max_num_batched_tokens
         running = self.running
+        tenant_policy = self.tenant_policy
         drafts = self._propose_drafts() if self.drafting() else None
         # Scheduled running requests as parallel lists (cheaper than dicts per step).
         sched_reqs: list[Request] = []
@@ -166,12 +170,13 @@ class Scheduler(TenantScheduling, StepResults):
         sched_new_block_ids: list[list[int]] = []  # blocks added this step
         spec_tokens: dict[str, list[int]] = {}  # req_id -> its draft tokens this step
         preempted: list[Request] = []
-        ledger = Ledger(self.reservations, running, blocks_of) if self.reservations else None
+        ledger = tenant_policy.ledger(running)
         # 0. Room for reserved classes' waiting heads, then for a tenant under its slot share.
-        preempted_for_reserved = self._make_room(ledger)
+        preempted_for_reserved = tenant_policy.make_room(running, self.step_id, ledger, self._preempt)
         # While a reserved class has a request waiting, others' running requests do not
         # grow into its unused reservation (when it has none waiting they may).
-        hold_keys = [k for k in ledger.reserved_keys_waiting() if self._reserved_head(ledger, k)] if ledger else []
+        hold_keys = [k for k in ledger.reserved_keys_waiting()
+                     if tenant_policy.reserved_head(ledger, k)] if ledger else []
 
         # 1. Running requests, in admission order, each as far as the budget allows.
         i = 0
@@ -200,7 +205,7 @@ class Scheduler(TenantScheduling, StepResults):
                     draft, num_new = None, 1
                     new_blocks = kv.allocate_slots(req, num_new, reserve_blocks=hold)
                 while new_blocks is None:
-                    victim_index = self._pick_victim(ledger)
+                    victim_index = tenant_policy.pick_victim(running, self.step_id, ledger)
                     victim = running[victim_index]
                     if victim in sched_reqs:  # already scheduled this step: take it back
                         j = sched_reqs.index(victim)
@@ -236,7 +241,7 @@ class Scheduler(TenantScheduling, StepResults):
             reason = self._admit(sched_reqs, sched_nums, new_reqs, resumed, budget, ledger)
         self._waiting_reason = reason if len(self.waiting) else None
         preempted = preempted_for_reserved + preempted
-        self.admit_rate += 0.1 * (len(new_reqs) + len(resumed) - self.admit_rate)
+        tenant_policy.note_admitted(len(new_reqs) + len(resumed))
 
         # 3. The plan (num_computed_tokens as before this step), then advance the counts.
         num_running = len(sched_new_block_ids)
@@ -252,7 +257,7 @@ class Scheduler(TenantScheduling, StepResults):
             cached.resumed_from_preemption.append(True)
             cached.new_block_ids.append(list(block_ids_of[req.req_id]))
             cached.num_computed_tokens.append(req.num_computed_tokens)
-        self._charge_tenants(sched_reqs, sched_nums)
+        tenant_policy.charge(sched_reqs, sched_nums)
         for req, n in zip(sched_reqs, sched_nums):
             req.num_computed_tokens += n
             if req.num_computed_tokens >= len(req.all_token_ids) + req.num_output_placeholders:
@@ -343,6 +348,7 @@ class Scheduler(TenantScheduling, StepResults):
         kv = self.kv_cache_manager
         running = self.running
         waiting = self.waiting
+        tenant_policy = self.tenant_policy
         static = self.policy == "static"
         batch_open = not self.static_batch  # static: a batch forms only when idle
         while len(waiting):
@@ -350,7 +356,7 @@ class Scheduler(TenantScheduling, StepResults):
                 return "no_budget"
             if len(running) >= self.max_num_seqs:
                 return "max_seqs"
-            req, key = self._next_candidate(ledger)
+            req, key = tenant_policy.next_candidate(ledger)
             held = ledger.held_for_others(req) if ledger is not None else None
             if held is not None and len(running) + held.seqs >= self.max_num_seqs:
                 return "reserved"
@@ -359,7 +365,7 @@ class Scheduler(TenantScheduling, StepResults):
                 # Preempted by this very plan (to make room for a reservation or a tenant's
                 # slot share): re-admitting it would take back the room just made, and one
                 # plan cannot both preempt and schedule a request.
-                return "tenant_share" if req is self._share_victim else "reserved"
+                return "tenant_share" if req is tenant_policy.share_victim else "reserved"
             if static and not batch_open and req.req_id not in self.static_batch:
                 return "static_batch"
             hit_blocks, num_hit = kv.get_computed_blocks(req)
@@ -424,13 +430,31 @@ class Scheduler(TenantScheduling, StepResults):
         self.num_preemptions += 1
         self.waiting.prepend_request(req)
 
+    # ---- the step result --------------------------------------------------------------
+    def update_from_output(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, stop finished requests (their blocks go back at once),
+        cache newly full blocks (step_results.py). Rows of requests that ended meanwhile
+        are ignored."""
+        return update_from_output(self, plan, result)
+
     # ---- stats ------------------------------------------------------------------------
+    def waiting_info(self, req_id: str) -> dict | None:
+        """Why ``req_id`` waits, as of the last schedule(), and when it should start:
+        ``{"reason", "position", "est_start_steps"}`` (tenancy.WHY_REASONS), or None if it
+        is not waiting. The head of the line carries the reason admission stopped; a
+        request behind another of its tenant waits for "queue_order"; the head of a tenant
+        that already got more than its share waits for "tenant_share"."""
+        req = self.requests.get(req_id)
+        if req is None or req.status is _RUNNING or RequestStatus.is_finished(req.status):
+            return None
+        return self.tenant_policy.waiting_info(req, self._waiting_reason)
+
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         by_reason = dict.fromkeys(WAITING_REASONS, 0)
         if self._waiting_reason is not None:
             by_reason[self._waiting_reason] = len(self.waiting)
-        tenants, demand = self._tenant_stats()
+        tenants, demand = self.tenant_policy.stats(self.running)
         spec = {}
         if (p := self.proposer) is not None:
             spec = dict(spec_num_drafts=p.num_drafts, spec_num_draft_tokens=p.num_draft_tokens,

@@ -189,11 +189,11 @@ def test_a_just_resumed_request_is_spared_while_another_candidate_exists():
         step(s)
         # c (4 computed tokens) is the cheapest to recompute; say it just resumed.
         s.requests["c"].resumed_step = s.step_id
-        victim = s.running[s._pick_victim()].req_id
+        victim = s.running[s.tenant_policy.pick_victim(s.running, s.step_id)].req_id
         assert victim == expected, (protect, victim)
         # Once the protection expires, c is the cheapest again.
         s.step_id += protect
-        assert s.running[s._pick_victim()].req_id == "c"
+        assert s.running[s.tenant_policy.pick_victim(s.running, s.step_id)].req_id == "c"
 
 
 def test_stats_per_tenant():
