@@ -55,15 +55,15 @@ def _fire(site: str) -> None:
 
 
 def install_engine(engine) -> None:
-    """LLMEngine: the detokenize site."""
-    process = engine._process
+    """LLMEngine: the detokenize site (its OutputProcessor's per-sample step)."""
+    process = engine.outputs.process
 
     def _process(group, sample, out, now):
         if _planted("detokenize", sample.params):
             _fire("detokenize")
         return process(group, sample, out, now)
 
-    engine._process = _process
+    engine.outputs.process = _process
 
 
 def install_runner(runner) -> None:

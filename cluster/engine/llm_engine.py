@@ -1,13 +1,15 @@
-"""LLMEngine: the step loop around the scheduler and the executor, plus the text side
-(tokenize, detokenize, stop strings, ``n > 1`` fan-out). No ray in here: the offline
-``LLM`` runs it in-process and the Serve scheduler actor runs it inside an actor.
+"""LLMEngine: the step loop around the scheduler and the executor: requests in (validated
+once: ``make_request``), steps, aborts and per-request failures; the text side of each
+request is its OutputProcessor's (output_processor.py). No ray in here: the offline ``LLM``
+runs it in-process and the Serve scheduler actor runs it inside an actor.
 
-One ``step()``:
+One ``step()`` (its variant chosen when the engine is built: ``_step_sync``, or with
+async_scheduling ``_step_async``):
 
     scheduler.schedule() ─plan─▶ executor.execute_model() ─result─▶ scheduler.update_from_output()
                                                                          │ EngineCoreOutput per request
                                                                          ▼
-                                              detokenize, stop strings, group samples ─▶ RequestOutput
+                                  OutputProcessor: detokenize, stop strings, group samples ─▶ RequestOutput
 """
 
 from __future__ import annotations
@@ -16,66 +18,29 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
-from pagedserve.cluster.text.tokenizer_pool import load_tokenizer
-from pagedserve.cluster.engine.detokenizer import IncrementalDetokenizer
+from pagedserve import plugins
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
-from pagedserve.cluster.wire.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedserve.cluster.wire.request import EngineRequest
-from pagedserve.cluster.wire.failures import ExecutorDeadError
+from pagedserve.cluster.engine.output_processor import Group, OutputProcessor
+from pagedserve.cluster.engine.request_options import truncate_prompt
 from pagedserve.cluster.engine.step_containment import StepFailedError, contain, subplan
 from pagedserve.cluster.engine.step_timer import StepTimer
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
-from pagedserve.cluster.engine.request_options import (num_samples, sample_params, select_best,
-                                                       truncate_prompt)
-from pagedserve.scheduler import Request, RequestStatus, Scheduler
-from pagedserve.scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, ProbePlan
-from pagedserve.scheduler.sampling_params import SamplingParams, sample_seed
-from pagedserve.scheduler.vocab_limits import check_vocab_limits
-from pagedserve import plugins
+from pagedserve.cluster.text.tokenizer_pool import load_tokenizer
+from pagedserve.cluster.wire.failures import ExecutorDeadError
+from pagedserve.cluster.wire.outputs import RequestOutput
+from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.config import EngineConfig
 from pagedserve.platforms import decide_here
+from pagedserve.scheduler import Scheduler
+from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.vocab_limits import check_vocab_limits
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.loading.model_fetch import local_model_path
 from pagedserve.worker.loading.model_source import resolve_model
 
 logger = logging.getLogger("pagedserve")
-
-
-@dataclass(slots=True)
-class _Sample:
-    """One of the ``n`` samples of a user request (a scheduler Request of its own)."""
-
-    index: int
-    req_id: str
-    detok: IncrementalDetokenizer | None
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class _Group:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[_Sample]
-    metrics: RequestMetrics
-    # Siblings 1..n-1 join once sample 0 has prefilled, so they hit its prompt blocks
-    # in the prefix cache instead of computing the same prompt n times.
-    pending: list[Request] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_finished: int = 0
-    params: SamplingParams | None = None  # the user's (n, best_of, logprobs asked)
-    prompt_logprobs: list | None = None  # one slot per prompt position, filled by position
-    num_outputs: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.samples)
 
 
 class LLMEngine:
@@ -117,11 +82,12 @@ class LLMEngine:
         if self.scheduler.proposer is not None:  # a request that finds no draft lets steps pipeline
             self.scheduler.proposer.pause_when_idle = bool(self.config.async_scheduling)
         self.kv_sizing = log_kv_sizing(self.config, self.model_config, self.num_gpu_blocks, self.max_model_len)
-        self._groups: dict[str, _Group] = {}
         # Requests scheduled for the first time (or again after preemption), cumulative:
         # the serving layer's measure of how fast the waiting queue drains.
         self.num_admitted = 0
-        self._samples: dict[str, tuple[_Group, _Sample]] = {}
+        # Each request's samples, detokenizers and outputs (output_processor.py).
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.scheduler, self.structured,
+                                       self._fail_group)
         self.last_plan = None
         # async_scheduling: (plan, wait for its result) of the step running now
         self._inflight: tuple | None = None
@@ -200,29 +166,10 @@ class LLMEngine:
         """Trusts ``req`` (made by ``make_request``); only the engine's state can refuse it
         here: an id in use (ValueError) or no room in the scheduler (ValueError,
         QueueFullError), with nothing recorded."""
-        request_id, prompt_ids, params = req.request_id, req.prompt_token_ids, req.params
-        if request_id in self._groups:
+        request_id, params = req.request_id, req.params
+        if request_id in self.outputs.groups:
             raise ValueError(f"request id {request_id!r} is already in use.")
-        arrival = time.monotonic() if req.arrival_time is None else req.arrival_time
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        group = _Group(request_id, req.prompt_text, prompt_ids, [], RequestMetrics(arrival_time=time.time()),
-                       params=params, prompt_logprobs=None if params.prompt_logprobs is None
-                       else [None] * len(prompt_ids))
-        requests = []
-        n = num_samples(params)
-        for i in range(n):
-            child = params if n == 1 else sample_params(
-                params, i, None if params.seed is None else sample_seed(params.seed, i))
-            if len(self.eos_token_ids) > 1 and not child.ignore_eos:
-                extra = [t for t in self.eos_token_ids[1:] if t not in child.stop_token_ids]
-                child = child.clone(stop_token_ids=child.stop_token_ids + extra)
-            req_id = request_id if n == 1 else f"{request_id}#{i}"
-            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, child)
-                     if child.detokenize else None)
-            sample = _Sample(i, req_id, detok, child, logprobs=[] if child.logprobs is not None else None)
-            group.samples.append(sample)
-            requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
-                                    priority=req.priority, cache_salt=req.cache_salt, tenant=req.tenant))
+        group, requests = self.outputs.make_group(req)
         if params.structured_outputs is not None:  # one matcher per sample, one grammar
             for sample in group.samples:
                 self.structured.add_request(sample.req_id, params.structured_outputs, req.grammar)
@@ -232,15 +179,12 @@ class LLMEngine:
             for sample in group.samples:
                 self.structured.remove(sample.req_id)
             raise
-        group.pending = requests[1:]
-        self._groups[request_id] = group
-        for sample in group.samples:
-            self._samples[sample.req_id] = (group, sample)
+        self.outputs.add(group, requests[1:])
 
     def request_status(self, request_id: str) -> dict | None:
         """Where a live request stands (its first sample's scheduler request, which every
         sibling waits behind): running or waiting, and why (Scheduler.waiting_info)."""
-        group = self._groups.get(request_id)
+        group = self.outputs.groups.get(request_id)
         if group is None:
             return None
         req = self.scheduler.get_request(group.samples[0].req_id)
@@ -258,44 +202,32 @@ class LLMEngine:
 
     def fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """End one request with an error of its own (see ``_fail_group``)."""
-        group = self._groups.get(request_id)
+        group = self.outputs.groups.get(request_id)
         return None if group is None else self._fail_group(group, message)
 
-    def _fail_group(self, group: _Group, message: str) -> RequestOutput:
+    def _fail_group(self, group: Group, message: str) -> RequestOutput:
         """Its blocks are freed now, it leaves the batch before the next plan, and its
         final output carries ``error`` (finish_reason "error" on unfinished samples)."""
         logger.error("request %s failed on its own: %s", group.request_id, message)
         self.abort_request(group.request_id)
-        for s in group.samples:
-            if s.finish_reason is None:
-                s.finish_reason = "error"
-        group.num_finished = len(group.samples)
-        group.metrics.finished_time = time.time()
-        out = self._make_output(group, {})
-        out.error = message
-        return out
+        return self.outputs.failed_output(group, message)
 
     def abort_all(self) -> None:
-        self.abort_request(list(self._groups))
+        self.abort_request(list(self.outputs.groups))
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for rid in request_ids:
-            group = self._groups.pop(rid, None)
-            if group is None:
-                continue
-            group.pending = []
-            self.scheduler.abort_requests([s.req_id for s in group.samples])
-            for s in group.samples:
-                self._samples.pop(s.req_id, None)
-                self.structured.remove(s.req_id)
+            group = self.outputs.drop(rid)
+            if group is not None:
+                self.scheduler.abort_requests([s.req_id for s in group.samples])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return bool(self.outputs.groups) or self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        return len(self.outputs.groups)
 
     def get_stats(self):
         return self.scheduler.get_stats()
@@ -364,7 +296,7 @@ class LLMEngine:
         else:  # no next step in turn: the worker's wait until the next one is not the host's work
             early = []
             self.timer.reset()
-        return self._emit(*settled) + early
+        return self.outputs.emit(*settled) + early
 
     def _submit_in_turn(self) -> list[RequestOutput]:
         """Plan the next step from the scheduler's current state and send it, in turn (the
@@ -381,12 +313,8 @@ class LLMEngine:
     def _schedule(self):
         plan = self.scheduler.schedule()
         plan.epoch = self._epoch
-        if plan.scheduled_new_reqs:  # the end of its queue time (vllm:request_queue_time_seconds)
-            now = time.time()
-            for new in plan.scheduled_new_reqs:
-                entry = self._samples.get(new.req_id)
-                if entry and entry[0].metrics.first_scheduled_time is None:
-                    entry[0].metrics.first_scheduled_time = now
+        if plan.scheduled_new_reqs:
+            self.outputs.first_scheduled(plan)
         self.last_plan = plan  # the serving layer's batch timeline reads it (plain data)
         return plan
 
@@ -425,109 +353,23 @@ class LLMEngine:
         self.executor.execute_model(ProbePlan(step_id=self.scheduler.step_id, epoch=self._epoch))
 
     def _finish_step(self, plan, result: ModelRunnerOutput) -> list[RequestOutput]:
-        return self._emit(*self._settle(plan, result))
+        return self.outputs.emit(*self._settle(plan, result))
 
     def _settle(self, plan, result: ModelRunnerOutput) -> tuple[float, dict, list]:
         """The step's result into the scheduler (what the next plan needs); returns what
-        ``_emit`` turns into outputs."""
+        ``OutputProcessor.emit`` turns into outputs."""
         now = time.time()
         self.num_admitted += len(plan.scheduled_new_reqs) + sum(
             plan.scheduled_cached_reqs.resumed_from_preemption)
         # Requests that failed on their own in the worker leave before the scheduler
         # sees the result, so their (empty) rows are skipped like aborted ones.
-        for rid, piece in (result.prompt_logprobs or {}).items():
-            entry = self._samples.get(rid)
-            if entry is not None and entry[0].prompt_logprobs is not None:
-                entry[0].prompt_logprobs[piece.start:piece.start + len(piece.logprobs)] = piece.logprobs
+        self.outputs.add_prompt_logprobs(result)
         failed: dict[str, RequestOutput] = {}
         for rid, message in (result.failed or {}).items():
-            entry = self._samples.get(rid)
+            entry = self.outputs.samples.get(rid)
             if entry is not None:
                 failed[entry[0].request_id] = self._fail_group(entry[0], message)
         return now, failed, list(self.scheduler.update_from_output(plan, result))
-
-    def _emit(self, now: float, failed: dict, core_outputs: list) -> list[RequestOutput]:
-        """Detokenize, stop strings, the outputs of the requests a settled step touched."""
-        touched: dict[str, _Group] = {}
-        deltas: dict[str, tuple[str, list[int], list | None]] = {}
-        for out in core_outputs:
-            entry = self._samples.get(out.req_id)
-            if entry is None:
-                continue  # aborted while the step ran (or failed above)
-            group, sample = entry
-            try:
-                deltas[out.req_id] = self._process(group, sample, out, now)
-            except Exception as e:  # its detokenizer or stop strings: this request only
-                failed[group.request_id] = self._fail_group(group, f"{type(e).__name__}: {e}")
-                continue
-            touched[group.request_id] = group
-        outputs = [self._make_output(g, deltas) for g in touched.values()
-                   if g.request_id not in failed]
-        outputs.extend(failed.values())
-        for g in touched.values():
-            if g.finished:
-                self._groups.pop(g.request_id, None)
-                for s in g.samples:
-                    self._samples.pop(s.req_id, None)
-                    self.structured.remove(s.req_id)
-        return outputs
-
-    def _process(self, group: _Group, sample: _Sample, out: EngineCoreOutput, now: float):
-        new_ids = out.new_token_ids
-        if new_ids:
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-                group.num_cached_tokens = out.num_cached_tokens
-            group.metrics.last_token_time = now
-            sample.token_ids.extend(new_ids)
-            if sample.logprobs is not None and out.new_logprobs:
-                sample.logprobs.extend(out.new_logprobs)
-        delta_text = ""
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if new_ids and self.structured.accept(sample.req_id, new_ids) and finish_reason is None:
-            # The grammar is done (it accepted a stop token the scheduler did not stop on:
-            # ignore_eos, or min_tokens not reached): the request ends here.
-            self.scheduler.finish_requests([sample.req_id], RequestStatus.FINISHED_STOPPED)
-            finish_reason = "stop"
-        if sample.detok is not None:
-            if new_ids:
-                # A stop *token* (EOS, stop_token_ids) ends the text before it, as in vLLM.
-                delta_text = sample.detok.update(new_ids, stop_terminated=finish_reason == "stop")
-            if sample.detok.stop_reason is not None:
-                if finish_reason is None:
-                    self.scheduler.finish_requests([sample.req_id], RequestStatus.FINISHED_STOPPED,
-                                                   stop_reason=sample.detok.stop_reason)
-                finish_reason, stop_reason = "stop", sample.detok.stop_reason
-            if finish_reason is not None:
-                delta_text += sample.detok.flush()
-        if finish_reason is not None and sample.finish_reason is None:
-            sample.finish_reason, sample.stop_reason = finish_reason, stop_reason
-            group.num_finished += 1
-            group.metrics.finished_time = now
-        if group.pending and sample.index == 0:
-            for req in group.pending:
-                self.scheduler.add_request(req)
-            group.pending = []
-        return delta_text, new_ids, out.new_logprobs
-
-    def _make_output(self, group: _Group, deltas: dict) -> RequestOutput:
-        completions = []
-        for s in group.samples:
-            d_text, d_ids, d_lp = deltas.get(s.req_id, ("", [], None))
-            completions.append(CompletionOutput(
-                index=s.index, text=s.detok.output_text if s.detok else "", token_ids=s.token_ids,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=s.logprobs,
-                delta_text=d_text, delta_token_ids=d_ids, delta_logprobs=d_lp))
-        params = group.params
-        if params is not None and num_samples(params) > params.n and group.finished:
-            completions = select_best(completions, params)
-        # Prompt logprobs are complete by the first output (its token needed the whole
-        # prompt): they ride on it and on the final one only, not on every stream delta.
-        group.num_outputs += 1
-        plp = group.prompt_logprobs if group.num_outputs == 1 or group.finished else None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             finished=group.finished, num_cached_tokens=group.num_cached_tokens,
-                             metrics=group.metrics, prompt_logprobs=plp)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
