@@ -2,8 +2,8 @@
 anything of pagedserve, but ray only through cluster/. One sub-package per kind:
 
     __main__.py     python -m pagedserve.loadtest {bench,compare}; --help lists every bench
-    workloads.py    the seeded synthetic workloads of the HTTP benches (the offline benches
-                    still draw their own chat-like workload: offline/bench_offline.py)
+    workloads.py    the benches' seeded prompts and length distributions, each named once
+                    (the HTTP workloads, the offline benches' pairs, the scenarios' request sets)
     gpu_check.py    the one prepared GPU check (with gpu_check_setup.sh, gpu_image_packages.txt)
     harness/        the HTTP load harness: client, runner, metrics, report, servers
     scenarios/      the side-by-side scenarios of ``compare``

@@ -90,6 +90,44 @@ def test_mixed_has_forks_and_cancellations_never_on_a_parent():
     assert all(1 <= s.cancel_after < s.max_tokens for s in cancelled)
 
 
+def _digest(x) -> str:
+    import dataclasses
+    import hashlib
+
+    if isinstance(x, list) and x and dataclasses.is_dataclass(x[0]):
+        x = [dataclasses.astuple(s) for s in x]
+    return hashlib.sha256(json.dumps(x).encode()).hexdigest()[:16]
+
+
+def test_bench_workloads_keep_the_numbers_they_had_in_their_benches():
+    """Each bench's workload moved into workloads.py unchanged: these digests are of the
+    outputs of the functions the benches had (bench_offline, bench_scheduler, bench_kv_dtype,
+    peers/, scenarios/, bench_routing) for the same arguments. A change here changes every
+    figure measured on that workload: name a new workload instead."""
+    from pagedserve.loadtest import workloads as w
+
+    words = [f"w{i}" for i in range(500)]
+    cases = {
+        "offline_chat_pairs": (lambda: w.offline_chat_pairs(128, 1024, 8192, seed=0), "1ced51dc18ba3a0b"),
+        "scheduler_chat_pairs": (lambda: w.scheduler_chat_pairs(600, 0, 1024), "761a851f2888fd2e"),
+        "long_context_pairs": (lambda: w.long_context_pairs(50, 0), "5ca87a8cad5ad529"),
+        "fixed_length_prompts": (lambda: w.fixed_length_prompts(32, 32, 8192, 0), "92e2747f58143b40"),
+        "fixed_length_specs": (lambda: w.fixed_length_specs(128, 200, 128, 8192), "f1a8cad9b4352ad5"),
+        "kv_pressure_specs": (lambda: w.kv_pressure_specs(48, 2048, 8192, 1), "a9f1b1df2d61494f"),
+        "decode_and_doc_specs": (lambda: w.decode_and_doc_specs(8, 6, 128, 2048, 8192, 2), "a4ed5e67a6dcbcaa"),
+        "long_prefix_specs": (lambda: w.long_prefix_specs(48, 2048, 8192, 3), "6c00db25fea2848c"),
+        "short_stream_specs": (lambda: w.short_stream_specs(300, 8192, 20, "soak", 64, cancel_frac=0.10),
+                               "ec1452a9f5c17191"),
+        "tenant_stream_specs": (lambda: w.tenant_stream_specs(40, 8192, 41, "steady", 64), "1096406f6354620c"),
+        "word_shared_prefix_prompts": (lambda: list(w.word_shared_prefix_prompts(words, 0, 64, 8, 512, 32)),
+                                       "d5285ba596c72908"),
+    }
+    assert {name: _digest(make()) for name, (make, _) in cases.items()} == {n: d for n, (_, d) in cases.items()}
+    pairs = w.offline_chat_pairs(500, 256, 300, seed=1)
+    assert all(4 <= len(p) <= 128 and 2 <= o and len(p) + o <= 256 and min(p) >= 3 and max(p) < 300 for p, o in pairs)
+    assert all(1 <= len(p) <= 2000 and 1 <= o <= 64 for p, o in w.scheduler_chat_pairs(500, 1, 64))
+
+
 # ------------------------------------------------------------------ metrics
 def _res(i, ttft, itl, out, start, n=1, ok=True, cancelled=False, prompt=10):
     lat = ttft + sum(itl)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import sys
 import time
 import traceback
@@ -42,7 +41,7 @@ import httpx
 from pagedserve.cluster.ray_utils import LocalCluster, cluster_view, delete_app, deploy_config, shutdown_ray
 from pagedserve.loadtest.harness.client import RequestResult, send_completion
 from pagedserve.loadtest.harness.servers import free_port, pagedserve_server
-from pagedserve.loadtest.workloads import RequestSpec
+from pagedserve.loadtest.workloads import RequestSpec, WordText
 
 PHASES = ("spread", "tp", "node_kill", "scale_cycle", "rolling_update")
 ENGINE = "EngineDeployment"
@@ -63,7 +62,7 @@ class Load:
         self.inflight: dict[str, RequestResult] = {}  # streams being answered (client.send_completion)
         self.prompts: dict[str, str] = {}  # request id -> its prompt
         self.prompt: str | None = None  # every request's prompt, when set
-        self._rng = random.Random(seed)
+        self._text = WordText(["alpha", "beta", "gamma", "delta"], seed)  # 16-word prompts
         self._stop = asyncio.Event()
         self._n = 0
         self.clients_now = clients
@@ -78,8 +77,7 @@ class Load:
                 await asyncio.sleep(0.2)
                 continue
             self._n += 1
-            words = self.prompt or " ".join(self._rng.choice(("alpha", "beta", "gamma", "delta"))
-                                            for _ in range(16))
+            words = self.prompt or self._text(16)
             spec = RequestSpec(f"c{i}-{self._n}", words, 16, self.max_tokens)
             self.prompts[spec.request_id] = words
             if i < self.clients - self.whole:

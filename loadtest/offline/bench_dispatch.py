@@ -28,6 +28,7 @@ import tempfile
 import time
 
 from pagedserve.cluster.executors.ray_executor import RayExecutor, RayWorkerWrapper
+from pagedserve.loadtest.workloads import patterned_ids
 from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -62,7 +63,7 @@ def plans(batch: int, prompt_len: int, steps: int, block_size: int):
     """A prefill plan for ``batch`` requests, then ``steps`` decode plans (diffs only)."""
     blocks_per_req = (prompt_len + steps + block_size) // block_size + 1
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    new = [NewRequestData(req_id=f"r{i}", prompt_token_ids=[(7 * i + j) % 300 + 3 for j in range(prompt_len)],
+    new = [NewRequestData(req_id=f"r{i}", prompt_token_ids=patterned_ids(i, prompt_len, 303, 3),
                           sampling_params=params,
                           block_ids=list(range(i * blocks_per_req, (i + 1) * blocks_per_req)),
                           num_computed_tokens=0) for i in range(batch)]

@@ -2,11 +2,12 @@
 
 The same budget in bytes becomes a different number of 16-token blocks for each cache
 format (scheduler/kv/kv_cache_dtype.py, scales included), and the real Scheduler runs
-bench_scheduler's synthetic chat workload to completion on each pool. Reported per format:
-bytes per token, blocks, peak concurrent sequences and their mean over the memory-bound
-steps (pool >= 95% used), preemptions, and the ratios to the model-dtype cache. The peak
-comes at the first fill, and a bigger pool fills later, when its sequences have grown longer,
-so the peak grows a little less than the pool; the memory-bound mean is the steady state.
+bench_scheduler's synthetic chat workload (workloads.scheduler_chat_pairs) to completion on
+each pool. Reported per format: bytes per token, blocks, peak concurrent sequences and their
+mean over the memory-bound steps (pool >= 95% used), preemptions, and the ratios to the
+model-dtype cache. The peak comes at the first fill, and a bigger pool fills later, when its
+sequences have grown longer, so the peak grows a little less than the pool; the
+memory-bound mean is the steady state.
 The last line is one JSON object.
 
     python -m pagedserve.loadtest.offline.bench_kv_dtype [--kv-cache-memory 720MiB] [--model DIR] [--requests 600]
@@ -18,7 +19,7 @@ either way).
 
 ``--workload long`` is the case the article behind issue 14 measures (how many 8K-token
 sequences fit in FP16 and in Q8_0): every request a long context (a 1,500-2,500-token prompt, 256 new
-tokens), all arriving at once, so the pool holds few, long sequences.
+tokens; workloads.long_context_pairs), all arriving at once, so the pool holds few, long sequences.
 
 The default shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64), the default model.
 """
@@ -27,9 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 
-from pagedserve.loadtest.offline.bench_scheduler import VOCAB, make_workload, simulate
+from pagedserve.loadtest.offline.bench_scheduler import VOCAB, simulate
+from pagedserve.loadtest.workloads import long_context_pairs, scheduler_chat_pairs
 from pagedserve.scheduler.kv.kv_cache_dtype import kv_cache_bytes_per_token
 
 SMOLLM2_135M = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
@@ -44,16 +45,11 @@ def _memory(text: str) -> int:
     return parse(text)
 
 
-def make_long_workload(n: int, seed: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length): long contexts, 1,500-2,500 prompt tokens, 256 new."""
-    rng = random.Random(seed)
-    return [([rng.randrange(VOCAB) for _ in range(rng.randint(1500, 2500))], 256) for _ in range(n)]
-
-
 def run(cfg: dict, budget: int, requests: int, seed: int, max_tokens: int, workload: str = "chat") -> dict:
     layers, kv_heads = int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
-    workload = make_workload(requests, seed, max_tokens) if workload == "chat" else make_long_workload(requests, seed)
+    workload = (scheduler_chat_pairs(requests, seed, max_tokens, VOCAB) if workload == "chat"
+                else long_context_pairs(requests, seed, VOCAB))
     rows = {}
     for label, kv, elt in FORMATS:
         per_token = kv_cache_bytes_per_token(layers, kv_heads, head_dim, kv, elt)

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import random
 import sys
 import time
 
 
 import torch  # noqa: E402
+
+from pagedserve.loadtest.workloads import offline_chat_pairs
 
 BENCH_SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
                    num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048)
@@ -39,21 +39,6 @@ def bench_model_path(root: str | None = None) -> str:
         make_random_llama(tmp, arch="llama", seed=0, initializer_range=0.02, **BENCH_SHAPE)
         os.replace(tmp, path) if not os.path.exists(path) else None
     return path
-
-
-def make_workload(n: int, max_model_len: int, vocab: int, seed: int = 0, prompt_mean: float = 200,
-                  output_mean: float = 180) -> list[tuple[list[int], int]]:
-    """Chat-like: prompts ~ lognormal (mean ``prompt_mean``), outputs ~ exponential
-    (mean ``output_mean``); each pair capped to fit ``max_model_len``."""
-    rng = random.Random(seed)
-    sigma = 0.6
-    mu = math.log(prompt_mean) - sigma ** 2 / 2
-    out = []
-    for _ in range(n):
-        p = max(4, min(int(rng.lognormvariate(mu, sigma)), max_model_len // 2))
-        o = max(2, min(int(rng.expovariate(1 / output_mean)) + 1, max_model_len - p, 1024))
-        out.append(([rng.randrange(3, vocab) for _ in range(p)], o))
-    return out
 
 
 def run_pagedserve(path, work, *, policy="fcfs", max_num_seqs=256, label="pagedserve"):
@@ -216,8 +201,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     path = args.model or bench_model_path()
     n = 16 if args.quick else args.num_prompts
-    work = make_workload(n, 1024, BENCH_SHAPE["vocab_size"], prompt_mean=200 if not args.quick else 64,
-                         output_mean=180 if not args.quick else 24)
+    work = offline_chat_pairs(n, 1024, BENCH_SHAPE["vocab_size"], prompt_mean=200 if not args.quick else 64,
+                              output_mean=180 if not args.quick else 24)
     print(f"model {path}; {n} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{sum(o for _, o in work)} output tokens; torch threads {torch.get_num_threads()}", flush=True)
     res: dict = {"num_prompts": n, "quick": args.quick, "batch_size": args.batch_size}

@@ -4,11 +4,11 @@
     requests, in microseconds per step (goal: <= 1 ms, well under a GPU decode step).
     ``us_per_step`` is this process's CPU time per step (mean): the wall clock on a
     shared machine also counts other processes; its p50 and mean are printed too.
-(b) A synthetic chat workload (prompts ~ lognormal, mean 200; outputs ~ exponential,
-    mean 180, capped; ``max_tokens`` 1024) on a fixed KV budget, run to completion
-    twice: ``kv_allocation="paged"`` and ``"contiguous"``. Reported per mode:
-    utilisation = token slots holding a real token / slots allocated (averaged over
-    steps), and the peak number of concurrent sequences.
+(b) A synthetic chat workload (workloads.scheduler_chat_pairs: prompts ~ lognormal, mean
+    200; outputs ~ exponential, mean 180, capped; ``max_tokens`` 1024) on a fixed KV
+    budget, run to completion twice: ``kv_allocation="paged"`` and ``"contiguous"``.
+    Reported per mode: utilisation = token slots holding a real token / slots allocated
+    (averaged over steps), and the peak number of concurrent sequences.
 
 The real Scheduler is driven with fake sampled tokens (EOS ignored; each request's
 output length comes from the workload). The last line is one JSON object.
@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import statistics
 import time
 
 
+from pagedserve.loadtest.workloads import fixed_length_prompts, scheduler_chat_pairs
 from pagedserve.scheduler import (CacheConfig, ModelRunnerOutput, Request, RequestStatus, SamplingParams,  # noqa: E402
                        Scheduler, SchedulerConfig)
 
@@ -54,14 +54,13 @@ def fake_result_partial(sched: Scheduler, plan) -> ModelRunnerOutput:
 
 
 def bench_step_cost(num_reqs: int = 256, prompt_len: int = 128, num_steps: int = 1500) -> dict:
-    rng = random.Random(0)
+    prompts = fixed_length_prompts(num_reqs, prompt_len, VOCAB, seed=0, first_id=0)
     sched = Scheduler(
         SchedulerConfig(max_num_seqs=num_reqs, max_num_batched_tokens=8192, max_model_len=4096),
         CacheConfig(num_blocks=num_reqs * ((prompt_len + num_steps + 64) // 16 + 1), block_size=16))
     params = SamplingParams(max_tokens=num_steps + 100, ignore_eos=True)
     for i in range(num_reqs):
-        sched.add_request(Request(f"r{i}", [rng.randrange(VOCAB) for _ in range(prompt_len)], params,
-                                  eos_token_id=2, arrival_time=float(i)))
+        sched.add_request(Request(f"r{i}", prompts[i], params, eos_token_id=2, arrival_time=float(i)))
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
         plan = sched.schedule()
         sched.update_from_output(plan, fake_result_partial(sched, plan))
@@ -84,19 +83,6 @@ def bench_step_cost(num_reqs: int = 256, prompt_len: int = 128, num_steps: int =
             "us_per_step_p99": cpu[int(len(cpu) * 0.99)] * 1e6,
             "us_per_step_wall_p50": wall[len(wall) // 2] * 1e6,
             "us_per_step_wall_mean": statistics.mean(wall) * 1e6}
-
-
-def make_workload(n: int, seed: int, max_tokens: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length). Lognormal with mean 200: mu = ln 200 - s^2/2."""
-    rng = random.Random(seed)
-    sigma = 0.8
-    mu = math.log(200) - sigma ** 2 / 2
-    work = []
-    for _ in range(n):
-        plen = max(1, min(2000, int(rng.lognormvariate(mu, sigma))))
-        olen = max(1, min(max_tokens, int(rng.expovariate(1 / 180)) + 1))
-        work.append(([rng.randrange(VOCAB) for _ in range(plen)], olen))
-    return work
 
 
 def simulate(workload, kv_allocation: str, num_blocks: int, max_tokens: int) -> dict:
@@ -152,7 +138,7 @@ def main() -> None:
           f"{cost['us_per_step']:.0f} us/step mean CPU time, p50 {cost['us_per_step_p50']:.0f}, "
           f"p99 {cost['us_per_step_p99']:.0f}; wall p50 {cost['us_per_step_wall_p50']:.0f}, "
           f"mean {cost['us_per_step_wall_mean']:.0f}")
-    workload = make_workload(args.requests, args.seed, args.max_tokens)
+    workload = scheduler_chat_pairs(args.requests, args.seed, args.max_tokens, VOCAB)
     mean_p = statistics.mean(len(p) for p, _ in workload)
     mean_o = statistics.mean(o for _, o in workload)
     print(f"(b) workload: {args.requests} requests, prompt mean {mean_p:.0f}, output mean {mean_o:.0f}, "

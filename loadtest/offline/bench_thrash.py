@@ -1,7 +1,7 @@
 """Preemption thrash with and without the hysteresis (issue 15), no model, no torch.
 
-The real Scheduler runs bench_scheduler's synthetic chat workload (lognormal prompts,
-exponential outputs) to completion on a KV pool too small for it, once with
+The real Scheduler runs bench_scheduler's synthetic chat workload (workloads.scheduler_chat_pairs:
+lognormal prompts, exponential outputs) to completion on a KV pool too small for it, once with
 ``preemption_protect_steps=0`` (a just-resumed request may be preempted again at once)
 and once with the default; with one tenant and with two (whose fair share and slot
 share preempt as well). Reported: preemptions per request and steps to drain.
@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedserve.loadtest.offline.bench_scheduler import fake_result_partial, make_workload
+from pagedserve.loadtest.offline.bench_scheduler import VOCAB, fake_result_partial
+from pagedserve.loadtest.workloads import scheduler_chat_pairs
 from pagedserve.scheduler import (CacheConfig, Request, RequestStatus, SamplingParams, Scheduler,
                                   SchedulerConfig)
 from pagedserve.scheduler.config import SchedulerConfig as _Defaults
@@ -29,7 +30,7 @@ def run(protect: int, num_blocks: int, requests: int, seed: int, tenants: int) -
                                       preemption_protect_steps=protect),
                       CacheConfig(num_blocks=num_blocks, block_size=16))
     target = {}
-    for i, (prompt, olen) in enumerate(make_workload(requests, seed, MAX_TOKENS)):
+    for i, (prompt, olen) in enumerate(scheduler_chat_pairs(requests, seed, MAX_TOKENS, VOCAB)):
         rid = f"r{i}"
         sched.add_request(Request(rid, prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                                   eos_token_id=None, arrival_time=float(i), tenant=f"t{i % tenants}"))

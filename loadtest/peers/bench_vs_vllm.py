@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
@@ -41,10 +40,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.loadtest.harness.runner import run_benchmark
 from pagedserve.loadtest.harness.servers import pagedserve_server
 from pagedserve.loadtest.offline.bench_offline import (BENCH_SHAPE, bench_model_path, copy_bandwidth_gbs,
-                                                       make_workload, read_bandwidth_gbs, run_b1_decode, run_hf_static)
+                                                       read_bandwidth_gbs, run_b1_decode, run_hf_static)
 from pagedserve.loadtest.peers.vllm_cpu import setup_vllm, vllm_available, vllm_bench_serve, vllm_offline, vllm_server
 from pagedserve.loadtest.peers.vs_vllm import pagedserve_offline
-from pagedserve.loadtest.workloads import FIRST_ID, RequestSpec
+from pagedserve.loadtest.workloads import fixed_length_specs, offline_chat_pairs
 
 MAX_MODEL_LEN = 1024
 
@@ -58,13 +57,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return f"{platform.processor() or 'unknown CPU'}, {os.cpu_count()} cores"
-
-
-def http_specs(num: int, prompt_len: int, output_len: int, vocab: int, seed: int = 0) -> list[RequestSpec]:
-    """vllm bench serve's random dataset, as token ids: exact lengths, ignore_eos."""
-    rng = random.Random(seed)
-    return [RequestSpec(f"r{i}", [rng.randrange(FIRST_ID, vocab) for _ in range(prompt_len)], prompt_len,
-                        output_len) for i in range(num)]
 
 
 # Where a first token's time goes, from the server's own histograms (mean seconds): the
@@ -122,7 +114,7 @@ def http_run(server_ctx, specs, concurrency: int, label: str, client: str = "our
 def http_pair(args, summary: dict, path: str, vocab: int, want_vllm: bool) -> None:
     """Both servers with their default flags (and ``--before-tree``'s), the same token-id
     workload, at concurrency 8 and 32."""
-    specs = http_specs(args.num_prompts, 200, 128, vocab)
+    specs = fixed_length_specs(args.num_prompts, 200, 128, vocab)
     run = dict(client=args.client, model=path)
     for c in args.concurrency:
         a = http_run(pagedserve_server(path, max_model_len=MAX_MODEL_LEN, served_model_name="model",
@@ -169,7 +161,7 @@ def main(argv=None) -> int:
     out_mean = 32 if args.quick else 128
     path = args.model or bench_model_path()
     vocab = BENCH_SHAPE["vocab_size"] if args.model is None else json.load(open(os.path.join(path, "config.json")))["vocab_size"]
-    work = make_workload(n, MAX_MODEL_LEN, vocab, seed=0, prompt_mean=200, output_mean=out_mean)
+    work = offline_chat_pairs(n, MAX_MODEL_LEN, vocab, seed=0, prompt_mean=200, output_mean=out_mean)
     prompts, max_tokens = [p for p, _ in work], [o for _, o in work]
     summary = {"cpu": cpu_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "num_prompts": n, "output_tokens": sum(max_tokens)}

@@ -13,13 +13,12 @@ TTFT and TPOT (> 1: ours lower), so every ratio reads "> 1 = pagedserve better".
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 from pagedserve.loadtest.harness.servers import ROOT
 from pagedserve.loadtest.peers.vllm_cpu import run_offline_script, vllm_available, vllm_offline
 from pagedserve.loadtest.scenarios.core import Row, Run, Scenario, _pair_row
-from pagedserve.loadtest.workloads import FIRST_ID, generate_workload
+from pagedserve.loadtest.workloads import fixed_length_prompts, generate_workload
 
 _PAGEDSERVE_OFFLINE = r"""
 import json, sys, time
@@ -59,11 +58,6 @@ def pagedserve_offline(model: str, prompts: list[list[int]], max_tokens: int | l
                               timeout=timeout, cwd=str(ROOT))
 
 
-def offline_prompts(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(FIRST_ID, vocab_size) for _ in range(length)] for _ in range(num)]
-
-
 def vs_vllm(ctx) -> Scenario:
     specs = generate_workload("chat", ctx.n(48, 12), max_model_len=ctx.max_model_len,
                               vocab_size=ctx.vocab_size, seed=ctx.seed + 6)
@@ -74,7 +68,7 @@ def vs_vllm(ctx) -> Scenario:
 
     def offline(_server):
         model = ctx.offline_model_dir
-        prompts = offline_prompts(num, plen, ctx.offline_vocab_size, ctx.seed)
+        prompts = fixed_length_prompts(num, plen, ctx.offline_vocab_size, ctx.seed)
         # Offline there is no ingress to leave a core for: torch's default threads (on the
         # quiet machine 2 threads beat 1 on the offline model).
         res = {"pagedserve": pagedserve_offline(model, prompts, out, max_model_len=ctx.max_model_len,

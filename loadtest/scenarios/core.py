@@ -18,12 +18,12 @@ server is ever up at a time (two cores).
 from __future__ import annotations
 
 import dataclasses
-import random
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pagedserve.loadtest.workloads import FIRST_ID, RequestSpec, generate_workload
+from pagedserve.loadtest.workloads import (RequestSpec, decode_and_doc_specs, generate_workload, kv_pressure_specs,
+                                           long_prefix_specs)
 
 
 @dataclass(slots=True)
@@ -53,10 +53,6 @@ class Scenario:
     runs: list[Run]
     rows: Callable  # (ctx, {run name: result}) -> list[Row]
     extra: dict = field(default_factory=dict)
-
-
-def _ids(rng: random.Random, k: int, vocab: int) -> list[int]:
-    return [rng.randrange(FIRST_ID, vocab) for _ in range(k)]
 
 
 def _ratio(ours: float, base: float, higher_better: bool = True) -> float:
@@ -91,19 +87,6 @@ def continuous_batching(ctx) -> Scenario:
 
 
 # ---------------------------------------------------------------- paged vs contiguous KV
-def _kv_specs(ctx) -> list[RequestSpec]:
-    """Clients ask for everything that fits (max_tokens = max_model_len - prompt) but stop
-    reading after a drawn length: contiguous allocation must reserve the whole
-    max_model_len up front, paged allocation only what the sequence has reached."""
-    rng, m = random.Random(ctx.seed + 1), ctx.max_model_len
-    specs = []
-    for i in range(ctx.n(48, 20)):
-        p = rng.randint(m // 8, m // 4)
-        specs.append(RequestSpec(f"kv-{i}", _ids(rng, p, ctx.vocab_size), p, m - p,
-                                 stop_after=rng.randint(m // 8, m // 4), kind="kv"))
-    return specs
-
-
 def kv_utilisation(result, num_blocks: int, block_size: int) -> float | None:
     """Median over scrapes of (tokens the client knows are cached) / (allocated block
     slots), using only scrapes where the client's count of decoding requests equals the
@@ -118,7 +101,8 @@ def kv_utilisation(result, num_blocks: int, block_size: int) -> float | None:
 
 
 def paged_kv(ctx) -> Scenario:
-    specs = _kv_specs(ctx)
+    # Clients ask for all that fits but stop reading early (see kv_pressure_specs).
+    specs = kv_pressure_specs(ctx.n(48, 20), ctx.max_model_len, ctx.vocab_size, ctx.seed + 1)
 
     def run(server):
         # A cap on in-flight requests keeps the waiting queue mostly under the server's 429
@@ -146,17 +130,10 @@ def paged_kv(ctx) -> Scenario:
 def _chunked_specs(ctx) -> tuple[list[RequestSpec], list[float]]:
     """Decoders start at t=0 (short prompts, long outputs); long documents (80-100% of
     max_model_len) arrive while they decode. p99 ITL is measured on the decoders."""
-    rng, m = random.Random(ctx.seed + 2), ctx.max_model_len
     # Stalls must be > 1% of the decoders' gaps for p99 to see them: n_doc / out_len ~ 5%.
     n_dec, n_doc = ctx.n(8, 4), ctx.n(6, 3)
-    out_len = ctx.n(128, 64)
-    specs = [RequestSpec(f"dec-{i}", _ids(rng, 16, ctx.vocab_size), 16, out_len, kind="decode")
-             for i in range(n_dec)]
-    times = [0.0] * n_dec
-    for j in range(n_doc):
-        p = rng.randint(int(0.8 * m), m - 8)
-        specs.append(RequestSpec(f"doc-{j}", _ids(rng, p, ctx.vocab_size), p, 4, kind="long-doc"))
-        times.append(ctx.chunk_gap_s * (j + 1))
+    specs = decode_and_doc_specs(n_dec, n_doc, ctx.n(128, 64), ctx.max_model_len, ctx.vocab_size, ctx.seed + 2)
+    times = [0.0] * n_dec + [ctx.chunk_gap_s * (j + 1) for j in range(n_doc)]
     return specs, times
 
 
@@ -188,18 +165,8 @@ def chunked_prefill(ctx) -> Scenario:
 
 
 # ---------------------------------------------------------------- prefix caching
-def _prefix_specs(ctx) -> list[RequestSpec]:
-    rng, m = random.Random(ctx.seed + 3), ctx.max_model_len
-    prefixes = [_ids(rng, int(0.6 * m), ctx.vocab_size) for _ in range(4)]
-    specs = []
-    for i in range(ctx.n(48, 16)):
-        ids = rng.choice(prefixes) + _ids(rng, rng.randint(8, 32), ctx.vocab_size)
-        specs.append(RequestSpec(f"sp-{i}", ids, len(ids), 8, kind="shared-prefix"))
-    return specs
-
-
 def prefix_caching(ctx) -> Scenario:
-    specs = _prefix_specs(ctx)
+    specs = long_prefix_specs(ctx.n(48, 16), ctx.max_model_len, ctx.vocab_size, ctx.seed + 3)
     # --quick saves a server start: "off" is the default server with a distinct cache_salt
     # per request, so no lookup can hit (the cache still stores, which costs ~nothing).
     salted = [dataclasses.replace(s, cache_salt=s.request_id) for s in specs]

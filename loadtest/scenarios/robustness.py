@@ -17,25 +17,12 @@ as are the requests admitted. Replica restarts are counted from the replica ids 
 
 from __future__ import annotations
 
-import random
-
 from pagedserve.loadtest.harness.metrics import percentile
-from pagedserve.loadtest.scenarios.core import Row, Run, Scenario, _ids
-from pagedserve.loadtest.workloads import RequestSpec
+from pagedserve.loadtest.scenarios.core import Row, Run, Scenario
+from pagedserve.loadtest.workloads import short_stream_specs
 
 OUT_LEN = 64
 CLIENT_TIMEOUT_S = 60.0
-
-
-def _streams(ctx, n: int, seed: int, prefix: str, cancel_frac: float = 0.0) -> list[RequestSpec]:
-    rng = random.Random(seed)
-    specs = []
-    for i in range(n):
-        p = rng.randint(16, 48)
-        cancel = rng.randint(2, OUT_LEN // 2) if rng.random() < cancel_frac else None
-        specs.append(RequestSpec(f"{prefix}-{i}", _ids(rng, p, ctx.vocab_size), p, OUT_LEN,
-                                 cancel_after=cancel, kind="cancel" if cancel else "stream"))
-    return specs
 
 
 def _kind(r) -> str:
@@ -72,7 +59,7 @@ def overload(ctx) -> Scenario:
     phases = ((3, ctx.n(60, 20)), (10, ctx.n(20, 10)))
 
     def run(server):
-        cap_specs = _streams(ctx, ctx.n(96, 48), ctx.seed + 10, "cap")
+        cap_specs = short_stream_specs(ctx.n(96, 48), ctx.vocab_size, ctx.seed + 10, "cap", OUT_LEN)
         cap = ctx.bench(server, cap_specs, label="overload-capacity", max_concurrency=ctx.max_num_seqs,
                         request_timeout=CLIENT_TIMEOUT_S)
         capacity = cap.metrics["request_throughput"]
@@ -80,7 +67,8 @@ def overload(ctx) -> Scenario:
         base_s = ctx.n(30, 15)
         for mult, secs in ((1, base_s),) + phases:
             rate = mult * capacity
-            specs = _streams(ctx, max(1, round(rate * secs)), ctx.seed + 11 + mult, f"x{mult}")
+            specs = short_stream_specs(max(1, round(rate * secs)), ctx.vocab_size, ctx.seed + 11 + mult, f"x{mult}",
+                                       OUT_LEN)
             res = ctx.bench(server, specs, label=f"overload-{mult}x", request_rate=rate, sample_interval=1.0,
                             request_timeout=CLIENT_TIMEOUT_S, drain_timeout=60.0)
             out["phases"][mult] = {**_phase(res), "offered_req_s": rate, "seconds": secs}
@@ -119,7 +107,7 @@ def overload(ctx) -> Scenario:
 
 
 def cancel_soak(ctx) -> Scenario:
-    specs = _streams(ctx, ctx.n(2000, 400), ctx.seed + 20, "soak", cancel_frac=0.10)
+    specs = short_stream_specs(ctx.n(2000, 400), ctx.vocab_size, ctx.seed + 20, "soak", OUT_LEN, cancel_frac=0.10)
 
     def run(server):
         # Enough in flight to keep the batch full and a queue behind it, not so many that

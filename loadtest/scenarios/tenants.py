@@ -12,28 +12,17 @@ is the scheduler's fair share (scheduler/fair_queue.py), not load shedding.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
 from pagedserve.loadtest.harness.arrivals import arrival_times
 from pagedserve.loadtest.harness.metrics import percentile
-from pagedserve.loadtest.scenarios.core import Row, Run, Scenario, _ids
+from pagedserve.loadtest.scenarios.core import Row, Run, Scenario
 from pagedserve.loadtest.scenarios.robustness import OUT_LEN
-from pagedserve.loadtest.workloads import RequestSpec
+from pagedserve.loadtest.workloads import tenant_stream_specs
 
 STEADY_FRAC = 0.2
 BURST_X_SHARE = 5.0
-
-
-def _specs(ctx, n: int, seed: int, tenant: str) -> list[RequestSpec]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        p = rng.randint(16, 48)
-        out.append(RequestSpec(f"{tenant}-{i}", _ids(rng, p, ctx.vocab_size), p, OUT_LEN,
-                               kind=tenant, tenant=tenant))
-    return out
 
 
 def _screenshot_later(url: str, path, after_s: float) -> threading.Thread:
@@ -70,15 +59,16 @@ def tenants(ctx) -> Scenario:
     def run(server):
         # Warm-up first: a cold server's first requests (kernel builds, allocator growth)
         # measured far below the real capacity, and a burst sized on that never queued.
-        ctx.bench(server, _specs(ctx, ctx.max_num_seqs, ctx.seed + 39, "warm"), label="tenants-warmup")
-        cap_specs = _specs(ctx, ctx.n(48, 16), ctx.seed + 40, "cap")
+        warm = tenant_stream_specs(ctx.max_num_seqs, ctx.vocab_size, ctx.seed + 39, "warm", OUT_LEN)
+        ctx.bench(server, warm, label="tenants-warmup")
+        cap_specs = tenant_stream_specs(ctx.n(48, 16), ctx.vocab_size, ctx.seed + 40, "cap", OUT_LEN)
         cap = ctx.bench(server, cap_specs, label="tenants-capacity", max_concurrency=ctx.max_num_seqs)
         capacity = cap.metrics["request_throughput"]
         rate_s, rate_b = STEADY_FRAC * capacity, BURST_X_SHARE * capacity / 2
-        steady = _specs(ctx, max(8, round(rate_s * window_s)), ctx.seed + 41, "steady")
+        steady = tenant_stream_specs(max(8, round(rate_s * window_s)), ctx.vocab_size, ctx.seed + 41, "steady", OUT_LEN)
         t_steady = arrival_times(len(steady), rate_s, 1.0, ctx.seed + 42)
         alone = ctx.bench(server, steady, label="tenants-steady-alone", arrivals=t_steady)
-        bursty = _specs(ctx, round(rate_b * window_s), ctx.seed + 43, "bursty")
+        bursty = tenant_stream_specs(round(rate_b * window_s), ctx.vocab_size, ctx.seed + 43, "bursty", OUT_LEN)
         t_bursty = arrival_times(len(bursty), rate_b, 1.0, ctx.seed + 44)
         shot = _screenshot_later(f"{server.base_url}/dashboard", ctx.out / "dashboard-tenants-burst.png",
                                  max(t_steady[-1], t_bursty[-1]) + 3.0)

@@ -46,6 +46,7 @@ from pathlib import Path
 import httpx
 
 from pagedserve.loadtest.harness.servers import pagedserve_server, session_pids
+from pagedserve.loadtest.workloads import patterned_ids
 
 # Process role by what its command line contains (Ray sets actor titles: ray::<Class>...).
 ROLES = (("ProxyActor", "proxy"), ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
@@ -92,7 +93,7 @@ async def send(base_url: str, kind: str, n: int, concurrency: int, vocab: int) -
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as c:
         async def one(i: int) -> None:
-            prompt = [1 + (i * 7 + j) % (vocab - 1) for j in range(8)]
+            prompt = patterned_ids(i, 8, vocab, 1)
             body = {"model": "model", "prompt": prompt, "max_tokens": 1}
             async with sem:
                 if kind == "models":
@@ -105,8 +106,7 @@ async def send(base_url: str, kind: str, n: int, concurrency: int, vocab: int) -
                 else:
                     req = {**body, "max_tokens": 64, "ignore_eos": True, "stream": True}
                     if kind == "s200x128":
-                        req.update(prompt=[1 + (i * 7 + j) % (vocab - 1) for j in range(S200_IN)],
-                                   max_tokens=S200_OUT)
+                        req.update(prompt=patterned_ids(i, S200_IN, vocab, 1), max_tokens=S200_OUT)
                     async with c.stream("POST", "/v1/completions", json=req) as r:
                         async for _ in r.aiter_bytes():
                             pass

@@ -48,6 +48,7 @@ import httpx
 from pagedserve.loadtest.harness.client import RequestSpec, send_completion
 from pagedserve.loadtest.harness.metrics import percentile
 from pagedserve.loadtest.harness.servers import pagedserve_server
+from pagedserve.loadtest.workloads import WordText, word_prompts, word_shared_prefix_prompts
 
 WORKLOADS = ("shared_prefix", "multi_turn", "random")
 ROUTERS = ("kv", "prefix", "pow2")
@@ -67,14 +68,6 @@ def one_token_words(model: str, limit: int = 3000) -> list[str]:
     if len(words) < 100:
         raise SystemExit(f"{model}: too few one-token words in its vocabulary for text prompts")
     return words
-
-
-class Text:
-    def __init__(self, words: list[str], seed: int) -> None:
-        self.words, self.rng = words, random.Random(seed)
-
-    def __call__(self, n: int) -> str:
-        return " ".join(self.rng.choice(self.words) for _ in range(n))
 
 
 # ---------------------------------------------------------------- one request
@@ -132,11 +125,8 @@ async def complete(client: httpx.AsyncClient, base: str, model: str, rid: str, p
 
 # ---------------------------------------------------------------- workloads
 async def run_shared_prefix(base, model, words, a, seed) -> list[Result]:
-    text = Text(words, seed)
-    prefixes = [text(a.prefix_len) for _ in range(a.num_prefixes)]
-    rng = random.Random(seed + 1)
-    picks = [rng.randrange(len(prefixes)) for _ in range(a.num_requests)]
-    prompts = [prefixes[i] + " " + text(a.suffix_len) for i in picks]
+    prompts, picks = word_shared_prefix_prompts(words, seed, a.num_requests, a.num_prefixes, a.prefix_len,
+                                                a.suffix_len)
     results = await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
     for r in results:
         r.group = picks[r.index]
@@ -144,8 +134,7 @@ async def run_shared_prefix(base, model, words, a, seed) -> list[Result]:
 
 
 async def run_random(base, model, words, a, seed) -> list[Result]:
-    text = Text(words, seed)
-    prompts = [text(a.random_len) for _ in range(a.random_requests)]
+    prompts = word_prompts(words, seed, a.random_requests, a.random_len)
     return await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
 
 
@@ -172,7 +161,7 @@ async def run_multi_turn(base, model, words, a, seed) -> list[Result]:
     In a closed loop where it did, the replica that had just answered was the least loaded
     one at that instant, and power of two choices kept every conversation in place by
     accident."""
-    text = Text(words, seed)
+    text = WordText(words, seed)
     rng = random.Random(seed + 2)
     history = {s: [{"role": "system", "content": text(a.system_len)}] for s in range(a.sessions)}
     turns_left = dict.fromkeys(history, a.turns)
@@ -219,7 +208,7 @@ def wait_ready(base: str, model: str, replicas: int, router: str, words: list[st
     warm-up prompts share nothing, so every router spreads them); for the KV router, its
     view in use (the front's tokenizer loaded, the replicas' event addresses known)."""
     deadline = time.monotonic() + timeout
-    text = Text(words, seed=-1)
+    text = WordText(words, seed=-1)
     while time.monotonic() < deadline:
         m = scrape(base)
         decided = m.get("pagedserve:router_requests_total|prefix", 0) + m.get("pagedserve:router_requests_total|load", 0)
