@@ -4,4 +4,5 @@ Named multinode, not cluster, so it is not read as pagedserve.cluster.
 
     cluster_check.py   python -m pagedserve.loadtest.multinode.cluster_check: placement,
                        node loss, scale-down, updates
+    load.py            the steady HTTP load its phases run under (every result kept)
 """
