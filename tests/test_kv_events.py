@@ -107,7 +107,8 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
     joins mid-run gets a snapshot, and one whose batch was lost resubscribes and gets one."""
     import time
 
-    from pagedserve.cluster.wire.kv_events import KVEventPublisher, KVEventSubscriber, decode, encode_batch
+    from pagedserve.cluster.wire.kv_events import (KVEventPublisher, KVEventSubscriber, ReplicaStats, decode,
+                                                   encode_batch)
 
     kv = manager(num_blocks=12)
     log = kv.block_pool.kv_events
@@ -130,7 +131,7 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
     def settle():
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            pub.pump(kv.block_pool, lambda: 7)
+            pub.pump(kv.block_pool, lambda: ReplicaStats(7))
             for s in subs:
                 s.poll()
             if all(s.view.seq == log.seq and s.view.hashes == cached_hashes(kv) for s in subs):
@@ -141,12 +142,12 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
     try:
         for i in range(30):
             step(i)
-            pub.pump(kv.block_pool, lambda: 7)
+            pub.pump(kv.block_pool, lambda: ReplicaStats(7))
         settle()  # the first subscriber's snapshot came at a pump after it joined
         subs.append(KVEventSubscriber(pub.address))  # a late joiner
         for i in range(30, 60):
             step(i)
-            pub.pump(kv.block_pool, lambda: 7)
+            pub.pump(kv.block_pool, lambda: ReplicaStats(7))
             for s in subs:
                 s.poll()
         settle()
@@ -155,9 +156,9 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
             step(61)
         for i in range(62, 70):
             step(i)
-            pub.pump(kv.block_pool, lambda: 7)
+            pub.pump(kv.block_pool, lambda: ReplicaStats(7))
         settle()
-        assert subs[0].waiting_tokens == 7
+        assert subs[0].stats.waiting_prefill_tokens == 7 and subs[0].heard_at is not None
     finally:
         for s in subs:
             s.close()
@@ -166,4 +167,90 @@ def test_over_zmq_a_late_subscriber_and_one_that_misses_a_batch_both_converge():
     with pytest.raises(ValueError):
         decode(b"\x00" * 5)
     with pytest.raises(ValueError):
-        decode(encode_batch(KVEventBatch(1, False, [(STORED, 5)]), 0)[:-1])
+        decode(encode_batch(KVEventBatch(1, False, [(STORED, 5)]), ReplicaStats())[:-1])
+
+
+def test_the_header_carries_the_replicas_load_and_rates_and_refuses_what_is_not_its():
+    """The wire's header (cluster/wire/kv_events.py): every field round-trips on each kind of
+    message; a header of another version, a bad rate, a STATS message with a body, an
+    unknown kind are refused before they touch a view."""
+    import math
+    import struct
+
+    from pagedserve.cluster.wire.kv_events import (_HEAD, STATS, WIRE_VERSION, ReplicaStats, decode, encode_batch,
+                                                   encode_snapshot, encode_stats)
+    from pagedserve.scheduler.kv.kv_events import KVSnapshot
+
+    stats = ReplicaStats(waiting_prefill_tokens=1234, running_prefill_tokens=567, num_waiting_reqs=3,
+                         num_running_reqs=9, num_decoding_reqs=7, num_batched_tokens=2048, prefill_tok_s=3456.5,
+                         decode_step_s=0.0375)
+    batch = KVEventBatch(4, True, [(STORED, -5), (REMOVED, 2**62)])
+    msg, got = decode(encode_batch(batch, stats))
+    assert (msg.seq, msg.cleared, msg.events) == (4, True, [(STORED, -5), (REMOVED, 2**62)]) and got == stats
+    msg, got = decode(encode_snapshot(KVSnapshot(9, [1, 2, 3]), stats))
+    assert (msg.seq, msg.block_hashes) == (9, [1, 2, 3]) and got == stats
+    assert decode(encode_stats(9, stats)) == (None, stats)
+    assert decode(encode_stats(0, ReplicaStats())) == (None, ReplicaStats())  # nothing measured yet: zeros
+    # Counts that do not fit the header saturate instead of failing the replica's step
+    big = decode(encode_stats(1, ReplicaStats(num_running_reqs=2**40, num_waiting_reqs=-3)))[1]
+    assert (big.num_running_reqs, big.num_waiting_reqs) == (2**32 - 1, 0)
+
+    good = encode_stats(1, stats)
+
+    def with_head(**fields):
+        values = list(_HEAD.unpack_from(good))
+        names = ["version", "kind", "seq", "w", "r", "nw", "nr", "nd", "budget", "prefill", "decode"]
+        for k, v in fields.items():
+            values[names.index(k)] = v
+        return _HEAD.pack(*values)
+
+    assert with_head(version=WIRE_VERSION)[:1] == bytes([WIRE_VERSION])
+    for bad in (with_head(version=0), with_head(version=2),  # the old header's first byte is its kind
+                with_head(prefill=math.nan), with_head(decode=math.inf), with_head(prefill=-1.0),
+                with_head(kind=7), with_head(kind=STATS) + b"\x00" * 9, good[:-1], b"",
+                struct.pack("<BqQ", 0, 1, 7)):  # a message of the old layout
+        with pytest.raises(ValueError):
+            decode(bad)
+
+
+def test_a_quiet_replica_still_sends_its_stats_and_the_subscriber_notes_when(monkeypatch):
+    """No block changes (an idle replica's heartbeat, a decode step): a header alone goes out,
+    at most every STATS_INTERVAL_S; the subscriber's view is untouched and ``heard_at``
+    moves."""
+    import time
+
+    from pagedserve.cluster.wire import kv_events as wire
+
+    kv = manager()
+    pub = wire.KVEventPublisher("127.0.0.1")
+    sub = wire.KVEventSubscriber(pub.address)
+    calls = []
+
+    def stats():
+        calls.append(1)
+        return wire.ReplicaStats(num_decoding_reqs=len(calls), prefill_tok_s=1000.0)
+
+    try:
+        deadline = time.monotonic() + 10
+        while sub.view.seq < 0:  # the snapshot that answers the subscription
+            assert time.monotonic() < deadline
+            pub.pump(kv.block_pool, stats)
+            sub.poll()
+            time.sleep(0.01)
+        seq, hashes, before = sub.view.seq, set(sub.view.hashes), sub.heard_at
+        n = len(calls)
+        monkeypatch.setattr(wire, "STATS_INTERVAL_S", 3600.0)
+        pub.pump(kv.block_pool, stats)  # within STATS_INTERVAL_S of the last send: nothing
+        assert len(calls) == n
+        monkeypatch.setattr(wire, "STATS_INTERVAL_S", 0.0)
+        pub.pump(kv.block_pool, stats)
+        assert len(calls) == n + 1
+        while sub.stats.num_decoding_reqs != n + 1:
+            assert time.monotonic() < deadline
+            sub.poll()
+            time.sleep(0.01)
+        assert sub.heard_at > before and sub.stats.prefill_tok_s == 1000.0
+        assert (sub.view.seq, sub.view.hashes) == (seq, hashes)
+    finally:
+        sub.close()
+        pub.close()

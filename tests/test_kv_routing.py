@@ -1,8 +1,9 @@
 """The KV router's policy (cluster/front/router/kv_routing.py) on real scheduler state: the block
 hashes it computes from a prompt are the ones the replica's prefix cache stores (salts and
 tenant isolation included), so a view fed by the replica's KV events matches exactly what
-the replica would reuse; the cost ranks the holder first, load overrides it past the
-balance guard, and another tenant's identical prompt matches nothing."""
+the replica would reuse; the cost model (predicted TTFT) ranks an idle holder first and a
+busy one after an idle cold replica, distrusts stale stats, and another tenant's
+identical prompt matches nothing."""
 
 from __future__ import annotations
 
@@ -62,30 +63,72 @@ def test_another_tenant_never_matches_a_tenants_prefix():
     # A cache_salt cannot reproduce another tenant's blocks either.
     assert view.matched_blocks(policy.block_hashes(prompt, "acme", None)) == 0
     # Ranked: the tenant's replica is not preferred for another tenant's same prompt.
-    loads = {"holder": ReplicaLoad(view.matched_blocks(policy.block_hashes(prompt, None, "globex")), 0, 1),
-             "idle": ReplicaLoad(0, 0, 0)}
+    loads = {"holder": ReplicaLoad(view.matched_blocks(policy.block_hashes(prompt, None, "globex")), 1),
+             "idle": ReplicaLoad(0, 0)}
     assert rank(policy, len(prompt), loads) == (["idle", "holder"], BY_LOAD)
 
 
-def test_the_holder_wins_until_load_outweighs_its_prefix():
-    policy = KVRoutingPolicy(block_size=16, decode_tokens=64, balance_abs=4, balance_rel=1.5)
-    # 512-token prompt, 30 blocks cached on "a": 480 tokens saved.
-    a, b = ReplicaLoad(30, 0, 2), ReplicaLoad(0, 0, 0)
-    assert rank(policy, 512, {"a": a, "b": b}) == (["a", "b"], BY_PREFIX)
-    # A busy holder keeps its prefix (affinity first): its queue does not send the prefix
-    # to be cached a second time elsewhere...
-    assert rank(policy, 512, {"a": ReplicaLoad(30, 2000, 4), "b": b}) == (["a", "b"], BY_PREFIX)
-    # ...and between two holders of the same blocks, cost decides.
-    assert rank(policy, 512, {"a": ReplicaLoad(30, 2000, 2), "b": ReplicaLoad(30, 0, 2)})[0] == ["b", "a"]
-    # Under the cache threshold (a quarter of the prompt cached, a conversation whose tail
-    # was evicted): cost, where the cached quarter still counts...
-    assert rank(policy, 512, {"a": ReplicaLoad(8, 0, 3), "b": ReplicaLoad(0, 0, 1)}) == (["a", "b"], BY_PREFIX)
-    # ...against a queue there
-    assert rank(policy, 512, {"a": ReplicaLoad(8, 900, 3), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
-    # Past the balance guard (5 apart, and more than 1.5x), load alone decides.
-    assert rank(policy, 512, {"a": ReplicaLoad(30, 0, 6), "b": ReplicaLoad(0, 0, 1)}) == (["b", "a"], BY_LOAD)
-    # No replica holds anything: the least loaded, and it was load that decided.
-    assert rank(policy, 512, {"a": ReplicaLoad(0, 0, 3), "b": ReplicaLoad(0, 10, 1)}) == (["b", "a"], BY_LOAD)
+RATE = 2000.0  # prefill tokens/s: a measured-looking CPU figure
+STEP = 0.03  # decode step seconds
+
+
+def fresh(matched=0, in_flight=0, waiting=0, running_prefill=0, requests=None, decoding=0, cached=0,
+          rate=RATE, step=STEP, age=0.1):
+    """A replica whose stats arrived ``age`` seconds ago."""
+    return ReplicaLoad(matched, in_flight, cached, age, waiting, running_prefill,
+                       in_flight if requests is None else requests, decoding, 2048, rate, step)
+
+
+def test_a_busy_holder_loses_to_an_idle_cold_replica_when_its_queue_costs_more_than_the_miss():
+    policy = KVRoutingPolicy(block_size=16)
+    # 512-token prompt, 30 blocks (480 tokens) cached on "a": the miss on "b" is 512 tokens,
+    # 0.256 s at 2,000 tok/s.
+    b = fresh()
+    assert rank(policy, 512, {"a": fresh(30, 2, waiting=300, requests=2), "b": b}) == (["a", "b"], BY_PREFIX)
+    # a queue of 600 prefill tokens there (0.3 s) costs more than the miss: the cold replica
+    assert rank(policy, 512, {"a": fresh(30, 3, waiting=300, running_prefill=300, requests=3), "b": b}) \
+        == (["b", "a"], BY_LOAD)
+    # ...and so does a queue that is not in its stats yet: requests routed there since
+    # (Serve's in-flight count ahead of the requests its stats show), each a prompt's worth
+    assert rank(policy, 512, {"a": fresh(30, 2, requests=1), "b": b})[0] == ["a", "b"]
+    assert rank(policy, 512, {"a": fresh(30, 3, requests=1), "b": b})[0] == ["b", "a"]
+    # Decode load: 20 decoding requests at 0.3 s a step (the step its prefill rides), against none
+    assert rank(policy, 512, {"a": fresh(30, 20, decoding=20, step=0.3), "b": b})[0] == ["b", "a"]
+    assert rank(policy, 512, {"a": fresh(30, 20, decoding=20, step=0.1), "b": b})[0] == ["a", "b"]
+    # A slower replica's queue weighs more: the same 300 tokens at 800 tok/s
+    assert rank(policy, 512, {"a": fresh(30, 1, waiting=300, rate=800), "b": b})[0] == ["b", "a"]
+
+
+def test_an_idle_holder_wins_and_between_holders_the_cheaper_one():
+    policy = KVRoutingPolicy(block_size=16)
+    assert rank(policy, 512, {"a": fresh(30), "b": fresh()}) == (["a", "b"], BY_PREFIX)
+    # a partial hit still counts for its tokens (a conversation whose tail was evicted)
+    assert rank(policy, 512, {"a": fresh(8), "b": fresh()}) == (["a", "b"], BY_PREFIX)
+    # two holders of the same blocks: cost decides, and with nobody holding less it was load
+    assert rank(policy, 512, {"a": fresh(30, 2, waiting=900), "b": fresh(30)}) == (["b", "a"], BY_LOAD)
+    # within tie_rel of each other: the best hit first
+    loads = {"a": fresh(2, waiting=60), "b": fresh(0)}  # 540 tokens against 512: 5% apart
+    assert rank(policy, 512, loads) == (["a", "b"], BY_PREFIX)
+    assert rank(KVRoutingPolicy(tie_rel=0.0), 512, loads)[0] == ["b", "a"]
+
+
+def test_stale_stats_fall_back_to_the_fleets_median_rates_and_the_in_flight_count():
+    policy = KVRoutingPolicy(block_size=16, stale_s=2.0)
+    # "a" last said it was idle and very fast, 5 s ago; it has 6 requests in flight since.
+    stale = fresh(0, 6, requests=0, rate=1e9, age=5.0)
+    busy_b = fresh(0, 1, waiting=1000, requests=1)  # 1,000 tokens queued: 0.5 s + its miss
+    assert rank(policy, 512, {"a": stale, "b": busy_b})[0] == ["b", "a"]
+    # Trusted, the same figures would send it to "a" (its rate makes anything free)
+    assert rank(policy, 512, {"a": fresh(0, 0, rate=1e9), "b": busy_b})[0] == ["a", "b"]
+    # Its rates are not trusted for the fleet's median either: fleet = "b" and "c"
+    from pagedserve.cluster.front.router.kv_routing import fleet_rates
+
+    loads = [stale, fresh(rate=1000, step=0.02), fresh(rate=3000, step=0.04)]
+    assert fleet_rates(policy, loads) == (2000.0, 0.03)
+    # No stats at all (a replica never heard from) and nobody measured: the defaults
+    assert fleet_rates(policy, [ReplicaLoad(0, 3)]) == (policy.default_prefill_tok_s, policy.default_decode_step_s)
+    # Never heard from: in-flight counts decide, as the stale fallback
+    assert rank(policy, 512, {"a": ReplicaLoad(0, 3), "b": ReplicaLoad(0, 1)}) == (["b", "a"], BY_LOAD)
 
 
 def test_no_shared_prefix_spreads_requests_evenly():
@@ -95,7 +138,7 @@ def test_no_shared_prefix_spreads_requests_evenly():
     flights = {"a": 0, "b": 0}
     counts = {"a": 0, "b": 0}
     for i in range(100):
-        loads = {k: ReplicaLoad(0, 0, n) for k, n in flights.items()}
+        loads = {k: fresh(0, n) for k, n in flights.items()}
         best = rank(policy, 200, loads)[0][0]
         counts[best] += 1
         flights[best] += 1
@@ -107,7 +150,7 @@ def test_no_shared_prefix_spreads_requests_evenly():
 
 def test_among_equals_a_new_prefix_goes_to_the_emptier_cache():
     policy = KVRoutingPolicy(block_size=16)
-    loads = {"full": ReplicaLoad(0, 0, 0, cached_blocks=200), "empty": ReplicaLoad(0, 0, 0, cached_blocks=3)}
+    loads = {"full": fresh(cached=200), "empty": fresh(cached=3, rate=RATE * 1.05)}  # rates within tie_rel
     assert rank(policy, 300, loads)[0] == ["empty", "full"]
 
 
@@ -127,16 +170,44 @@ def test_a_replica_reports_its_waiting_prefill_net_of_its_cache():
     assert waiting_prefill(sched) == 3 * 6 + 20
 
 
-def test_a_new_prefix_goes_to_the_replica_that_is_home_to_fewer():
-    policy = KVRoutingPolicy(block_size=16)
-    loads = {"crowded": ReplicaLoad(0, 0, 2, owned=5), "roomy": ReplicaLoad(0, 300, 2, owned=2)}
-    assert rank(policy, 544, loads) == (["roomy", "crowded"], BY_LOAD)
-    # load first: a prompt seen once needs nothing else
-    loads["roomy"] = ReplicaLoad(0, 300, 3, owned=2)
-    assert rank(policy, 544, loads) == (["crowded", "roomy"], BY_LOAD)
-    # held somewhere: the holder, whatever the homes
-    loads["crowded"] = ReplicaLoad(32, 0, 1, owned=5)
-    assert rank(policy, 544, loads) == (["crowded", "roomy"], BY_PREFIX)
+def test_a_replica_measures_its_prefill_rate_net_of_decodes_and_reports_its_running_prefill():
+    """What a replica publishes besides its waiting prefill (cluster/replica/step_rates.py,
+    scheduler/kv/kv_events.running_prefill), on a real scheduler: budget 16 a step."""
+    from pagedserve.cluster.replica.step_rates import MIN_DECODE_STEPS, StepRates, step_mix
+    from pagedserve.scheduler.kv.kv_events import running_prefill
+
+    sched = make_scheduler(num_blocks=64, block_size=BS, budget=16, max_model_len=128)
+    sched.add_request(Request("d", list(range(1, 7)), SamplingParams(max_tokens=50)))
+    plan, _ = step(sched)
+    assert step_mix(plan, sched) == (6, 0) and running_prefill(sched) == (0, 1)
+    sched.add_request(Request("p", list(range(100, 130)), SamplingParams(max_tokens=50)))
+    plan, _ = step(sched)  # d decodes; p prefills 15 of its 30
+    assert step_mix(plan, sched) == (15, 1) and running_prefill(sched) == (15, 1)
+    plan, _ = step(sched)
+    assert step_mix(plan, sched) == (15, 1) and running_prefill(sched) == (0, 2)
+    plan, _ = step(sched)
+    assert step_mix(plan, sched) == (0, 2)
+
+    rates = StepRates()
+    assert (rates.prefill_tok_s, rates.decode_step_s) == (None, None)
+    rates.add(0.01, 20, 0)  # two short prompts: too little to go by (the fleet's figures stand in)
+    rates.add(0.01, 20, 0)
+    assert rates.prefill_tok_s is None
+    rates = StepRates()
+    rates.add(0.5, 1000, 0)  # a prefill alone: all of its time
+    rates.add(0.5, 1000, 0)
+    assert rates.prefill_tok_s == 2000.0
+    for _ in range(MIN_DECODE_STEPS):  # decodes alone: the decode step
+        assert rates.decode_step_s is None
+        rates.add(0.02, 0, 4)
+    assert rates.decode_step_s == pytest.approx(0.02)
+    rates.add(0.27, 500, 4)  # a mixed step: 0.25 s of prefill, net of the 0.02 s of decodes
+    tokens, seconds = 0.8 * 1000 + 0.2 * 500, 0.8 * 0.5 + 0.2 * 0.25  # a ratio of averages
+    assert rates.prefill_tok_s == pytest.approx(tokens / seconds)
+    rates.add(0.01, 100, 4)  # shorter than its decodes were: a quarter of it counts as prefill
+    assert rates.prefill_tok_s == pytest.approx((0.8 * tokens + 0.2 * 100) / (0.8 * seconds + 0.2 * 0.0025))
+    rates.add(0.04, 0, 4)
+    assert rates.decode_step_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.04)
 
 
 def test_sent_blocks_count_while_in_flight_then_for_a_grace_period():

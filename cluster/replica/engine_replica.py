@@ -54,6 +54,7 @@ from pagedserve.cluster.replica.live_view import VIEW_INTERVAL_S, StepTimeline, 
 from pagedserve.cluster.text.tokenizer_info import tokenizer_info
 from pagedserve.cluster.text.tokenizer_pool import TokenizerPool
 from pagedserve.cluster.wire.failures import EngineDeadError, ExecutorDeadError, RequestFailed
+from pagedserve.cluster.wire.kv_events import replica_stats
 from pagedserve.cluster.wire.output_channel import DONE, OutputRouter
 from pagedserve.cluster.wire.outputs import RequestOutput
 from pagedserve.cluster.wire.request import EngineRequest
@@ -62,7 +63,6 @@ from pagedserve.cluster.wire.stream import Admission, QueueStatus
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler import QueueFullError
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
-from pagedserve.scheduler.kv.kv_events import waiting_prefill
 
 logger = logging.getLogger("pagedserve")
 
@@ -127,11 +127,13 @@ class AsyncEngine:
         self._kv_pub = None
         pool = self.engine.scheduler.kv_cache_manager.block_pool
         if kv_events_host is not None and pool.enable_caching:
+            from pagedserve.cluster.replica.step_rates import StepRates
             from pagedserve.cluster.wire.kv_events import KVEventPublisher
             from pagedserve.scheduler.kv.kv_events import KVEventLog
 
             pool.kv_events = KVEventLog()
             self._kv_pub = KVEventPublisher(kv_events_host)
+            self._kv_rates = StepRates()  # the prefill rate and decode step time it publishes
         self.kv_events_address = self._kv_pub.address if self._kv_pub is not None else None
         self._init_status()
 
@@ -204,7 +206,9 @@ class AsyncEngine:
             self._last_step_end = time.monotonic()
         if self._kv_pub is not None:
             sched = engine.scheduler
-            self._kv_pub.pump(sched.kv_cache_manager.block_pool, lambda: waiting_prefill(sched))
+            if outputs is not None:
+                self._kv_rates.observe(engine.last_plan, sched, now - t0)
+            self._kv_pub.pump(sched.kv_cache_manager.block_pool, lambda: replica_stats(sched, self._kv_rates))
         return outputs, self._with_view(stats_snapshot(engine.get_stats())), statuses
 
     def _with_token_text(self, out: RequestOutput):

@@ -119,3 +119,19 @@ def waiting_prefill(sched) -> int:
             todo -= kv.get_computed_blocks(r)[1]
         total += todo
     return total
+
+
+def running_prefill(sched) -> tuple[int, int]:
+    """(prompt tokens the running requests still need to prefill, running requests past
+    their prefill): the rest of the load a replica publishes for the front's KV router.
+    A chunked prefill runs with part of its prompt computed (a request resumed after a
+    preemption, with its outputs too); a decoding one has one token to compute, its last
+    sample (none, or fewer, under async scheduling)."""
+    tokens = decoding = 0
+    for r in sched.running:
+        todo = r.num_tokens - r.num_computed_tokens
+        if todo > 1:
+            tokens += todo
+        else:
+            decoding += 1
+    return tokens, decoding

@@ -2,29 +2,33 @@
 (the RequestRouter, the replicas' event subscriptions) is in routing.py.
 
     the prompt's token ids ─▶ chained block hashes (as the replica's prefix cache names them)
-    each replica's view (cluster/wire/kv_events.py) ─▶ leading blocks it holds
-    in-flight counts apart past the balance guard ─▶ least loaded first            (BY_LOAD)
-    at least cache_threshold of the prompt cached somewhere ─▶ most blocks first  (BY_PREFIX)
-    less of it cached somewhere ─▶ by cost
-    none of it cached anywhere (a new prefix) ─▶ fewest in flight, then home to the fewest
-                                                 prefixes (BY_LOAD)
-    cost(replica) = miss_weight x prompt tokens it would still prefill
-                  + prefill tokens already waiting there    (its last KV event message)
-                  + decode_tokens x requests in flight there (Serve's queue-length cache)
-    ties: the emptier cache, then chance
+    each replica's view (cluster/wire/kv_events.py) ─▶ leading blocks it holds (matched)
+    each replica's stats (the same wire)            ─▶ predicted TTFT there  ─▶ the minimum
 
-Affinity first, as SGLang's cache-aware router does (its cache threshold and balance
-guard): a prompt mostly cached on one replica goes there unless the replicas' in-flight
-counts grow apart by more than ``balance_abs`` requests and by a factor over
-``balance_rel``. Weighing the holder's queue against the other replica's prefill instead
-sent a prefix's requests to the other replica whenever the holder was busy: the prefix was
-then cached twice, evicting others, and under load most prefixes lived on both replicas.
+A cost model per replica, in seconds (Dynamo's KV router weighs the same two loads):
 
-A new prefix goes by load, then to the replica that became home to the fewest prefixes
-lately (``owned``: distinct first blocks routed there in the last minute), as Ray Serve
-LLM's router sends an unmatched prompt to its smallest tenant: a burst of new prefixes
-spreads over both caches instead of following whichever replica was idle. Serve tries the
-replicas in the order given when the first is full.
+    queued   = waiting prefill + running prefill            (its last stats message)
+             + unseen x this prompt's tokens     unseen: Serve's in-flight count for it
+                                                 less the requests its stats show
+    fresh    = miss_weight x the prompt's tokens it does not hold
+    ttft     = (queued + fresh) / its prefill rate                 (tokens/s, measured)
+             + decode_step_s x steps the prefill spans, if it has decoding requests
+               steps = ceil((queued + fresh) / (its token budget - its decoding requests))
+
+The decode term is the inter-token latency the prefill competes with: every step that
+carries a chunk of it also carries one token of each decoding request, and the prefill
+rate is measured net of that (cluster/replica/step_rates.py). Stats older than
+``stale_s`` (or none yet) are not trusted: that replica is costed with the fleet's
+median rates and its in-flight count, each request weighing this prompt's tokens.
+
+    ties (within tie_rel of the minimum): the best hit, then the emptier cache, then chance
+    decision  BY_PREFIX: the first choice holds the most of the prompt and another less
+              BY_LOAD:   anything else (no hit anywhere, or load outweighed the hit)
+
+The balance guard and the cache threshold of the first KV router (SGLang's rules) are
+gone: a holder whose queue costs more than the miss elsewhere loses by its own cost, and
+an idle holder wins by it. Serve tries the replicas in the order given when the first is
+full.
 
 Block 0's salt is the replica's: the request's cache_salt and, when tenants' caches are
 isolated, its tenant (scheduler/kv_cache_utils.hash_cache_salt), so a prompt never matches
@@ -33,7 +37,9 @@ another tenant's blocks here either.
 
 from __future__ import annotations
 
+import math
 import random
+import statistics
 from dataclasses import dataclass
 from typing import Callable
 
@@ -47,11 +53,12 @@ BY_PREFIX, BY_LOAD = "prefix", "load"
 class KVRoutingPolicy:
     block_size: int = 16
     isolate_tenants: bool = True  # the replicas' isolate_tenant_prefix_cache
-    miss_weight: float = 2.0  # a prompt token to prefill, against one waiting there
-    decode_tokens: int = 16  # what one request in flight weighs, in prompt tokens to prefill
-    balance_abs: int = 8  # in-flight requests apart before load alone decides...
-    balance_rel: float = 2.0  # ...and this many times the least loaded replica's count
-    cache_threshold: float = 0.5  # of the prompt cached somewhere: affinity decides (SGLang's default)
+    miss_weight: float = 1.0  # a prompt token to prefill, against one queued there (>1: keep prefixes home)
+    stale_s: float = 2.0  # stats older than this are not trusted (replicas send them at least every second)
+    tie_rel: float = 0.1  # predicted TTFTs within this fraction of the minimum are ties
+    # Until some replica has measured its rates (a fresh fleet): only their ratio matters.
+    default_prefill_tok_s: float = 2000.0
+    default_decode_step_s: float = 0.02
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None, tenant: str | None) -> list[int]:
         """The content hashes of the prompt's full blocks, as the replica computes them
@@ -67,43 +74,88 @@ class KVRoutingPolicy:
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    matched_blocks: int  # the prompt's leading blocks this replica holds
-    waiting_tokens: int  # prefill tokens waiting there
-    in_flight: int  # requests routed there and not yet ended
+    """One replica as the router sees it for one prompt. The stats fields are its last
+    stats message's (cluster/wire/kv_events.ReplicaStats); rates of 0 are not measured yet."""
+
+    matched_blocks: int  # the prompt's leading blocks this replica holds (or is being sent)
+    in_flight: int  # requests routed there and not yet ended (Serve's queue-length cache)
     cached_blocks: int = 0  # blocks its prefix cache holds
-    owned: int = 0  # prefixes that made it their home lately (distinct first blocks routed there)
+    stats_age_s: float | None = None  # since its last stats message; None: never heard
+    waiting_tokens: int = 0  # prefill tokens its waiting queue still needs
+    running_prefill_tokens: int = 0  # prefill tokens its running requests still need
+    num_requests: int = 0  # waiting + running there
+    num_decoding: int = 0  # running requests past their prefill
+    num_batched_tokens: int = 0  # its per-step token budget (0: unknown)
+    prefill_tok_s: float = 0.0
+    decode_step_s: float = 0.0
+
+
+def matched_blocks(block_hashes: list[int], held, sent: Callable[[int], bool] | None = None) -> int:
+    """How many of the prompt's leading blocks a replica holds (``held``: a set) or is
+    being sent; a lookup stops at the first miss, as the replica's own does."""
+    n = 0
+    for h in block_hashes:
+        if h not in held and (sent is None or not sent(h)):
+            break
+        n += 1
+    return n
+
+
+def replica_load(matched: int, in_flight: int, cached_blocks: int, stats, stats_age_s: float | None) -> ReplicaLoad:
+    """A ReplicaLoad from a replica's last stats message (``stats_age_s`` None: none yet)."""
+    if stats is None or stats_age_s is None:
+        return ReplicaLoad(matched, in_flight, cached_blocks)
+    return ReplicaLoad(matched, in_flight, cached_blocks, stats_age_s, stats.waiting_prefill_tokens,
+                       stats.running_prefill_tokens, stats.num_waiting_reqs + stats.num_running_reqs,
+                       stats.num_decoding_reqs, stats.num_batched_tokens, stats.prefill_tok_s, stats.decode_step_s)
+
+
+def _trusted(policy: KVRoutingPolicy, x: ReplicaLoad) -> bool:
+    return x.stats_age_s is not None and x.stats_age_s <= policy.stale_s
+
+
+def fleet_rates(policy: KVRoutingPolicy, loads) -> tuple[float, float]:
+    """(prefill tokens/s, decode step seconds): the median of the replicas that have
+    measured them and whose stats are trusted, else the policy's defaults."""
+    trusted = [x for x in loads if _trusted(policy, x)]
+    prefill = [x.prefill_tok_s for x in trusted if x.prefill_tok_s > 0]
+    decode = [x.decode_step_s for x in trusted if x.decode_step_s > 0]
+    return (statistics.median(prefill) if prefill else policy.default_prefill_tok_s,
+            statistics.median(decode) if decode else policy.default_decode_step_s)
+
+
+def predicted_ttft(policy: KVRoutingPolicy, prompt_len: int, x: ReplicaLoad, fleet: tuple[float, float]) -> float:
+    """Seconds to this prompt's first token on the replica ``x`` describes (module doc)."""
+    fresh = policy.miss_weight * max(0, prompt_len - x.matched_blocks * policy.block_size)
+    if _trusted(policy, x):
+        unseen = max(0, x.in_flight - x.num_requests)  # routed there, not in its stats yet
+        queued = x.waiting_tokens + x.running_prefill_tokens + unseen * prompt_len
+        rate = x.prefill_tok_s or fleet[0]
+        step_s = x.decode_step_s or fleet[1]
+        decoding = x.num_decoding
+    else:
+        queued = x.in_flight * prompt_len
+        rate, step_s = fleet
+        decoding = x.in_flight
+    work = queued + fresh
+    ttft = work / rate
+    if decoding:
+        per_step = x.num_batched_tokens - decoding if x.num_batched_tokens else 0
+        steps = math.ceil(work / per_step) if per_step > 0 else 1
+        ttft += step_s * max(1, steps)
+    return ttft
 
 
 def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
          tiebreak: Callable[[], float] = random.random) -> tuple[list, str]:
     """(replica keys, best first; BY_PREFIX or BY_LOAD: what decided the first).
     ``loads``: key -> ReplicaLoad, at least one."""
-    flights = [x.in_flight for x in loads.values()]
-    low, high = min(flights), max(flights)
-    if high - low > policy.balance_abs and high > policy.balance_rel * low:
-        order = sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].waiting_tokens, loads[k].cached_blocks,
-                                             tiebreak()))
-        return order, BY_LOAD
-
-    def cost(k):
-        x = loads[k]
-        fresh = max(0, prompt_len - x.matched_blocks * policy.block_size)
-        return (policy.miss_weight * fresh + x.waiting_tokens + policy.decode_tokens * x.in_flight,
-                x.cached_blocks, tiebreak())
-
+    fleet = fleet_rates(policy, loads.values())
+    cost = {k: predicted_ttft(policy, prompt_len, x, fleet) for k, x in loads.items()}
+    bound = min(cost.values()) * (1 + policy.tie_rel)
+    order = sorted(loads, key=lambda k: (cost[k] > bound, 0.0 if cost[k] <= bound else cost[k],
+                                         -loads[k].matched_blocks, loads[k].cached_blocks, tiebreak()))
     best = max(x.matched_blocks for x in loads.values())
-    if best * policy.block_size >= policy.cache_threshold * prompt_len:
-        # Most of the prompt is cached somewhere: the replica holding the most of it, by
-        # cost among equals. Load decides only past the balance guard above.
-        order = sorted(loads, key=lambda k: (-loads[k].matched_blocks, cost(k)))
-        by = BY_PREFIX if any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
-        return order, by
-    if best:
-        # Some of it cached (a conversation whose tail was evicted, a short shared head):
-        # cost, where those blocks still count for their prefill.
-        order = sorted(loads, key=cost)
-        by = BY_PREFIX if loads[order[0]].matched_blocks == best and any(
-            loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
-        return order, by
-    # A new prefix: load first, then the replica home to the fewest prefixes lately, then cost.
-    return sorted(loads, key=lambda k: (loads[k].in_flight, loads[k].owned, cost(k))), BY_LOAD
+    first = loads[order[0]].matched_blocks
+    by = BY_PREFIX if first == best > 0 and any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
+    return order, by

@@ -9,8 +9,8 @@ the GCS, which on a lost node waits for several missed raylet health checks in a
 Until then new requests would be routed to the dead replica and wait there.
 
 With more than one replica the default is KVPrefixRouter: Serve's replica list minus the
-lost, ranked by kv_routing.py's policy on each replica's prefix cache as its KV events
-describe it (cluster/wire/kv_events.py). ``--request-router`` picks it ("kv"), Ray Serve
+lost, ranked by kv_routing.py's cost model (predicted time to first token) on each
+replica's prefix cache and load as its KV events describe them (cluster/wire/kv_events.py). ``--request-router`` picks it ("kv"), Ray Serve
 LLM's PrefixCacheAffinityRouter ("prefix", the peer: a prefix tree of prompt text built
 from its own routing history), or Serve's default ("pow2").
 
@@ -29,14 +29,14 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from pagedserve.cluster.front.router import lost_replicas, route_counts
-from pagedserve.cluster.front.router.kv_routing import BY_LOAD, KVRoutingPolicy, ReplicaLoad, rank
+from pagedserve.cluster.front.router.kv_routing import (BY_LOAD, KVRoutingPolicy, ReplicaLoad, matched_blocks, rank,
+                                                         replica_load)
 
 SENT_TTL_S = 5.0  # a finished request's blocks count as there until its replica's events say so
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
 MAX_IN_FLIGHT = 10_000  # requests marked and not completed (one cancelled before dispatch never is)
-HOME_TTL_S = 60.0  # a prefix last routed this long ago no longer counts as a replica's
-MAX_HOMES = 4096  # per replica: what each request's count of homes walks at most
 MAX_SCORED = 10_000  # scored requests not yet routed (a cancelled one never is)
+SCORED_TTL_S = 2.0  # a scored request counts as on its way to its first choice this long at most
 ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
     "kv": "pagedserve.cluster.front.router.routing.KVPrefixRouter",
     "prefix": "pagedserve.cluster.front.router.text_prefix_router.TextPrefixRouter",
@@ -151,35 +151,30 @@ def _generate_request(pending_request):
 
 
 class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestRouter):
-    """The replica holding most of the prompt's blocks, unless load says otherwise
-    (kv_routing.py). A request without token ids (the front's tokenizer not loaded yet, a
-    call that is not ``generate``) and a replica list with no views yet take Serve's
-    power of two choices. Not FIFO as Serve's default is: there the replica a routing
+    """The replica with the lowest predicted time to first token: its queued prefill, the
+    part of this prompt it does not hold, its decode load (kv_routing.py). A request
+    without token ids (the front's tokenizer not loaded yet, a call that is not
+    ``generate``) and a replica list with no views yet take Serve's power of two choices. Not FIFO as Serve's default is: there the replica a routing
     task found goes to the oldest pending request, which in a burst hands one prompt's
     holder to another prompt; here it goes to the request it was scored for (as in Ray
     Serve LLM's router, whose mixins these are)."""
 
     def initialize_state(self, block_size: int = 16, isolate_tenants: bool = True, **kwargs) -> None:
         # request_router_kwargs: the replicas' block size and isolation, and any of the
-        # policy's weights (kv_routing.KVRoutingPolicy: miss_weight, decode_tokens, ...)
-        tuning = {k: kwargs.pop(k) for k in ("miss_weight", "decode_tokens", "balance_abs", "balance_rel",
-                                             "cache_threshold") if k in kwargs}
+        # policy's fields (kv_routing.KVRoutingPolicy: miss_weight, stale_s, tie_rel, ...)
+        tuning = {k: kwargs.pop(k) for k in ("miss_weight", "stale_s", "tie_rel", "default_prefill_tok_s",
+                                             "default_decode_step_s") if k in kwargs}
         super().initialize_state(**kwargs)
         self._policy = KVRoutingPolicy(block_size, isolate_tenants, **tuning)
         self._subs: dict = {}  # replica unique id -> KVEventSubscriber
         self._sent = _SentBlocks()  # blocks on their way to each replica
-        # replica unique id -> {first block hash: when last routed there}: the prefixes
-        # that call it home (kv_routing.py places a new prefix with the fewest).
-        self._homes: dict[str, dict[int, float]] = {}
-        self._scored: dict[str, tuple] = {}  # internal request id -> (first choice, decision, matched)
+        self._scored: dict[str, tuple] = {}  # internal request id -> (first choice, decision, matched, when)
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id.unique_id for r in replicas}
         for uid in [u for u in self._subs if u not in live]:
             self._subs.pop(uid).close()  # gone: a replica that comes back has a new id, an empty view
-        for uid in [u for u in self._homes if u not in live]:
-            del self._homes[uid]
         for uid in self._sent.replicas() - live:
             self._sent.forget(uid)
 
@@ -189,7 +184,6 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if sub is not None:
             sub.close()
         self._sent.forget(replica_id.unique_id)
-        self._homes.pop(replica_id.unique_id, None)
 
     def _subscriber(self, replica):
         """This replica's view, subscribed on first use (its address comes in its
@@ -213,21 +207,21 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
         loads, seen, now = {}, False, time.monotonic()
+        me = pending_request.metadata.internal_request_id  # scored before, when this is a retry
+        on_way = Counter(v[0] for rid, v in self._scored.items() if v[3] > now - SCORED_TTL_S and rid != me)
         for r in candidate_replicas:
             sub = self._subscriber(r)
             seen |= sub is not None
-            in_flight = self._replica_queue_len_cache.get(r.replica_id) or 0
-            homes = self._homes.get(r.replica_id.unique_id, {})
-            owned = sum(1 for t in homes.values() if t > now - HOME_TTL_S)
+            # Serve's count, plus the requests scored for it and not routed yet (a burst is
+            # scored before Serve's count learns of any of it).
+            in_flight = (self._replica_queue_len_cache.get(r.replica_id) or 0) + on_way[r.replica_id.unique_id]
             if sub is None:
-                loads[r] = ReplicaLoad(0, 0, in_flight, owned=owned)
+                loads[r] = ReplicaLoad(0, in_flight)
                 continue
-            held, sent, matched = sub.view.hashes, self._sent.view(r.replica_id.unique_id, now), 0
-            for h in hashes:  # leading blocks cached there, or on their way (sent)
-                if h not in held and not sent(h):
-                    break
-                matched += 1
-            loads[r] = ReplicaLoad(matched, sub.waiting_tokens, in_flight, len(held), owned)
+            held = sub.view.hashes  # leading blocks cached there, or on their way (sent)
+            matched = matched_blocks(hashes, held, self._sent.view(r.replica_id.unique_id, now))
+            age = None if sub.heard_at is None else now - sub.heard_at
+            loads[r] = replica_load(matched, in_flight, len(held), sub.stats, age)
         if not seen:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
@@ -237,17 +231,12 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if len(self._scored) > MAX_SCORED:
             self._scored.clear()
         self._scored[pending_request.metadata.internal_request_id] = (
-            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()})
+            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()}, now)
         # Its blocks count as sent to the first choice now, not once Serve has routed it:
         # the other requests of a burst are scored before that, and would otherwise send
         # the same new prefix to both replicas. A request that lands elsewhere corrects it.
-        self._send(pending_request.metadata.internal_request_id, first, hashes, now)
+        self._sent.send(pending_request.metadata.internal_request_id, first, hashes)
         return [[r] for r in order]
-
-    def _send(self, request_id: str, uid: str, hashes: list[int], now: float) -> None:
-        self._sent.send(request_id, uid, hashes)
-        if hashes:
-            _bounded(self._homes.setdefault(uid, {}), MAX_HOMES, now - HOME_TTL_S)[hashes[0]] = now
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         super().on_request_routed(pending_request, replica_id, result)
@@ -257,13 +246,13 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             return
         scored = self._scored.pop(pending_request.metadata.internal_request_id, None)
         if scored is not None:
-            first, by, matched = scored
+            first, by, matched, _ = scored
             route_counts.count(by if replica_id.unique_id == first else BY_LOAD,
                                matched.get(replica_id.unique_id, 0) * self._policy.block_size, len(ids))
             if replica_id.unique_id == first:
                 return  # marked as sent there when it was scored
-        self._send(pending_request.metadata.internal_request_id, replica_id.unique_id,
-                   self._policy.block_hashes(ids, req.cache_salt, req.tenant), time.monotonic())
+        self._sent.send(pending_request.metadata.internal_request_id, replica_id.unique_id,
+                        self._policy.block_hashes(ids, req.cache_salt, req.tenant))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
