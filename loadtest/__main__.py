@@ -100,7 +100,7 @@ BENCHMARKS = (
     "loadtest.offline.bench_structured", "loadtest.offline.bench_kv_quant", "loadtest.offline.bench_kv_dtype",
     "loadtest.offline.bench_thrash",
     "loadtest.serving.bench_frontend", "loadtest.serving.bench_door", "loadtest.serving.bench_routing",
-    "loadtest.serving.bench_spec",
+    "loadtest.serving.bench_spec", "loadtest.serving.bench_router_decision",
     "loadtest.peers.bench_vs_vllm",
     "loadtest.multinode.cluster_check",
     "loadtest.kernel_checks.cpu_attention", "loadtest.kernel_checks.gpu_kernels", "loadtest.kernel_checks.aot",

@@ -55,6 +55,11 @@ its multi-turn conversations, ``WordText`` itself (multinode/cluster_check's 16-
 too). ``patterned_ids`` gives request ``i`` a prompt with no draw at all, for the benches of
 per-request overhead (serving/bench_frontend, offline/bench_dispatch).
 
+serving/bench_router_decision.py simulates replicas and routers without a model:
+``ROUTER_SIM_SHAPES`` are its chat sessions (``SessionShape``: a system prompt of the
+session's own, then turns; turn k's prompt is everything before it, so a session's next
+turn finds its history in the cache of the replica that served the last one).
+
 Not here: fixed texts stay with the bench that reads them (serving/bench_spec's grounded and
 open prompts, offline/bench_kv_quant's English prompts), and the kernel checks' random
 tensors (gpu_check.py, kernel_checks/) are inputs to one kernel, not requests.
@@ -402,3 +407,31 @@ def word_prompts(words: list[str], seed: int, num: int, length: int) -> list[str
     """bench_routing's random: ``num`` prompts of ``length`` words, nothing shared."""
     text = WordText(words, seed)
     return [text(length) for _ in range(num)]
+
+
+# ---------------------------------------------------------------- sessions of the router simulation
+@dataclass(frozen=True)
+class SessionShape:
+    """serving/bench_router_decision's chat sessions: ``sessions_per_replica`` x the
+    replicas, each of ``turns`` turns; a turn sends ``user_len`` new tokens after the
+    history (its own ``system_len``-token system prompt, the turns before, their outputs)
+    and asks for ``output_len``. The lengths are the issue-56 run's (384-token prefixes,
+    96-token suffixes, 32 tokens out)."""
+
+    sessions_per_replica: float
+    turns: int
+    system_len: int = 384
+    user_len: int = 96
+    output_len: int = 32
+    pinned_start: bool = False  # every session's first turn on one replica (a burst placed on stale counts)
+
+    def prompt_lens(self) -> list[int]:
+        """Turn k's prompt length, k = 0 .. turns - 1."""
+        return [self.system_len + self.user_len + k * (self.output_len + self.user_len) for k in range(self.turns)]
+
+
+ROUTER_SIM_SHAPES = {
+    "few_sessions": SessionShape(3, 8),  # issue 56: 6 long sessions on 2 replicas
+    "few_sessions_pinned": SessionShape(3, 8, pinned_start=True),  # ...all begun on one: the skew
+    "many_sessions": SessionShape(32, 4),
+}

@@ -2,8 +2,8 @@
 hashes it computes from a prompt are the ones the replica's prefix cache stores (salts and
 tenant isolation included), so a view fed by the replica's KV events matches exactly what
 the replica would reuse; the cost model (predicted TTFT) ranks an idle holder first and a
-busy one after an idle cold replica, distrusts stale stats, and another tenant's
-identical prompt matches nothing."""
+busy one after an idle cold replica, distrusts stale stats, spreads the few-long-sessions
+skew of issue 56, and another tenant's identical prompt matches nothing."""
 
 from __future__ import annotations
 
@@ -152,6 +152,26 @@ def test_among_equals_a_new_prefix_goes_to_the_emptier_cache():
     policy = KVRoutingPolicy(block_size=16)
     loads = {"full": fresh(cached=200), "empty": fresh(cached=3, rate=RATE * 1.05)}  # rates within tie_rel
     assert rank(policy, 300, loads)[0] == ["empty", "full"]
+
+
+def test_the_few_long_sessions_skew_is_spread_by_the_model():
+    """Issue 56's losing shape: 6 long sessions on 2 replicas, all begun on one. Pinning
+    alone (the most blocks held first) keeps every session there; the cost model moves
+    sessions to the idle replica once the holder's queue costs more than the miss, and
+    beats Serve's power of two choices on mean TTFT. The replicas measure their own rates
+    from the simulated steps (StepRates), as real ones do."""
+    from pagedserve.loadtest.serving.bench_router_decision import StepModel, simulate
+    from pagedserve.loadtest.workloads import ROUTER_SIM_SHAPES
+
+    model = StepModel(prefill_tok_s=1500.0, decode_step_s=0.02, decode_per_req_s=0.006)
+    shape = ROUTER_SIM_SHAPES["few_sessions_pinned"]
+    runs = {r: [simulate(r, 2, shape, model, seed=s) for s in range(3)] for r in ("kv", "pow2", "affinity")}
+    mean = {r: sum(x["ttft_mean_s"] for x in v) / len(v) for r, v in runs.items()}
+    share = {r: max(x["max_replica_share"] for x in v) for r, v in runs.items()}
+    assert share["affinity"] == 1.0  # the skew: pinned, every request on one replica
+    assert share["kv"] <= 0.7, share
+    assert mean["kv"] < 0.85 * mean["affinity"], mean
+    assert mean["kv"] <= mean["pow2"], mean
 
 
 def test_a_replica_reports_its_waiting_prefill_net_of_its_cache():

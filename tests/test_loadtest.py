@@ -272,3 +272,22 @@ def test_bench_routing_reports_medians_over_repeats():
     assert m["replica_shares"] == [3, 1] and m["routed_by"] == {"prefix": 1.0}  # not numbers: the first run's
     assert [r["ttft_mean_s"] for r in m["runs"]] == [1.0, 3.0, 2.0]
     assert median_of(runs[:1]) is runs[0]
+
+
+def test_bench_router_decision_runs_small_and_reports_both_parts(capsys):
+    """The router bench (serving/bench_router_decision.py), cut small: a decision's cost at
+    2 and 8 replicas, and the simulation at 2 replicas on both session shapes, kv against
+    pow2 from the same flags' rates; the last line is its JSON."""
+    from pagedserve.loadtest.serving.bench_router_decision import main
+
+    assert main(["--replicas", "2", "8", "--blocks", "256", "--seconds", "0.05", "--sim-replicas", "2",
+                 "--shapes", "few_sessions", "many_sessions", "--routers", "kv", "pow2", "--seeds", "1"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["cpu"] and set(out["decision"]) == {"2", "8"}
+    assert all(d["us"] > 0 and d["poll_us"] > 0 and d["prompt_blocks"] == 64 for d in out["decision"].values())
+    assert out["rates"]["measured"] is False
+    for shape in ("few_sessions", "many_sessions"):
+        row = out["simulation"][shape]["2"]
+        for r in ("kv", "pow2"):
+            assert row[r]["requests"] > 0 and 0 < row[r]["ttft_mean_s"] <= row[r]["ttft_p99_s"]
+            assert 0 <= row[r]["hit_rate"] <= 1 and 0.5 <= row[r]["max_replica_share"] <= 1
