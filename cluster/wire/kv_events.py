@@ -179,8 +179,16 @@ class KVEventSubscriber:
         self._sock.connect(address)
         self._sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._awaiting_snapshot = True  # the subscription asked for one
+        self._polled_at = float("-inf")
 
-    def poll(self) -> None:
+    def poll(self, min_interval_s: float = 0.0) -> None:
+        """Reads what has come. With ``min_interval_s``, not again that soon after the last
+        read (a router at a high decision rate over many replicas pays a socket call per
+        replica per decision otherwise)."""
+        now = time.monotonic()
+        if now - self._polled_at < min_interval_s:
+            return
+        self._polled_at = now
         while True:
             try:
                 _topic, payload = self._sock.recv_multipart(zmq.NOBLOCK)

@@ -72,7 +72,7 @@ class KVRoutingPolicy:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReplicaLoad:
     """One replica as the router sees it for one prompt. The stats fields are its last
     stats message's (cluster/wire/kv_events.ReplicaStats); rates of 0 are not measured yet."""
@@ -152,9 +152,13 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
     ``loads``: key -> ReplicaLoad, at least one."""
     fleet = fleet_rates(policy, loads.values())
     cost = {k: predicted_ttft(policy, prompt_len, x, fleet) for k, x in loads.items()}
-    bound = min(cost.values()) * (1 + policy.tie_rel)
-    order = sorted(loads, key=lambda k: (cost[k] > bound, 0.0 if cost[k] <= bound else cost[k],
-                                         -loads[k].matched_blocks, loads[k].cached_blocks, tiebreak()))
+    order = sorted(cost, key=cost.__getitem__)
+    bound = cost[order[0]] * (1 + policy.tie_rel)
+    num_tied = 1
+    while num_tied < len(order) and cost[order[num_tied]] <= bound:
+        num_tied += 1
+    tied = sorted(order[:num_tied], key=lambda k: (-loads[k].matched_blocks, loads[k].cached_blocks, tiebreak()))
+    order[:num_tied] = tied
     best = max(x.matched_blocks for x in loads.values())
     first = loads[order[0]].matched_blocks
     by = BY_PREFIX if first == best > 0 and any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD

@@ -36,6 +36,7 @@ SENT_TTL_S = 5.0  # a finished request's blocks count as there until its replica
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
 MAX_IN_FLIGHT = 10_000  # requests marked and not completed (one cancelled before dispatch never is)
 MAX_SCORED = 10_000  # scored requests not yet routed (a cancelled one never is)
+POLL_INTERVAL_S = 0.002  # a replica's event socket is read at most this often (its steps take longer)
 SCORED_TTL_S = 2.0  # a scored request counts as on its way to its first choice this long at most
 ROUTERS = {  # --request-router: the class Serve loads for the engine deployment
     "kv": "pagedserve.cluster.front.router.routing.KVPrefixRouter",
@@ -197,7 +198,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             from pagedserve.cluster.wire.kv_events import KVEventSubscriber
 
             sub = self._subs[uid] = KVEventSubscriber(address)
-        sub.poll()
+        sub.poll(POLL_INTERVAL_S)
         return sub
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
