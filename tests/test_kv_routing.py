@@ -132,20 +132,22 @@ def test_stale_stats_fall_back_to_the_fleets_median_rates_and_the_in_flight_coun
 
 
 def test_no_shared_prefix_spreads_requests_evenly():
-    """Random prompts: each request goes to the replica with the least work, so two replicas
-    take turns as requests arrive and end."""
+    """Random prompts: each request goes to the replica with the least work (its decoding
+    requests make its steps longer; predictions within tie_rel go to fewer in flight), so two
+    replicas take turns as requests arrive and end."""
     policy = KVRoutingPolicy(block_size=16)
     flights = {"a": 0, "b": 0}
     counts = {"a": 0, "b": 0}
     for i in range(100):
-        loads = {k: fresh(0, n) for k, n in flights.items()}
+        loads = {k: fresh(0, n, decoding=n, step=0.02 + 0.005 * n) for k, n in flights.items()}
         best = rank(policy, 200, loads)[0][0]
+        assert flights[best] == min(flights.values()), (i, flights)
         counts[best] += 1
         flights[best] += 1
         if i % 3 == 2:  # requests end now and then
             for k in flights:
                 flights[k] = max(0, flights[k] - 1)
-    assert max(counts.values()) <= 60
+    assert max(counts.values()) <= 55
 
 
 def test_among_equals_a_new_prefix_goes_to_the_emptier_cache():

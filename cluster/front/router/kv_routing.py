@@ -21,9 +21,14 @@ rate is measured net of that (cluster/replica/step_rates.py). Stats older than
 ``stale_s`` (or none yet) are not trusted: that replica is costed with the fleet's
 median rates and its in-flight count, each request weighing this prompt's tokens.
 
-    ties (within tie_rel of the minimum): the best hit, then the emptier cache, then chance
+    ties (within tie_rel of the minimum): the best hit, then fewer in flight, then the
+                                          emptier cache, then chance
     decision  BY_PREFIX: the first choice holds the most of the prompt and another less
               BY_LOAD:   anything else (no hit anywhere, or load outweighed the hit)
+
+The tie band is there because two idle replicas' predictions differ by little more than
+the noise in their measured rates: without it every new prefix would go to whichever was
+measured fastest; with it they spread by requests in flight and by cache fill.
 
 The balance guard and the cache threshold of the first KV router (SGLang's rules) are
 gone: a holder whose queue costs more than the miss elsewhere loses by its own cost, and
@@ -78,7 +83,7 @@ class ReplicaLoad:
     stats message's (cluster/wire/kv_events.ReplicaStats); rates of 0 are not measured yet."""
 
     matched_blocks: int  # the prompt's leading blocks this replica holds (or is being sent)
-    in_flight: int  # requests routed there and not yet ended (Serve's queue-length cache)
+    in_flight: int  # requests routed there and not yet ended (Serve's count, and those on their way)
     cached_blocks: int = 0  # blocks its prefix cache holds
     stats_age_s: float | None = None  # since its last stats message; None: never heard
     waiting_tokens: int = 0  # prefill tokens its waiting queue still needs
@@ -157,7 +162,8 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
     num_tied = 1
     while num_tied < len(order) and cost[order[num_tied]] <= bound:
         num_tied += 1
-    tied = sorted(order[:num_tied], key=lambda k: (-loads[k].matched_blocks, loads[k].cached_blocks, tiebreak()))
+    tied = sorted(order[:num_tied], key=lambda k: (-loads[k].matched_blocks, loads[k].in_flight,
+                                                   loads[k].cached_blocks, tiebreak()))
     order[:num_tied] = tied
     best = max(x.matched_blocks for x in loads.values())
     first = loads[order[0]].matched_blocks
