@@ -27,9 +27,11 @@
               Reported per router: predicted mean and p99 TTFT, the prefix hit rate, the
               busiest replica's share of the requests, output tok/s.
 
-The step model's rates are flags (defaults measured on the default model, ``--measure``),
-or with ``--measure`` the engine's own: the default model in process, 8 prompts of 512
-tokens, then decodes at batch 1 and at batch 8, every step timed and fed to StepRates.
+The step model's rates are flags (their defaults the default model's, measured as below on
+a 2-core CPU), or with ``--measure`` the engine's own on this machine: the default model in
+process, after a warm-up one prompt of 512 tokens and 32 decodes, then 8 of them; every
+step timed and fed to StepRates (the prefill rate), the decode-only steps at batch 1 and at
+batch 8 giving decode_step_s and decode_per_req_s.
 
     python -m pagedserve.loadtest.serving.bench_router_decision [--replicas 2 8 64 1000] [--blocks 16384]
         [--sim-replicas 2 4 8] [--shapes few_sessions many_sessions] [--measure]
@@ -333,8 +335,9 @@ def measure_rates(model: str | None = None, prompt_len: int = 512, batch: int = 
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(model=model, max_model_len=2048, max_num_seqs=batch, enable_prefix_caching=False)
-    eng, rates, rng = llm.engine, StepRates(), random.Random(0)
+    eng, rng = llm.engine, random.Random(0)
     vocab = eng.model_config.vocab_size
+    rates = StepRates()
 
     def run(tag: str, n: int, max_tokens: int) -> list[float]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -353,6 +356,7 @@ def measure_rates(model: str | None = None, prompt_len: int = 512, batch: int = 
 
     try:
         run("warm", 2, 4)
+        rates = StepRates()  # the warm-up's first steps are slower: not in the figures
         one = statistics.median(run("one", 1, 32))
         many = statistics.median(run("many", batch, 32))
     finally:
@@ -378,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=5, help="runs per case (mean of their results)")
     p.add_argument("--measure", action="store_true", help="measure the rates on the default model first")
     p.add_argument("--model", default=None, help="with --measure (default: the built-in default model)")
-    p.add_argument("--prefill-tok-s", type=float, default=4000.0)
-    p.add_argument("--decode-step-s", type=float, default=0.015)
-    p.add_argument("--decode-per-req-s", type=float, default=0.002)
+    # Defaults: the default model's, by --measure on a 2-core CPU (BENCHMARKS.md).
+    p.add_argument("--prefill-tok-s", type=float, default=500.0)
+    p.add_argument("--decode-step-s", type=float, default=0.038, help="a decode step at batch 1")
+    p.add_argument("--decode-per-req-s", type=float, default=0.005, help="each further decoding request")
     p.add_argument("--no-decision", action="store_true")
     p.add_argument("--no-sim", action="store_true")
     a = p.parse_args(argv)
