@@ -181,8 +181,10 @@ def test_sampling_fields_fuzz_over_http_gives_results_or_4xx(openai_app):
             if isinstance(v, int) and v > cap:
                 raw[key] = cap
         raw["max_tokens"] = min(raw.get("max_tokens", 4), 4) if isinstance(raw.get("max_tokens", 4), int) else 4
-        with httpx.stream("POST", f"{openai_app}/v1/completions", json={**raw, "stream": stream},
-                          timeout=60) as r:
+        # As bytes: a non-finite float is written NaN / Infinity (Python's json, and many a
+        # client's), which httpx's json= refuses to send; the server must answer it with a 4xx.
+        with httpx.stream("POST", f"{openai_app}/v1/completions", content=json.dumps({**raw, "stream": stream}),
+                          headers={"content-type": "application/json"}, timeout=60) as r:
             text = r.read().decode()
             statuses[r.status_code] += 1
             bad = None
