@@ -392,14 +392,20 @@ class WordText:
 
 
 def word_shared_prefix_prompts(words: list[str], seed: int, num_requests: int, num_prefixes: int, prefix_len: int,
-                               suffix_len: int) -> tuple[list[str], list[int]]:
+                               suffix_len: int, zipf_s: float = 0.0) -> tuple[list[str], list[int]]:
     """bench_routing's shared_prefix: ``num_prefixes`` prefixes of ``prefix_len`` words;
-    each request one of them (uniform), a space and ``suffix_len`` words of its own.
+    each request one of them, a space and ``suffix_len`` words of its own. The prefix is
+    drawn uniformly, or with ``zipf_s`` > 0 the i-th (from 0) with weight 1 / (i + 1)^s:
+    a few hot prefixes and a long tail, as system prompts and documents are in real traffic.
     Returns the prompts and each one's prefix index."""
     text = WordText(words, seed)
     prefixes = [text(prefix_len) for _ in range(num_prefixes)]
     rng = random.Random(seed + 1)
-    picks = [rng.randrange(num_prefixes) for _ in range(num_requests)]
+    if zipf_s > 0:
+        picks = rng.choices(range(num_prefixes), weights=[(i + 1) ** -zipf_s for i in range(num_prefixes)],
+                            k=num_requests)
+    else:
+        picks = [rng.randrange(num_prefixes) for _ in range(num_requests)]
     return [prefixes[i] + " " + text(suffix_len) for i in picks], picks
 
 

@@ -274,6 +274,39 @@ def test_bench_routing_reports_medians_over_repeats():
     assert median_of(runs[:1]) is runs[0]
 
 
+def test_bench_routing_shape_goals_are_issue_56s():
+    """kv within 5% of the better peer (mean and p99) on every shape; on a prefix-heavy one
+    also 1.5x lower mean TTFT than pow2 and 1.1x lower than prefix; tok/s >= 0.95x pow2."""
+    from pagedserve.loadtest.serving.bench_routing import SHAPES, shape_goals
+
+    def row(kv, prefix, pow2):  # (mean, p99, tok/s) each
+        return {k: dict(ttft_mean_s=m, ttft_p99_s=p, output_tok_s=t, failed=0)
+                for k, (m, p, t) in (("kv", kv), ("prefix", prefix), ("pow2", pow2))}
+
+    g = shape_goals(row((1.0, 2.0, 50), (1.2, 2.5, 45), (1.6, 2.2, 50)), prefix_heavy=True)
+    assert all(g.values()) and set(g) == {"mean within 5%", "p99 within 5%", "1.5x pow2", "1.1x prefix",
+                                          "tok/s 0.95x pow2"}
+    g = shape_goals(row((1.0, 2.4, 50), (1.2, 2.5, 45), (1.4, 2.2, 50)), prefix_heavy=True)
+    assert not g["1.5x pow2"] and not g["p99 within 5%"] and g["1.1x prefix"] and g["mean within 5%"]
+    g = shape_goals(row((1.04, 2.0, 47), (1.2, 2.5, 45), (1.0, 2.2, 50)), prefix_heavy=False)
+    assert g == {"mean within 5%": True, "p99 within 5%": True, "tok/s 0.95x pow2": False}
+    bad = row((1.0, 2.0, 50), (1.2, 2.5, 45), (1.6, 2.2, 50))
+    bad["kv"]["failed"] = 1
+    assert shape_goals(bad, prefix_heavy=False) == {"no failures": False}
+    assert {n for n, s in SHAPES.items() if s.prefix_heavy} == {"prefix", "mid_prefix", "long_prefix", "zipf"}
+
+
+def test_zipf_prefixes_are_hot_at_the_head():
+    from pagedserve.loadtest.workloads import word_shared_prefix_prompts
+
+    words = [f"w{i}" for i in range(200)]
+    prompts, picks = word_shared_prefix_prompts(words, 0, 2000, 32, 8, 2, zipf_s=1.0)
+    assert picks.count(0) > 5 * picks.count(31) and picks.count(0) > 2000 / 32 * 3
+    assert all(p.startswith(" ".join(prompts[0].split()[:8])) for p, k in zip(prompts, picks) if k == picks[0])
+    _, uniform = word_shared_prefix_prompts(words, 0, 2000, 32, 8, 2)
+    assert max(uniform.count(i) for i in range(32)) < 2000 / 32 * 2
+
+
 def test_bench_router_decision_runs_small_and_reports_both_parts(capsys):
     """The router bench (serving/bench_router_decision.py), cut small: a decision's cost at
     2 and 8 replicas, and the simulation at 2 replicas on both session shapes, kv against

@@ -21,7 +21,14 @@ shared workloads, the hit rate a router should keep. The prompts are text (every
 reads text; the KV router's front tokenizes it once), made of words that are one token
 each in the model's vocabulary, so lengths are close to the token counts asked for.
 
+Shapes (``--shape``, issue 56): the workloads above with other sizes, each a name in SHAPES:
+prefix and sessions (the defaults), mid_prefix, long_prefix (long shared prefixes, long
+outputs), zipf (hot prefixes and a long tail), few_sessions, many_sessions, random. Every
+shape runs on each router's one server, in order; the report adds ``goals``: issue 56's
+acceptance per shape (shape_goals).
+
     python -m pagedserve.loadtest.serving.bench_routing [--model M] [--workloads shared_prefix multi_turn random]
+        [--shape all | prefix mid_prefix ...]
         [--routers kv prefix pow2] [--num-prefixes 8 --prefix-len 512 --suffix-len 32 --output-len 16]
         [--sessions 16 --turns 4] [--concurrency 8] [--num-gpu-blocks N] [--repeats R]
 
@@ -42,6 +49,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import httpx
 
@@ -52,6 +60,37 @@ from pagedserve.loadtest.workloads import WordText, word_prompts, word_shared_pr
 
 WORKLOADS = ("shared_prefix", "multi_turn", "random")
 ROUTERS = ("kv", "prefix", "pow2")
+
+
+# ---------------------------------------------------------------- shapes (issue 56)
+@dataclass(frozen=True)
+class Shape:
+    """One workload shape: a workload above with some of its arguments set.
+    ``prefix_heavy``: the shapes where routing by cache is the point (the goals of 1.5x
+    lower mean TTFT than pow2 and 1.1x lower than Ray's prefix router hold there)."""
+
+    workload: str
+    args: dict
+    prefix_heavy: bool = False
+    about: str = ""
+
+
+SHAPES = {
+    "prefix": Shape("shared_prefix", {}, True, "the default shared_prefix: 8 prefixes x 512 + 32, 16 out"),
+    "mid_prefix": Shape("shared_prefix", dict(num_prefixes=10, prefix_len=384, suffix_len=96, output_len=32),
+                        True, "issue 56's: 10 prefixes x 384 + 96, 32 out"),
+    "long_prefix": Shape("shared_prefix", dict(num_prefixes=4, prefix_len=1024, suffix_len=32, output_len=128,
+                                               num_requests=24),
+                         True, "long shared prefixes, long outputs: 4 x 1,024 + 32, 128 out, 24 requests"),
+    "zipf": Shape("shared_prefix", dict(num_prefixes=32, prefix_len=256, suffix_len=32, num_requests=96, zipf_s=1.0),
+                  True, "32 prefixes x 256 + 32 drawn Zipf (s = 1), 16 out, 96 requests"),
+    "sessions": Shape("multi_turn", {}, False, "the default multi_turn: 16 sessions x 4 turns"),
+    "few_sessions": Shape("multi_turn", dict(sessions=6, turns=4, system_len=384, user_len=96, turn_output_len=32),
+                          False, "issue 56's: 6 long sessions x 4 turns (384-token system, 96 a turn, 32 out)"),
+    "many_sessions": Shape("multi_turn", dict(sessions=48, turns=2, system_len=256, user_len=32),
+                           False, "48 short sessions x 2 turns (256-token system, 32 a turn, 16 out)"),
+    "random": Shape("random", {}, False, "32 x 256 words that share nothing"),
+}
 
 
 # ---------------------------------------------------------------- prompts
@@ -126,7 +165,7 @@ async def complete(client: httpx.AsyncClient, base: str, model: str, rid: str, p
 # ---------------------------------------------------------------- workloads
 async def run_shared_prefix(base, model, words, a, seed) -> list[Result]:
     prompts, picks = word_shared_prefix_prompts(words, seed, a.num_requests, a.num_prefixes, a.prefix_len,
-                                                a.suffix_len)
+                                                a.suffix_len, getattr(a, "zipf_s", 0.0))
     results = await _closed_loop(base, model, prompts, a.output_len, a.concurrency)
     for r in results:
         r.group = picks[r.index]
@@ -243,7 +282,10 @@ def summarize(results: list[Result], wall: float, before: dict, after: dict) -> 
                 routed_by=routed)  # the KV router's decisions (0 for the others)
 
 
-def run_server(a, router: str | None, replicas: int, workloads: list[str], words: list[str]) -> dict:
+def run_server(a, router: str | None, replicas: int, jobs: list[tuple[str, str, argparse.Namespace]],
+               words: list[str]) -> dict:
+    """One server with ``router``; each job (label, workload, its arguments) run
+    ``a.repeats`` times on it, in order. Returns {label: the median summary}."""
     server = pagedserve_server(a.model, min_replicas=replicas, request_router=router, max_model_len=a.max_model_len,
                                max_num_seqs=a.max_num_seqs, num_gpu_blocks_override=a.num_gpu_blocks,
                                enable_prefix_caching=True, log_dir=a.log_dir)
@@ -252,22 +294,22 @@ def run_server(a, router: str | None, replicas: int, workloads: list[str], words
         base = server.base_url
         model = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         wait_ready(base, model, replicas, router or "pow2", words)
-        for i, w in enumerate(workloads):
+        for i, (label, w, args) in enumerate(jobs):
             runs = []
             for rep in range(a.repeats):  # each with prompts of its own (another seed)
                 before = scrape(base)
                 t0 = time.perf_counter()
-                results = asyncio.run(RUNNERS[w](base, model, words, a, a.seed + 1000 * i + 100 * rep))
+                results = asyncio.run(RUNNERS[w](base, model, words, args, a.seed + 1000 * i + 100 * rep))
                 wall = time.perf_counter() - t0
                 time.sleep(1.5)  # the replicas' last stats push
                 s = summarize(results, wall, before, scrape(base))
                 runs.append(s)
-                print(f"  {router or 'single':6s} {w:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
+                print(f"  {router or 'single':6s} {label:14s} ttft mean {s['ttft_mean_s'] or 0:.3f} s "
                       f"p99 {s['ttft_p99_s'] or 0:.3f} s  out {s['output_tok_s']:.1f} tok/s  hit {s['hit_rate']:.2f}  "
                       f"shares {s['replica_shares']}  replicas/group {s['replicas_per_group']}  "
                       f"routed by {s['routed_by']}  failed {s['failed']} "
                       f"{s['errors'] or ''}", flush=True)
-            out[w] = median_of(runs)
+            out[label] = median_of(runs)
     return out
 
 
@@ -285,6 +327,23 @@ def median_of(runs: list[dict]) -> dict:
     return out
 
 
+def shape_goals(row: dict, prefix_heavy: bool) -> dict[str, bool]:
+    """Issue 56's goals for one shape, from its three routers' summaries: kv's mean and p99
+    TTFT within 5% of the better of pow2 and prefix (or lower); on the prefix-heavy shapes
+    at least 1.5x lower mean TTFT than pow2 and 1.1x lower than prefix; output tok/s at
+    least 0.95x pow2's. A router with a failed request fails the row."""
+    kv, peers = row["kv"], [row["pow2"], row["prefix"]]
+    if kv["failed"] or any(x["ttft_mean_s"] is None for x in (kv, *peers)):
+        return {"no failures": False}
+    out = {"mean within 5%": kv["ttft_mean_s"] <= 1.05 * min(x["ttft_mean_s"] for x in peers),
+           "p99 within 5%": kv["ttft_p99_s"] <= 1.05 * min(x["ttft_p99_s"] for x in peers)}
+    if prefix_heavy:
+        out["1.5x pow2"] = row["pow2"]["ttft_mean_s"] >= 1.5 * kv["ttft_mean_s"]
+        out["1.1x prefix"] = row["prefix"]["ttft_mean_s"] >= 1.1 * kv["ttft_mean_s"]
+    out["tok/s 0.95x pow2"] = kv["output_tok_s"] >= 0.95 * row["pow2"]["output_tok_s"]
+    return out
+
+
 def default_blocks(a) -> int:
     """Room for about 60% of the shared prefixes plus the running requests' own blocks: more
     prefixes than one replica holds, all of them in two."""
@@ -297,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the built-in default model (SmolLM2-135M-Instruct)")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--shape", nargs="+", choices=[*SHAPES, "all"], default=None,
+                   help="run these shapes (SHAPES; 'all': every one) instead of --workloads, and check "
+                        "issue 56's goals on each")
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--num-prefixes", type=int, default=8)
@@ -330,16 +392,20 @@ def main(argv: list[str] | None = None) -> int:
         a.model = DEFAULT_MODEL_NAME
     a.num_gpu_blocks = a.num_gpu_blocks or default_blocks(a)
     words = one_token_words(a.model)
-    print(f"bench_routing: {a.replicas} replicas x {a.num_gpu_blocks} KV blocks; workloads {a.workloads}; "
-          f"routers {a.routers}", flush=True)
-    per_router = {r: run_server(a, r, a.replicas, a.workloads, words) for r in a.routers}
-    report: dict = {w: {r: per_router[r][w] for r in a.routers} for w in a.workloads}
-    shared = [w for w in a.workloads if w != "random"]
+    shapes = None if a.shape is None else list(SHAPES) if "all" in a.shape else a.shape
+    jobs = ([(w, w, a) for w in a.workloads] if shapes is None else
+            [(n, SHAPES[n].workload, argparse.Namespace(**{**vars(a), **SHAPES[n].args})) for n in shapes])
+    labels = [label for label, _, _ in jobs]
+    print(f"bench_routing: {a.replicas} replicas x {a.num_gpu_blocks} KV blocks; {'shapes' if shapes else 'workloads'} "
+          f"{labels}; routers {a.routers}", flush=True)
+    per_router = {r: run_server(a, r, a.replicas, jobs, words) for r in a.routers}
+    report: dict = {label: {r: per_router[r][label] for r in a.routers} for label in labels}
+    shared = [job for job in jobs if job[1] != "random"]
     if not a.no_single and shared:
         single = run_server(a, None, 1, shared, words)
-        report["single_replica_hit_rate"] = {w: single[w]["hit_rate"] for w in shared}
+        report["single_replica_hit_rate"] = {label: single[label]["hit_rate"] for label, _, _ in shared}
     if "kv" in a.routers:
-        for w in a.workloads:
+        for w in labels:
             kv = report[w]["kv"]
             for peer in (r for r in a.routers if r != "kv"):
                 o = report[w][peer]
@@ -352,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             if w in report.get("single_replica_hit_rate", {}):
                 h1 = report["single_replica_hit_rate"][w]
                 print(f"  {w:14s} kv hit rate {kv['hit_rate']:.2f} vs one replica alone {h1:.2f}", flush=True)
+    if shapes and {"kv", "prefix", "pow2"} <= set(a.routers):
+        report["goals"] = {n: shape_goals(report[n], SHAPES[n].prefix_heavy) for n in shapes}
+        for n, g in report["goals"].items():
+            print(f"  goals {n:14s} " + "  ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in g.items()), flush=True)
     print(json.dumps(report))
     return 0
 

@@ -42,16 +42,22 @@ another tenant's blocks here either.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import statistics
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
 from pagedserve.scheduler.kv.kv_cache_utils import ROOT_HASH, hash_block_tokens, hash_cache_salt
 
 BY_PREFIX, BY_LOAD = "prefix", "load"
+# A file to append every decision to, one JSON line each (the loads, the predicted TTFTs,
+# the order): what to read when a workload routes worse than expected. Off when unset.
+TRACE_ENV = "PAGEDSERVE_ROUTER_TRACE"
 
 
 @dataclass(frozen=True)
@@ -168,4 +174,16 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
     best = max(x.matched_blocks for x in loads.values())
     first = loads[order[0]].matched_blocks
     by = BY_PREFIX if first == best > 0 and any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
+    if os.environ.get(TRACE_ENV):
+        _trace(os.environ[TRACE_ENV], prompt_len, loads, cost, order, by)
     return order, by
+
+
+def _trace(path: str, prompt_len: int, loads: dict, cost: dict, order: list, by: str) -> None:
+    def name(k) -> str:  # a Serve replica's unique id, else the key itself
+        return str(getattr(getattr(k, "replica_id", None), "unique_id", k))
+
+    line = {"t": time.time(), "prompt_len": prompt_len, "by": by, "order": [name(k) for k in order],
+            "replicas": {name(k): {**asdict(x), "ttft_s": round(cost[k], 4)} for k, x in loads.items()}}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
