@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from _sched_helpers import make_scheduler, step
-from pagedserve.cluster.front.router.kv_routing import BY_LOAD, BY_PREFIX, KVRoutingPolicy, ReplicaLoad, rank
+from pagedserve.cluster.front.router.kv_routing import (BY_LOAD, BY_PREFIX, KVRoutingPolicy, ReplicaLoad,
+                                                         predicted_ttft, rank)
 from pagedserve.scheduler import Request, SamplingParams
 from pagedserve.scheduler.kv.kv_events import KVEventLog, KVView
 
@@ -89,7 +90,8 @@ def test_a_busy_holder_loses_to_an_idle_cold_replica_when_its_queue_costs_more_t
     assert rank(policy, 512, {"a": fresh(30, 3, waiting=300, running_prefill=300, requests=3), "b": b}) \
         == (["b", "a"], BY_LOAD)
     # ...and so does a queue that is not in its stats yet: requests routed there since
-    # (Serve's in-flight count ahead of the requests its stats show), each a prompt's worth
+    # (the front's in-flight count ahead of the requests its stats show), each a prompt's
+    # worth where their own fresh tokens are not known
     assert rank(policy, 512, {"a": fresh(30, 2, requests=1), "b": b})[0] == ["a", "b"]
     assert rank(policy, 512, {"a": fresh(30, 3, requests=1), "b": b})[0] == ["b", "a"]
     # Decode load: 20 decoding requests at 0.3 s a step (the step its prefill rides), against none
@@ -97,6 +99,46 @@ def test_a_busy_holder_loses_to_an_idle_cold_replica_when_its_queue_costs_more_t
     assert rank(policy, 512, {"a": fresh(30, 20, decoding=20, step=0.1), "b": b})[0] == ["a", "b"]
     # A slower replica's queue weighs more: the same 300 tokens at 800 tok/s
     assert rank(policy, 512, {"a": fresh(30, 1, waiting=300, rate=800), "b": b})[0] == ["b", "a"]
+
+
+def test_requests_not_in_the_stats_yet_weigh_their_own_fresh_tokens():
+    """A holder that was just sent three turns of its sessions, each a cache hit of 64
+    fresh tokens, is not three whole prompts busy: it keeps the fourth (the issue-56 skew,
+    read from a trace, where unseen hits weighed 635 tokens each and sessions moved)."""
+    policy = KVRoutingPolicy(block_size=16)
+    b = fresh()
+    holder = ReplicaLoad(36, 3, 0, 0.1, 0, 0, 0, 0, 2048, RATE, STEP, fresh_in_flight=(64, 64, 64))
+    assert rank(policy, 640, {"a": holder, "b": b})[0] == ["a", "b"]
+    # unknown fresh tokens: each weighs this prompt, as before
+    unknown = ReplicaLoad(36, 3, 0, 0.1, 0, 0, 0, 0, 2048, RATE, STEP)
+    assert rank(policy, 640, {"a": unknown, "b": b})[0] == ["b", "a"]
+    # only the newest beyond the stats' count are unseen: one of three here, a miss of 600
+    one_unseen = ReplicaLoad(36, 3, 0, 0.1, 0, 0, 2, 0, 2048, RATE, STEP, fresh_in_flight=(600, 64, 64))
+    two_unseen = ReplicaLoad(36, 3, 0, 0.1, 0, 0, 1, 0, 2048, RATE, STEP, fresh_in_flight=(64, 64, 600))
+    assert predicted_ttft(policy, 640, one_unseen, (RATE, STEP)) == pytest.approx((600 + 64) / RATE)
+    assert predicted_ttft(policy, 640, two_unseen, (RATE, STEP)) == pytest.approx((64 + 64 + 64) / RATE)
+    # stale stats: every request in flight weighs its fresh tokens
+    stale = ReplicaLoad(36, 3, 0, 9.0, 0, 0, 0, 0, 2048, RATE, STEP, fresh_in_flight=(10, 20, 30))
+    assert predicted_ttft(policy, 640, stale, (RATE, STEP)) == pytest.approx((60 + 64) / RATE + STEP)
+
+
+def test_the_front_counts_its_own_requests_in_flight_with_their_fresh_tokens():
+    from pagedserve.cluster.front.router.routing import _InFlight
+
+    f = _InFlight()
+    f.add("r1", "A", 100)
+    f.add("r2", "A", 5)
+    f.add("r3", "B", 7)
+    assert f.fresh("A") == (5, 100) and f.fresh("B") == (7,) and f.fresh("C") == ()
+    f.add("r1", "B", 30)  # routed again (a retry elsewhere): moves
+    assert f.fresh("A") == (5,) and f.fresh("B") == (30, 7)
+    f.remove("r2")
+    f.remove("never")
+    assert f.fresh("A") == () and f.replicas() >= {"B"}
+    f.forget("B")
+    assert f.fresh("B") == () and "B" not in f.replicas()
+    f.add("r3", "A", 1)  # its old record went with B
+    assert f.fresh("A") == (1,)
 
 
 def test_an_idle_holder_wins_and_between_holders_the_cheaper_one():

@@ -8,8 +8,9 @@
 A cost model per replica, in seconds (Dynamo's KV router weighs the same two loads):
 
     queued   = waiting prefill + running prefill            (its last stats message)
-             + unseen x this prompt's tokens     unseen: Serve's in-flight count for it
-                                                 less the requests its stats show
+             + the unseen requests' fresh tokens unseen: the newest of this front's requests
+                                                 in flight there, as many as its count
+                                                 exceeds the requests its stats show
     fresh    = miss_weight x the prompt's tokens it does not hold
     ttft     = (queued + fresh) / its prefill rate                 (tokens/s, measured)
              + decode_step_s x steps the prefill spans, if it has decoding requests
@@ -19,7 +20,9 @@ The decode term is the inter-token latency the prefill competes with: every step
 carries a chunk of it also carries one token of each decoding request, and the prefill
 rate is measured net of that (cluster/replica/step_rates.py). Stats older than
 ``stale_s`` (or none yet) are not trusted: that replica is costed with the fleet's
-median rates and its in-flight count, each request weighing this prompt's tokens.
+median rates and the fresh tokens of every request in flight there. A request's fresh
+tokens are the part of its prompt its replica did not hold when it was routed (this
+prompt's whole length where they are not known): a queue of cache hits is short.
 
     ties (within tie_rel of the minimum): the best hit, then fewer in flight, then the
                                           emptier cache, then chance
@@ -89,7 +92,7 @@ class ReplicaLoad:
     stats message's (cluster/wire/kv_events.ReplicaStats); rates of 0 are not measured yet."""
 
     matched_blocks: int  # the prompt's leading blocks this replica holds (or is being sent)
-    in_flight: int  # requests routed there and not yet ended (Serve's count, and those on their way)
+    in_flight: int  # this front's requests routed there and not yet ended, and those on their way
     cached_blocks: int = 0  # blocks its prefix cache holds
     stats_age_s: float | None = None  # since its last stats message; None: never heard
     waiting_tokens: int = 0  # prefill tokens its waiting queue still needs
@@ -99,6 +102,9 @@ class ReplicaLoad:
     num_batched_tokens: int = 0  # its per-step token budget (0: unknown)
     prefill_tok_s: float = 0.0
     decode_step_s: float = 0.0
+    # the fresh (uncached) prompt tokens of requests in flight there, newest first (as many
+    # as are known, at most in_flight)
+    fresh_in_flight: tuple[int, ...] = ()
 
 
 def matched_blocks(block_hashes: list[int], held, sent: Callable[[int], bool] | None = None) -> int:
@@ -112,13 +118,22 @@ def matched_blocks(block_hashes: list[int], held, sent: Callable[[int], bool] | 
     return n
 
 
-def replica_load(matched: int, in_flight: int, cached_blocks: int, stats, stats_age_s: float | None) -> ReplicaLoad:
+def replica_load(matched: int, in_flight: int, cached_blocks: int, stats, stats_age_s: float | None,
+                 fresh_in_flight: tuple[int, ...] = ()) -> ReplicaLoad:
     """A ReplicaLoad from a replica's last stats message (``stats_age_s`` None: none yet)."""
     if stats is None or stats_age_s is None:
-        return ReplicaLoad(matched, in_flight, cached_blocks)
+        return ReplicaLoad(matched, in_flight, cached_blocks, fresh_in_flight=fresh_in_flight)
     return ReplicaLoad(matched, in_flight, cached_blocks, stats_age_s, stats.waiting_prefill_tokens,
                        stats.running_prefill_tokens, stats.num_waiting_reqs + stats.num_running_reqs,
-                       stats.num_decoding_reqs, stats.num_batched_tokens, stats.prefill_tok_s, stats.decode_step_s)
+                       stats.num_decoding_reqs, stats.num_batched_tokens, stats.prefill_tok_s, stats.decode_step_s,
+                       fresh_in_flight)
+
+
+def _newest_fresh(x: ReplicaLoad, n: int, prompt_len: int) -> int:
+    """The fresh tokens of the ``n`` newest requests in flight there (this prompt's length
+    for each one not known)."""
+    known = x.fresh_in_flight[:n]
+    return sum(known) + (n - len(known)) * prompt_len
 
 
 def _trusted(policy: KVRoutingPolicy, x: ReplicaLoad) -> bool:
@@ -140,12 +155,12 @@ def predicted_ttft(policy: KVRoutingPolicy, prompt_len: int, x: ReplicaLoad, fle
     fresh = policy.miss_weight * max(0, prompt_len - x.matched_blocks * policy.block_size)
     if _trusted(policy, x):
         unseen = max(0, x.in_flight - x.num_requests)  # routed there, not in its stats yet
-        queued = x.waiting_tokens + x.running_prefill_tokens + unseen * prompt_len
+        queued = x.waiting_tokens + x.running_prefill_tokens + _newest_fresh(x, unseen, prompt_len)
         rate = x.prefill_tok_s or fleet[0]
         step_s = x.decode_step_s or fleet[1]
         decoding = x.num_decoding
     else:
-        queued = x.in_flight * prompt_len
+        queued = _newest_fresh(x, x.in_flight, prompt_len)
         rate, step_s = fleet
         decoding = x.in_flight
     work = queued + fresh

@@ -57,12 +57,21 @@ class _SkipsLostReplicas:
         super().update_replicas([r for r in replicas if not lost_replicas.is_lost(r.replica_id.unique_id, now)])
 
     async def _choose_replica_for_request(self, pending_request, *, is_retry: bool = False):
-        # Serve's hook that resolves a request to its replica: remember where each engine
-        # request went, so the front knows which admissions a lost replica took with it.
-        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
-        if pending_request.metadata.call_method == "generate" and pending_request.args:
-            lost_replicas.routed(pending_request.args[0].request_id, replica.replica_id.unique_id)
-        return replica
+        # Serve's hook that resolves a request to its replica. Where each engine request
+        # goes is recorded first, so the front knows which admissions a lost replica takes
+        # with it (failover.admission); then a replica marked lost is never the answer,
+        # even when the drop that mark_lost queued on this loop has not run yet: it is
+        # dropped now and the request routed again (as Serve does a rejected one).
+        req = _generate_request(pending_request)
+        while True:
+            replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+            uid = replica.replica_id.unique_id
+            if req is not None:
+                lost_replicas.routed(req.request_id, uid)
+            if not lost_replicas.is_lost(uid):
+                return replica
+            self.drop_lost()
+            is_retry = True
 
     def drop_lost(self) -> None:
         now = time.monotonic()
@@ -144,6 +153,44 @@ class _SentBlocks:
                 pending.pop(h, None)
 
 
+class _InFlight:
+    """This front's requests in flight on each replica (routed, not completed), each with
+    its fresh prompt tokens: the part its replica did not hold when it was routed. The
+    cost model's in-flight count and the weight of the requests a replica's stats do not
+    show yet (kv_routing.py). Not Serve's count (``_replica_queue_len_cache``): its
+    entries expire unread after RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S unless a probe
+    renews them, and this router does not probe, so a replica busy with long requests
+    read as idle."""
+
+    def __init__(self) -> None:
+        self._by_replica: dict[str, dict[str, int]] = {}  # replica unique id -> request id -> fresh tokens
+        self._replica_of: dict[str, str] = {}  # request id -> replica unique id
+
+    def add(self, request_id: str, uid: str, fresh: int) -> None:
+        self.remove(request_id)
+        if len(self._replica_of) >= MAX_IN_FLIGHT:  # one cancelled before dispatch never completes
+            for rid in list(self._replica_of)[: MAX_IN_FLIGHT // 2]:
+                self.remove(rid)
+        self._replica_of[request_id] = uid
+        self._by_replica.setdefault(uid, {})[request_id] = fresh
+
+    def remove(self, request_id: str) -> None:
+        uid = self._replica_of.pop(request_id, None)
+        if uid is not None:
+            self._by_replica.get(uid, {}).pop(request_id, None)
+
+    def fresh(self, uid: str) -> tuple[int, ...]:
+        """The fresh tokens of its requests in flight, newest first (their number: the count)."""
+        return tuple(reversed((self._by_replica.get(uid) or {}).values()))
+
+    def forget(self, uid: str) -> None:
+        for rid in self._by_replica.pop(uid, {}):
+            self._replica_of.pop(rid, None)
+
+    def replicas(self) -> set[str]:
+        return set(self._by_replica)
+
+
 def _generate_request(pending_request):
     """The EngineRequest (cluster/wire/request.py) of an engine ``generate`` call, else None."""
     if pending_request is None or pending_request.metadata.call_method != "generate" or not pending_request.args:
@@ -169,7 +216,8 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         self._policy = KVRoutingPolicy(block_size, isolate_tenants, **tuning)
         self._subs: dict = {}  # replica unique id -> KVEventSubscriber
         self._sent = _SentBlocks()  # blocks on their way to each replica
-        self._scored: dict[str, tuple] = {}  # internal request id -> (first choice, decision, matched, when)
+        self._scored: dict[str, tuple] = {}  # internal request id -> (first choice, decision, matched, when, prompt len)
+        self._in_flight = _InFlight()
 
     def update_replicas(self, replicas) -> None:
         super().update_replicas(replicas)
@@ -178,6 +226,8 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             self._subs.pop(uid).close()  # gone: a replica that comes back has a new id, an empty view
         for uid in self._sent.replicas() - live:
             self._sent.forget(uid)
+        for uid in self._in_flight.replicas() - live:
+            self._in_flight.forget(uid)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
@@ -185,6 +235,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if sub is not None:
             sub.close()
         self._sent.forget(replica_id.unique_id)
+        self._in_flight.forget(replica_id.unique_id)
 
     def _subscriber(self, replica):
         """This replica's view, subscribed on first use (its address comes in its
@@ -209,20 +260,24 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
         loads, seen, now = {}, False, time.monotonic()
         me = pending_request.metadata.internal_request_id  # scored before, when this is a retry
-        on_way = Counter(v[0] for rid, v in self._scored.items() if v[3] > now - SCORED_TTL_S and rid != me)
+        # The requests scored and not routed yet (a burst is scored before any of it is
+        # routed), newest first, ahead of those in flight.
+        on_way: dict[str, list[int]] = {}
+        for rid, (first, _, matched, when, n) in reversed(self._scored.items()):
+            if when > now - SCORED_TTL_S and rid != me:
+                on_way.setdefault(first, []).append(max(0, n - matched.get(first, 0) * self._policy.block_size))
         for r in candidate_replicas:
+            uid = r.replica_id.unique_id
             sub = self._subscriber(r)
             seen |= sub is not None
-            # Serve's count, plus the requests scored for it and not routed yet (a burst is
-            # scored before Serve's count learns of any of it).
-            in_flight = (self._replica_queue_len_cache.get(r.replica_id) or 0) + on_way[r.replica_id.unique_id]
+            fresh = (*on_way.get(uid, ()), *self._in_flight.fresh(uid))
             if sub is None:
-                loads[r] = ReplicaLoad(0, in_flight)
+                loads[r] = ReplicaLoad(0, len(fresh), fresh_in_flight=fresh)
                 continue
             held = sub.view.hashes  # leading blocks cached there, or on their way (sent)
-            matched = matched_blocks(hashes, held, self._sent.view(r.replica_id.unique_id, now))
+            matched = matched_blocks(hashes, held, self._sent.view(uid, now))
             age = None if sub.heard_at is None else now - sub.heard_at
-            loads[r] = replica_load(matched, in_flight, len(held), sub.stats, age)
+            loads[r] = replica_load(matched, len(fresh), len(held), sub.stats, age, fresh)
         if not seen:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
@@ -232,7 +287,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if len(self._scored) > MAX_SCORED:
             self._scored.clear()
         self._scored[pending_request.metadata.internal_request_id] = (
-            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()}, now)
+            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()}, now, len(ids))
         # Its blocks count as sent to the first choice now, not once Serve has routed it:
         # the other requests of a burst are scored before that, and would otherwise send
         # the same new prefix to both replicas. A request that lands elsewhere corrects it.
@@ -245,11 +300,14 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         ids = getattr(req, "token_ids", None)
         if not ids:
             return
-        scored = self._scored.pop(pending_request.metadata.internal_request_id, None)
+        rid = pending_request.metadata.internal_request_id
+        scored = self._scored.pop(rid, None)
+        bs = self._policy.block_size
+        held = 0 if scored is None else scored[2].get(replica_id.unique_id, 0) * bs
+        self._in_flight.add(rid, replica_id.unique_id, max(0, len(ids) - held))
         if scored is not None:
-            first, by, matched, _ = scored
-            route_counts.count(by if replica_id.unique_id == first else BY_LOAD,
-                               matched.get(replica_id.unique_id, 0) * self._policy.block_size, len(ids))
+            first, by, matched, _, _ = scored
+            route_counts.count(by if replica_id.unique_id == first else BY_LOAD, held, len(ids))
             if replica_id.unique_id == first:
                 return  # marked as sent there when it was scored
         self._sent.send(pending_request.metadata.internal_request_id, replica_id.unique_id,
@@ -258,4 +316,5 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
         self._sent.done(internal_request_id, time.monotonic())
+        self._in_flight.remove(internal_request_id)
 
