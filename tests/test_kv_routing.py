@@ -7,6 +7,8 @@ skew of issue 56, and another tenant's identical prompt matches nothing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from _sched_helpers import make_scheduler, step
@@ -296,3 +298,22 @@ def test_sent_blocks_count_while_in_flight_then_for_a_grace_period():
     sent.forget("b")
     assert not sent.view("b", now)(13)
     sent.done("never-sent", now)  # a completion the router never marked: ignored
+
+
+def test_the_trace_keeps_each_decision_with_its_predictions(tmp_path, monkeypatch):
+    from pagedserve.cluster.front.router import kv_routing
+
+    policy = KVRoutingPolicy(block_size=16)
+    loads = {"a": fresh(30, 2, waiting=300, requests=2), "b": fresh()}
+    order, by = rank(policy, 512, loads)
+    assert not kv_routing.tracing()
+    monkeypatch.setenv(kv_routing.TRACE_ENV, str(tmp_path / "trace.jsonl"))
+    assert kv_routing.tracing()
+    kv_routing.trace({"request": "r1", **kv_routing.decision_record(policy, 512, loads, order, by)})
+    kv_routing.trace({"routed": "r1", "to": "a"})
+    lines = [json.loads(x) for x in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [x.get("request") or x.get("routed") for x in lines] == ["r1", "r1"]
+    d = lines[0]
+    assert d["order"] == ["a", "b"] and d["by"] == BY_PREFIX and d["prompt_len"] == 512
+    assert d["replicas"]["b"]["ttft_s"] == pytest.approx(512 / RATE, abs=1e-4)
+    assert d["replicas"]["a"]["matched_blocks"] == 30 and d["replicas"]["a"]["ttft_s"] < d["replicas"]["b"]["ttft_s"]

@@ -189,16 +189,23 @@ def rank(policy: KVRoutingPolicy, prompt_len: int, loads: dict,
     best = max(x.matched_blocks for x in loads.values())
     first = loads[order[0]].matched_blocks
     by = BY_PREFIX if first == best > 0 and any(loads[k].matched_blocks < best for k in order[1:]) else BY_LOAD
-    if os.environ.get(TRACE_ENV):
-        _trace(os.environ[TRACE_ENV], prompt_len, loads, cost, order, by)
     return order, by
 
 
-def _trace(path: str, prompt_len: int, loads: dict, cost: dict, order: list, by: str) -> None:
-    def name(k) -> str:  # a Serve replica's unique id, else the key itself
-        return str(getattr(getattr(k, "replica_id", None), "unique_id", k))
+def tracing() -> bool:
+    return bool(os.environ.get(TRACE_ENV))
 
-    line = {"t": time.time(), "prompt_len": prompt_len, "by": by, "order": [name(k) for k in order],
-            "replicas": {name(k): {**asdict(x), "ttft_s": round(cost[k], 4)} for k, x in loads.items()}}
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+
+def trace(record: dict) -> None:
+    """Append one JSON line to the trace file (``TRACE_ENV``), stamped with the time."""
+    with open(os.environ[TRACE_ENV], "a") as f:
+        f.write(json.dumps({"t": time.time(), **record}) + "\n")
+
+
+def decision_record(policy: KVRoutingPolicy, prompt_len: int, loads: dict, order: list, by: str,
+                    name: Callable = str) -> dict:
+    """A decision as the trace keeps it: each replica's load and predicted TTFT, the order."""
+    fleet = fleet_rates(policy, loads.values())
+    return {"prompt_len": prompt_len, "by": by, "order": [name(k) for k in order],
+            "replicas": {name(k): {**asdict(x), "ttft_s": round(predicted_ttft(policy, prompt_len, x, fleet), 4)}
+                         for k, x in loads.items()}}

@@ -29,8 +29,8 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve._private.request_router.request_router import LocalityMixin, MultiplexMixin, RequestRouter
 
 from pagedserve.cluster.front.router import lost_replicas, route_counts
-from pagedserve.cluster.front.router.kv_routing import (BY_LOAD, KVRoutingPolicy, ReplicaLoad, matched_blocks, rank,
-                                                         replica_load)
+from pagedserve.cluster.front.router.kv_routing import (BY_LOAD, KVRoutingPolicy, ReplicaLoad, decision_record,
+                                                         matched_blocks, rank, replica_load, trace, tracing)
 
 SENT_TTL_S = 5.0  # a finished request's blocks count as there until its replica's events say so
 MAX_SENT_BLOCKS = 100_000  # per replica: bounds what a flood of distinct prompts leaves here
@@ -282,6 +282,9 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
         first = order[0].replica_id.unique_id
+        if tracing():  # PAGEDSERVE_ROUTER_TRACE: what a workload that routes badly is read from
+            trace({"request": me, **decision_record(self._policy, len(ids), loads, order, by,
+                                                    lambda r: r.replica_id.unique_id)})
         # Counted once the request is routed (this may run again on a backoff), for the
         # replica it took: the first choice, or a later one when that was full.
         if len(self._scored) > MAX_SCORED:
@@ -305,6 +308,9 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         bs = self._policy.block_size
         held = 0 if scored is None else scored[2].get(replica_id.unique_id, 0) * bs
         self._in_flight.add(rid, replica_id.unique_id, max(0, len(ids) - held))
+        if tracing():
+            trace({"routed": rid, "to": replica_id.unique_id, "first": scored and scored[0],
+                   "fresh": max(0, len(ids) - held)})
         if scored is not None:
             first, by, matched, _, _ = scored
             route_counts.count(by if replica_id.unique_id == first else BY_LOAD, held, len(ids))
