@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -36,6 +37,9 @@ class NewRequestData:
     num_computed_tokens: int
     # Tokens generated before a preemption; recomputed together with the prompt.
     output_token_ids: list[int] = field(default_factory=list)
+    # Its LoRA adapter (None: the base model): the worker loads it from the path on first
+    # use and gives it a slot (worker/lora).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     token_ids: list[int] = field(default_factory=list)
     # EOS and stop_token_ids, masked by the sampler while len(outputs) < min_tokens.
     stop_token_ids: set[int] = field(default_factory=set)
+    lora_request: LoRARequest | None = None  # its adapter (worker/lora); None: the base model
 
     @property
     def num_tokens(self) -> int:

@@ -46,6 +46,7 @@ from pagedserve import plugins
 from pagedserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, capture_sizes, graphs_disabled_reason
 from pagedserve.worker.input_batch import CachedRequestState
+from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.prompt_logprobs import PromptLogprobsRows, compute_prompt_logprobs, rows_for
 from pagedserve.worker.sampler import Sampler
@@ -69,14 +70,19 @@ class ModelRunner:
                  device: torch.device, seed: int = 0, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
                  pad_eager: bool = False, max_capture_size: int | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, lora: LoRAManager | None = None) -> None:
         """``max_num_batched_tokens``: the scheduler's token budget (None: the default
         budget, or max_model_len if larger), which sizes the step buffers.
         ``pad_eager``: pad decode batches to the graph sizes even where no graph runs
         (tests of the padding on a CPU). ``max_capture_size``: the largest graph size.
         ``num_speculative_tokens``: drafts per request (0: off); a verifying request takes
-        that many more rows."""
+        that many more rows. ``lora``: the adapters (worker/lora), None: LoRA off; with it
+        decode runs eagerly (a captured graph would replay no adapter's delta)."""
         self.model = model
+        self.lora = lora
+        if lora is not None:
+            lora.attach(model)
+            enforce_eager = True
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
@@ -172,6 +178,11 @@ class ModelRunner:
         if not params.ignore_eos:
             stop_ids.update(self.eos_token_ids)
         gen = make_generator(params.seed, self.device) if params.seed is not None else None
+        if new.lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {new.lora_request.lora_name!r}: LoRA is not enabled "
+                                 "(--enable-lora).")
+            self.lora.add(new.lora_request)  # read now: a bad adapter fails this request alone
         return CachedRequestState(
             req_id=new.req_id,
             prompt_token_ids=new.prompt_token_ids,
@@ -182,6 +193,7 @@ class ModelRunner:
             output_token_ids=list(new.output_token_ids),
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             stop_token_ids=stop_ids,
+            lora_request=new.lora_request,
         )
 
     # ------------------------------------------------------------------ inputs
@@ -191,7 +203,15 @@ class ModelRunner:
         def is_chunk(r: str) -> bool:
             return num_scheduled[r] != 1 and not (spec_tokens and r in spec_tokens)
 
-        order = sorted(num_scheduled, key=is_chunk)
+        if self.lora is None:
+            order = sorted(num_scheduled, key=is_chunk)
+        else:  # and by adapter inside each part: an adapter's rows make one run (worker/lora)
+            def adapter_of(r: str) -> int:
+                lora = self.requests[r].lora_request
+                return 0 if lora is None else lora.lora_int_id
+
+            order = sorted(num_scheduled, key=lambda r: (is_chunk(r), adapter_of(r)))
+        lora_rows: list = []  # (adapter, rows' tokens) per request, in order
         input_ids: list[int] = []
         query_lens: list[int] = []
         starts: list[int] = []
@@ -225,11 +245,13 @@ class ModelRunner:
                 row += n
                 num_decode += n
                 groups.append(num_decode)
+                lora_rows.append((st.lora_request, n))
                 continue
             if n == 1:
                 num_decode += 1
                 groups.append(num_decode)
             input_ids.extend(st.token_ids[start:end])
+            lora_rows.append((st.lora_request, n))
             query_lens.append(n)
             starts.append(start)
             tables.append(st.block_ids)
@@ -245,6 +267,8 @@ class ModelRunner:
         # A group of several rows only with drafts; on CPU their decode rows read the context once.
         row_groups = groups if spec_tokens and pad_to is None and len(groups) <= num_decode else None
         inputs = self.buffers.fill(input_ids, query_lens, starts, tables, num_decode, pad_to, row_groups)
+        if self.lora is not None:
+            self.lora.begin_step(lora_rows)
         return inputs, sample_rows, sample_reqs, prompt_lp
 
     # ------------------------------------------------------------------ step
@@ -286,8 +310,12 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
                                      step_id=plan.step_id, failed=failed or None)
         spec = plan.scheduled_spec_decode_tokens
-        inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled, spec)
-        hidden = self.graph_runner.forward(inputs, self.kv_caches)
+        try:
+            inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled, spec)
+            hidden = self.graph_runner.forward(inputs, self.kv_caches)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()  # the probe and profile runs see no adapter
         prompt_logprobs = (compute_prompt_logprobs(hidden, self.model.compute_logits, prompt_lp)
                            if prompt_lp else None)
         sampled_by_req: dict[str, list[int]] = {}

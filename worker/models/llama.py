@@ -5,6 +5,9 @@ One step's tokens come flattened, ``[num_tokens]``, for a mixed batch of prefill
 and decode rows described by ``AttentionMetadata``; the numerics follow transformers'
 ``LlamaForCausalLM`` so fp32 greedy decoding is token-identical to ``generate()``.
 
+With LoRA on (worker/lora), each projection's output gains its rows' adapter deltas
+through the layer's ``lora`` hook; off, the hooks are None.
+
 Parameter names match the HF checkpoint except for the fused projections:
 
     qkv_proj      <- q_proj, k_proj, v_proj   (shard ids "q", "k", "v")
@@ -56,6 +59,9 @@ def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float) -> 
 
 
 class LlamaAttention(nn.Module):
+    # The LoRA hook (worker/lora/lora_ops.LayerLoRA), set when LoRA is enabled; None: off.
+    lora = None
+
     def __init__(self, cfg: ModelConfig, backend: str) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -75,6 +81,8 @@ class LlamaAttention(nn.Module):
                 kv_cache: KVCache | None, md: AttentionMetadata | None) -> torch.Tensor:
         n = h.shape[0]
         qkv = self.qkv_proj(h)
+        if self.lora is not None:
+            self.lora.apply("qkv", h, qkv)
         # q and k sit side by side in qkv: rotate them as one [n, heads + kv_heads, d] tensor
         # (half the ops of two calls; per element the same arithmetic).
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
@@ -96,10 +104,16 @@ class LlamaAttention(nn.Module):
                                 v_scale=v_scale)
             if rot is not None:
                 o = o @ rot.mT  # o was computed from rotated V: rotate back (R R^T = I)
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = o.reshape(n, self.q_size)
+        out = self.o_proj(o)
+        if self.lora is not None:
+            self.lora.apply("o", o, out)
+        return out
 
 
 class LlamaMLP(nn.Module):
+    lora = None  # as LlamaAttention's
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
@@ -107,7 +121,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, params_dtype=cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [gate_r ; up_r] per rank
+        if self.lora is None:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [gate_r ; up_r] per rank
+        gate_up = self.gate_up_proj(x)
+        self.lora.apply("gate_up", x, gate_up)
+        h = silu_and_mul(gate_up)
+        out = self.down_proj(h)
+        self.lora.apply("down", h, out)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):

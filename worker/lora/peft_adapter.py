@@ -1,0 +1,190 @@
+"""A PEFT LoRA adapter directory, read and checked against the model it will run on.
+
+    adapter_config.json         r, lora_alpha, use_rslora, target_modules, alpha_pattern, ...
+    adapter_model.safetensors   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
+                                base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
+                                ... for any of q/k/v/o_proj (self_attn), gate/up/down_proj (mlp)
+
+A module's output gains ``scale * (x @ A^T) @ B^T`` with ``scale = lora_alpha / r``, or
+``lora_alpha / sqrt(r)`` with rsLoRA (``use_rslora``), as PEFT computes it; ``alpha_pattern``
+overrides ``lora_alpha`` per module, and each module's r is its tensors' (``rank_pattern``
+included). ``B`` is kept pre-scaled, in the model's dtype.
+
+Everything a user can get wrong is a ``LoRAError`` (a ValueError: a 400 where it comes from
+a request) that names the adapter and the problem: files missing or corrupt, a rank over
+``max_lora_rank``, a module the model lacks or that is not adapted here (embeddings,
+lm_head, DoRA, LoRA biases, modules_to_save), a tensor of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.scheduler.lora import LoRARequest
+from pagedserve.worker.model_config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# The modules an adapter may target, each in its block of the decoder layer.
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+# Modules the model has that LoRA does not adapt here (their adapters are refused, named).
+NOT_ADAPTED = ("embed_tokens", "lm_head")
+
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.[^.]+)?\.weight$")
+# adapter_config.json settings that change what a module computes beyond A and B; an adapter
+# that sets one is refused rather than served wrong. (name, value that is fine)
+_UNSUPPORTED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("modules_to_save", None),
+                ("trainable_token_indices", None), ("layer_replication", None),
+                ("alora_invocation_tokens", None), ("use_qalora", False), ("fan_in_fan_out", False))
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served, with the reason."""
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    """One adapter's weights on the host: (layer, module) -> (A [r, in], scale * B [out, r])."""
+
+    lora_request: LoRARequest
+    rank: int  # the largest r of its modules
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def modules(self) -> set[str]:
+        return {m for _, m in self.weights}
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each adaptable module of one decoder layer, unsharded."""
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    kv, inter = cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def _alpha(config: dict, module_path: str) -> float:
+    """``lora_alpha``, or the ``alpha_pattern`` entry matching the module (PEFT's rule: the
+    first key that matches the end of the module's dotted path)."""
+    for key, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return float(value)
+    return float(config.get("lora_alpha", 8))
+
+
+def read_adapter_config(lora_request: LoRARequest) -> dict:
+    name, path = lora_request.lora_name, lora_request.lora_path
+    where = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path):
+        raise LoRAError(f"LoRA adapter {name!r}: no adapter directory at {path!r}.")
+    try:
+        with open(where, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise LoRAError(f"LoRA adapter {name!r}: {path!r} has no {CONFIG_FILE} (a PEFT adapter directory "
+                        f"holds {CONFIG_FILE} and {WEIGHTS_FILE}).") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LoRAError(f"LoRA adapter {name!r}: {where} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"LoRA adapter {name!r}: {where} is not a JSON object.")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAError(f"LoRA adapter {name!r}: peft_type is {config.get('peft_type')!r}; only LORA "
+                        "adapters are served.")
+    for key, fine in _UNSUPPORTED:
+        value = config.get(key, fine)
+        if value not in (fine, None, [], {}):
+            raise LoRAError(f"LoRA adapter {name!r}: {key}={value!r} is not supported (only plain LoRA on "
+                            f"{', '.join(TARGET_MODULES)}).")
+    return config
+
+
+def check_target_modules(lora_request: LoRARequest, config: dict) -> None:
+    """A ``target_modules`` list may name only modules the model has and adapts here (a
+    regex string is checked through the tensors it produced instead)."""
+    targets = config.get("target_modules")
+    if not isinstance(targets, (list, tuple)):
+        return
+    for t in targets:
+        if t in NOT_ADAPTED:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} targets module {t!r}, which is not adapted "
+                            f"here (supported: {', '.join(TARGET_MODULES)}).")
+        if t not in TARGET_MODULES:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} targets module {t!r}, which the model "
+                            f"does not have (its adaptable modules: {', '.join(TARGET_MODULES)}).")
+
+
+def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_lora_rank: int,
+                      dtype: torch.dtype | None = None) -> LoRAAdapter:
+    """Read and check the adapter at ``lora_request.lora_path``; its weights on the host, B
+    pre-scaled, in ``dtype`` (default: the model's). LoRAError naming the problem."""
+    from safetensors import safe_open
+
+    name = lora_request.lora_name
+    config = read_adapter_config(lora_request)
+    check_target_modules(lora_request, config)
+    rslora = bool(config.get("use_rslora", False))
+    weights_path = os.path.join(lora_request.lora_path, WEIGHTS_FILE)
+    if not os.path.isfile(weights_path):
+        also = " (adapter_model.bin, a pickle, is not read: save with safe_serialization=True)" \
+            if os.path.isfile(os.path.join(lora_request.lora_path, "adapter_model.bin")) else ""
+        raise LoRAError(f"LoRA adapter {name!r}: {lora_request.lora_path!r} has no {WEIGHTS_FILE}{also}.")
+    shapes = module_shapes(model_config)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(weights_path, framework="pt") as f:
+            for key in f.keys():
+                m = _KEY.match(key)
+                if m is None or m.group(3) not in TARGET_MODULES:
+                    part = re.search(r"(\w+)\.lora_(?:embedding_)?[AB]\b", key)
+                    what = m.group(3) if m else part.group(1) if part else key
+                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what!r}, which is not "
+                                    f"adapted here (supported: {', '.join(TARGET_MODULES)}).")
+                layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+                if layer >= model_config.num_hidden_layers or \
+                        block != ("self_attn" if module in ATTENTION_MODULES else "mlp"):
+                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} names a layer the model lacks (it "
+                                    f"has {model_config.num_hidden_layers} layers).")
+                pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
+    except LoRAError:
+        raise
+    except Exception as e:  # a truncated or garbled file: safetensors' own error, named
+        raise LoRAError(f"LoRA adapter {name!r}: {weights_path} cannot be read: {e}") from None
+    if not pairs:
+        raise LoRAError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights.")
+    dtype = dtype or model_config.dtype
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    rank = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise LoRAError(f"LoRA adapter {name!r}: {where} has lora_{next(iter(ab))} without "
+                            f"lora_{'B' if 'A' in ab else 'A'}.")
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+            raise LoRAError(f"LoRA adapter {name!r}: {where} has A {tuple(a.shape)} and B {tuple(b.shape)}; the "
+                            f"model needs A [r, {fan_in}] and B [{fan_out}, r] (an adapter of another base "
+                            "model?).")
+        if r > max_lora_rank:
+            raise LoRAError(f"LoRA adapter {name!r} has rank {r} ({where}), over --max-lora-rank "
+                            f"{max_lora_rank}; restart with --max-lora-rank {r} or more.")
+        block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+        alpha = _alpha(config, f"model.layers.{layer}.{block}.{module}")
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        if not torch.isfinite(a).all() or not torch.isfinite(b).all():
+            raise LoRAError(f"LoRA adapter {name!r}: {where} holds non-finite weights.")
+        weights[(layer, module)] = (a.to(dtype).contiguous(), (b.double() * scale).to(dtype).contiguous())
+        rank = max(rank, r)
+    return LoRAAdapter(lora_request, rank, weights)
