@@ -15,6 +15,14 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # --cpu-linear: the probe, or one of kernels/cpu_linear.BACKENDS (this module imports no torch).
 CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "aten")
 
+# --quantization (worker/model_config.py resolves it; unset: implied by the checkpoint).
+QUANTIZATION_CHOICES = ("gguf", "none")
+
+
+def check_quantization(value: str | None) -> None:
+    if value not in (None, *QUANTIZATION_CHOICES):
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or unset: implied "
+                         f"by the checkpoint), got {value!r}.")
 
 @dataclass
 class EngineConfig:
@@ -28,6 +36,10 @@ class EngineConfig:
     model_root: str | None = None
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    # vLLM's --quantization: "gguf" runs a GGUF's weights in their blocks (CPU,
+    # kernels/cpu_gguf.py); "none" dequantizes them to ``dtype`` at load; None: implied by
+    # the checkpoint (a GGUF on CPU runs natively). worker/model_config.resolve_quantization.
+    quantization: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -125,6 +137,7 @@ class EngineConfig:
             decide_device("cpu", placement_asks_gpus=placement_asks_gpus(self.placement_group_config,
                                                                          self.accelerator_type))
 
+        check_quantization(self.quantization)
     def executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
 

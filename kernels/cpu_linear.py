@@ -12,6 +12,10 @@ choice is made by a probe at load time, not hard-coded:
     "panel"   cpu_gemm.gemm(x, Wp, N, b)            Wp: W in 16-column panels, fp32 only,
                                                     AVX-512 or AVX2 (kernels/cpu_gemm.py)
 
+A GGUF weight kept in its blocks (``--quantization gguf``) is a cpu_gguf.GGUFWeight, packed
+at load, not by a backend; ``cpu_linear`` runs it with kernels/cpu_gguf.py whatever the probe
+chose for the plain weights.
+
 All compute x W^T + b with fp32 accumulation (bf16 inputs included), so fp32 results
 differ from each other only in summation order (~1e-6 relative). Each replaces the plain
 weight: one copy of the weights whichever runs.
@@ -26,7 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm
+from . import cpu_gemm, cpu_gguf
 
 BACKENDS = ("aten", "onednn", "panel")
 
@@ -98,12 +102,14 @@ def cpu_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> tor
     """``x W^T + b`` with W packed by :func:`pack_cpu_weight`."""
     if type(packed) is PanelWeight:
         return cpu_gemm.gemm(x, packed.panels, packed.n, bias)
+    if type(packed) is cpu_gguf.GGUFWeight:
+        return cpu_gguf.linear(x, packed, bias)
     return linear_onednn(x, packed, bias)
 
 
 def packed_nbytes(packed) -> int:
     """Bytes of a weight packed by :func:`pack_cpu_weight` (what a step reads of it)."""
-    if type(packed) is PanelWeight:
+    if type(packed) in (PanelWeight, cpu_gguf.GGUFWeight):
         return packed.nbytes()
     return packed.numel() * packed.element_size()
 

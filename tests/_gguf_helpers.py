@@ -55,9 +55,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0") -> str:
+def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0", types: dict[str, str] | None = None) -> str:
     """``hf_dir`` (a worker/loading/random_models.py checkpoint) as a GGUF at ``out``: 2-D weights in ``qtype``,
-    norms and biases in F32, as llama.cpp's converter lays them out."""
+    norms and biases in F32, as llama.cpp's converter lays them out. ``types``: a GGUF name
+    suffix (e.g. "attn_v.weight") -> the type of those tensors instead, as llama.cpp's mixed
+    presets write them (Q4_K_M: attn_v and ffn_down in Q6_K)."""
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
@@ -80,7 +82,6 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0") -> str:
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, hf_dir)
 
-    q = getattr(gguf.GGMLQuantizationType, qtype)
     for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
         t = t.astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
@@ -88,7 +89,9 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0") -> str:
         elif arch == "llama" and ".k_proj." in name:
             t = _permute(t, kv_heads)
         if t.ndim == 2:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(t, q), raw_dtype=q)
+            tname = next((v for k, v in (types or {}).items() if _gguf_name(name).endswith(k)), qtype)
+            q = getattr(gguf.GGMLQuantizationType, tname)
+            w.add_tensor(_gguf_name(name), quantize(t, tname), raw_dtype=q)
         else:
             w.add_tensor(_gguf_name(name), t)
     w.write_header_to_file()
@@ -131,3 +134,64 @@ def write_foreign_gguf(out: str, arch: str = "gpt2") -> str:
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
+    """[rows, K] fp32 -> the GGUF rows of ``qtype``: the gguf package's quantizer where it has
+    one (Q8_0, Q4_0, Q4_1, ...), else :func:`quantize_k` (Q4_K, Q5_K, Q6_K)."""
+    import gguf
+
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        return quantize_k(w, qtype)
+    return gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))
+
+
+def quantize_k(w: np.ndarray, qtype: str) -> np.ndarray:
+    """[rows, K] fp32 (K a multiple of 256) -> Q4_K, Q5_K or Q6_K rows in ggml's block layout.
+    A plain round-to-nearest quantizer (llama.cpp's searches its scales; the gguf package has
+    none for these types): a test needs valid blocks of realistic values, which the kernel
+    must then read exactly as the gguf package's ``dequantize`` does."""
+    rows, k = w.shape
+    x = w.reshape(-1, 256).astype(np.float32)  # one super-block a row
+    n = x.shape[0]
+
+    def f16(v):
+        return v.astype(np.float16)
+
+    if qtype == "Q6_K":
+        sub = x.reshape(n, 16, 16)
+        scale = np.abs(sub).max(-1) / 31.5  # q - 32 in [-32, 31]
+        d = f16(scale.max(-1) / 127)
+        df = d.astype(np.float32)[:, None]
+        sc = np.where(df > 0, np.round(scale / np.where(df > 0, df, 1)), 0).clip(-128, 127).astype(np.int8)
+        step = (df * sc.astype(np.float32))[..., None]
+        q = (np.where(step > 0, np.round(sub / np.where(step > 0, step, 1)), 0).clip(-32, 31) + 32).astype(np.uint8)
+        q = q.reshape(n, 2, 4, 32)  # [half][quarter t][l]: weight 128 h + 32 t + l
+        ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                             (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=-1).reshape(n, 128)
+        qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+              | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
+        blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.reshape(n, 1).view(np.uint8)], axis=-1)
+        return blocks.reshape(rows, -1)
+    levels = 15 if qtype == "Q4_K" else 31
+    sub = x.reshape(n, 8, 32)
+    lo = np.minimum(sub.min(-1), 0)
+    scale, mins = (sub.max(-1) - lo) / levels, -lo
+    d, dmin = f16(scale.max(-1) / 63), f16(mins.max(-1) / 63)
+    df, dmf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.where(df > 0, np.round(scale / np.where(df > 0, df, 1)), 0).clip(0, 63).astype(np.uint8)
+    mn = np.where(dmf > 0, np.round(mins / np.where(dmf > 0, dmf, 1)), 0).clip(0, 63).astype(np.uint8)
+    step = (df * sc.astype(np.float32))[..., None]
+    off = (dmf * mn.astype(np.float32))[..., None]
+    q = np.where(step > 0, np.round((sub + off) / np.where(step > 0, step, 1)), 0).clip(0, levels).astype(np.uint8)
+    packed = np.zeros((n, 12), dtype=np.uint8)  # ggml's 6-bit scales and mins (get_scale_min_k4, inverted)
+    packed[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0xF) | ((mn[:, 4:] & 0xF) << 4)
+    q = q.reshape(n, 4, 2, 32)  # [chunk i][nibble][l]: weight 64 i + 32 nibble + l
+    qs = ((q[:, :, 0] & 0xF) | ((q[:, :, 1] & 0xF) << 4)).reshape(n, 128)
+    parts = [d.reshape(n, 1).view(np.uint8), dmin.reshape(n, 1).view(np.uint8), packed]
+    if qtype == "Q5_K":
+        bits = (q.reshape(n, 8, 32) >> 4) & 1  # [sub-block j][l]
+        parts.append((bits << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1).astype(np.uint8))
+    return np.concatenate(parts + [qs], axis=-1).reshape(rows, -1)

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from pagedserve.config import check_quantization
 from pagedserve.platforms import auto_dtype
-from pagedserve.worker.loading.gguf_loader import find_gguf_file, gguf_hf_config, open_gguf
+from pagedserve.worker.loading.gguf_loader import check_native_types, find_gguf_file, gguf_hf_config, open_gguf
 
 # Architecture name in config.json -> the family members we implement (worker/models).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -66,6 +67,9 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # The GGUF file the weights come from (a .gguf model_path, or config.json's "gguf_file").
     gguf_file: str | None = None
+    # "gguf": the GGUF's weights stay in their blocks (kernels/cpu_gguf.py); None: every
+    # weight in ``dtype`` (a GGUF dequantized at load). See resolve_quantization.
+    quantization: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -74,14 +78,18 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto",
-                        max_model_len: int | None = None, device: str = "cpu") -> "ModelConfig":
+                        max_model_len: int | None = None, device: str = "cpu",
+                        quantization: str | None = None) -> "ModelConfig":
         """``device``: where the model runs, for what ``dtype="auto"`` means there
-        (platforms.auto_dtype: a float32 checkpoint or a GGUF runs in bfloat16 on CUDA)."""
+        (platforms.auto_dtype: a float32 checkpoint or a GGUF runs in bfloat16 on CUDA) and
+        for what ``quantization`` (None: implied by the checkpoint) resolves to."""
         path = os.fspath(path)
         gguf = find_gguf_file(path)
         if gguf is not None:
-            return cls.from_dict(gguf_hf_config(open_gguf(gguf), gguf), gguf, dtype=dtype,
-                                 max_model_len=max_model_len, device=device)
+            cfg = cls.from_dict(gguf_hf_config(open_gguf(gguf), gguf), gguf, dtype=dtype,
+                                max_model_len=max_model_len, device=device)
+            cfg.quantization = resolve_quantization(quantization, cfg.gguf_file, device)
+            return cfg
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
             raise ValueError(f"{path!r} is not a model directory: no config.json there.")
@@ -96,6 +104,7 @@ class ModelConfig:
             for e in gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]:
                 if int(e) not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(int(e))
+        cfg.quantization = resolve_quantization(quantization, cfg.gguf_file, device)
         return cfg
 
     @classmethod
@@ -188,6 +197,36 @@ class ModelConfig:
         dt = self.dtype if cache_dtype in (None, "auto") else parse_dtype(cache_dtype)
         elem = torch.empty((), dtype=dt).element_size()
         return 2 * self.num_hidden_layers * self.get_num_kv_heads(tp_size) * self.head_dim * elem
+
+
+def resolve_quantization(requested: str | None, gguf_file: str | None, device: str) -> str | None:
+    """What ``--quantization`` means for this checkpoint on ``device`` ("cpu", "cuda", or
+    "auto" where it is not decided yet): "gguf" (the blocks run natively) or None.
+
+        None (implied)  "gguf" for a GGUF on CPU; on CUDA (no GPU kernel yet) the weights
+                        are dequantized to --dtype at load, as with "none"
+        "gguf"          a GGUF on CPU, else a ValueError saying why not
+        "none"          every weight dequantized at load (the comparison baseline)
+
+    A GGUF that will run natively has its tensor types checked here, so a type the kernel
+    lacks is a startup error that names it (gguf_loader.check_native_types)."""
+    check_quantization(requested)
+    if requested == "none":
+        return None
+    if gguf_file is None:
+        if requested == "gguf":
+            raise ValueError("--quantization gguf needs a GGUF checkpoint (a .gguf file, or a directory "
+                             "holding one).")
+        return None
+    if device == "cuda" or (device == "auto" and requested is None):
+        if requested == "gguf" and device == "cuda":
+            raise ValueError("--quantization gguf runs on CPU only (there is no CUDA kernel for GGUF blocks "
+                             "yet); --quantization none dequantizes the weights to --dtype at load.")
+        return None
+    from pagedserve.worker.loading.gguf_index import read_gguf_index
+
+    check_native_types(read_gguf_index(gguf_file), gguf_file)
+    return "gguf"
 
 
 def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -109,17 +109,25 @@ class Worker:
             # Build (first time on a machine kind, slow) or load the C++ kernels now, while the
             # engine starts, not inside the first request's forward pass: side by side (each
             # build is its own compiler process) and beside the weight load.
-            from pagedserve.kernels import cpu_decode_attention, cpu_fused, cpu_gemm
+            from pagedserve.kernels import cpu_decode_attention, cpu_fused, cpu_gemm, cpu_gguf
 
             builds = [threading.Thread(target=ready, name="cpu-ext-build", daemon=True)
-                      for ready in (cpu_gemm.available, cpu_decode_attention.available, cpu_fused.available)]
+                      for ready in (cpu_gemm.available, cpu_decode_attention.available, cpu_fused.available,
+                                    cpu_gguf.available)]
             for t in builds:
                 t.start()
         # A repo id or URI arrives as itself: this node gets its files first (once per node).
         self.model_path = local_model_path(self.config.model, self.config.revision, self.config.download_dir)
         self.model_config = ModelConfig.from_pretrained(
             self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
-            device=self.device.type)
+            device=self.device.type, quantization=self.config.quantization)
+        if self.model_config.quantization == "gguf":
+            from pagedserve.kernels import cpu_gguf
+
+            if not cpu_gguf.available():  # waits for its build; the failure was logged
+                logger.warning("%s: the GGUF kernel is unavailable, so the GGUF's weights are dequantized to "
+                               "%s at load (as --quantization none).", self.where, self.model_config.dtype)
+                self.model_config.quantization = None
         if self.model_config.dtype == torch.bfloat16 and self.device.type == "cuda" \
                 and not torch.cuda.is_bf16_supported():
             raise RuntimeError(f"{self.where}: {torch.cuda.get_device_name(self.device)} has no bfloat16; pass "

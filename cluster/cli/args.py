@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.scheduler.kv.kv_cache_dtype import KV_CACHE_DTYPES
-from pagedserve.config import CPU_LINEAR_CHOICES, EngineConfig
+from pagedserve.config import CPU_LINEAR_CHOICES, QUANTIZATION_CHOICES, EngineConfig
 
 
 def _memory(text: str) -> int:
@@ -34,6 +34,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None,
                    help="the model id /v1/models lists and requests name (default: --model as given)")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="gguf: a GGUF's weights stay in their quantized blocks (CPU; the default for a "
+                        ".gguf there); none: dequantized to --dtype at load")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
@@ -175,7 +178,8 @@ def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     try:
         resolved = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir,
                                  config_only=True)
-        ModelConfig.from_pretrained(resolved.path, dtype=cfg.dtype, max_model_len=cfg.max_model_len)
+        ModelConfig.from_pretrained(resolved.path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                                    device=cfg.device, quantization=cfg.quantization)
     except (OSError, ValueError) as e:
         what = "the default model" if cfg.model is None else f"--model {cfg.model!r}"
         raise SystemExit(f"error: {what}: {e}") from None

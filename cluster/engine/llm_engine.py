@@ -58,7 +58,8 @@ class LLMEngine:
             # worker fetches the weights onto its own node (worker/loading/model_fetch.py)
             self.config.model, self.config.revision = engine_config.model, resolved.revision
         self.model_config = ModelConfig.from_pretrained(
-            path, dtype=self.config.dtype, max_model_len=self.config.max_model_len, device=self.config.device)
+            path, dtype=self.config.dtype, max_model_len=self.config.max_model_len, device=self.config.device,
+            quantization=self.config.quantization)
         self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
         self.max_model_len = self.model_config.max_model_len
         self.config.max_model_len = self.max_model_len

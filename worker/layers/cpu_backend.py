@@ -30,7 +30,8 @@ import tempfile
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_gemm
+from pagedserve.kernels import cpu_gemm, cpu_gguf
+from pagedserve.kernels.cpu_gguf import GGUFWeight
 from pagedserve.kernels.cpu_linear import (BACKENDS, onednn_available, panel_available, probe_linear_backends,
                                            relative_time)
 from pagedserve.worker import cpu_memory
@@ -45,7 +46,12 @@ _MARGIN = 0.95  # onednn must take <= 95% of aten's time (geometric mean over ba
 
 
 def _packable(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, (PackableLinear, ParallelLMHead))]
+    """The GEMMs a backend packs: every linear layer and LM head not already in GGUF blocks."""
+    return [m for m in model.modules() if isinstance(m, (PackableLinear, ParallelLMHead)) and m._packed is None]
+
+
+def _num_quantized(model: nn.Module) -> int:
+    return sum(isinstance(getattr(m, "_packed", None), GGUFWeight) for m in model.modules())
 
 
 def _huge_page_alloc(shape: tuple[int, ...]) -> torch.Tensor:
@@ -69,7 +75,7 @@ def choose_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> tupl
     if not (onednn_available(dtype) or panel_available(dtype)):
         return "aten", {}
     layers = [m for m in _packable(model) if isinstance(m, PackableLinear)]
-    if not layers:
+    if not layers:  # none, or all in GGUF blocks (what remains is an LM head at most)
         return "aten", {}
     # The weights in the order a step reads them, up to _PROBE_BYTES: streamed from memory
     # as in a step (a few hot ones measured a cache, not the step; kernels/cpu_linear.py).
@@ -139,6 +145,7 @@ def apply_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> str:
     """Choose (see module doc) and, for "onednn" or "panel", pack every linear weight in place."""
     if next(model.parameters()).device.type != "cpu":
         return "device"
+    quantized = _num_quantized(model)  # GEMMs that run on GGUF blocks whatever is chosen here
     backend, timings = choose_cpu_linear_backend(model, requested)
     if backend != "aten":
         with torch.no_grad():
@@ -149,6 +156,11 @@ def apply_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> str:
     for name in timings:
         if name != "aten":
             shown += f"; {name}/aten time {relative_time(timings, name):.2f}"
-    logger.info("CPU linear backend: %s (probe: %s; %s, %d threads)", backend, shown,
-                torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())
+    if quantized and backend == "aten" and not _packable(model):
+        logger.info("CPU linear backend: gguf (all %d GEMMs on GGUF blocks, %s kernel; %d threads)", quantized,
+                    cpu_gguf.isa(), torch.get_num_threads())
+        return "gguf"
+    logger.info("CPU linear backend: %s (probe: %s; %s, %d threads)%s", backend, shown,
+                torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+                f"; {quantized} GEMMs on GGUF blocks" if quantized else "")
     return backend

@@ -9,6 +9,9 @@ Embedding: each rank looks up the ids it owns, writes zeros for the others, and 
 all-reduce sums the shards. LM head: each rank computes logits for its shard, an
 all-gather concatenates them and the padding columns are cut off, so every rank ends
 with the full ``[n, vocab_size]`` logits.
+
+With ``--quantization gguf`` the table stays in GGUF blocks (worker/layers/quantized.py): the
+lookup dequantizes the rows it gathers, and the LM head (tied or not) runs the GGUF GEMM.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels.cpu_gguf import dequantize_rows
 from pagedserve.kernels.cpu_linear import Alloc, cpu_linear, pack_cpu_weight
 from pagedserve.worker.layers.linear import copy_checked, loaded_shape, read_shard
+from pagedserve.worker.layers.quantized import take_quant
 from pagedserve.worker.parallel_state import (get_tp_rank, get_tp_size, tensor_model_parallel_all_gather,
                                    tensor_model_parallel_all_reduce)
 
 
 class VocabParallelEmbedding(nn.Module):
+    _quant = None  # a GGUFWeight: the table in GGUF blocks (quantize_with)
+
     def __init__(self, num_embeddings: int, embedding_dim: int,
                  params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -44,22 +51,37 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding has {rows} rows in the checkpoint, config says vocab_size "
                              f"{self.num_embeddings}.")
         n = self.vocab_end - self.vocab_start
-        copy_checked(param.data[:n], read_shard(loaded, 0, self.vocab_start, n), "vocab shard")
+        shard = read_shard(loaded, 0, self.vocab_start, n)
+        if take_quant(self, param, 0, shard, "vocab shard"):
+            return  # the padding rows are zero blocks (QuantShards.pack)
+        copy_checked(param.data[:n], shard, "vocab shard")
         param.data[n:].zero_()
+
+    def quantize_with(self, w) -> None:
+        self._quant = w
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._quant is None:
+            return F.embedding(ids, self.weight)
+        rows = dequantize_rows(self._quant, ids)
+        return rows.view(*ids.shape, rows.shape[-1]).to(self.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill_(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        out = self._lookup(local).masked_fill_(outside.unsqueeze(-1), 0.0)
         return tensor_model_parallel_all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h W^T over this rank's vocab shard, gathered to the full vocabulary."""
 
-    _packed = None  # pack_cpu_weight(W, backend)
+    _packed = None  # pack_cpu_weight(W, backend), or a GGUFWeight
+
+    def quantize_with(self, w) -> None:
+        self._packed = w  # the logits' GEMM; a tied table's lookup stays the embedding's
 
     def pack_for_cpu(self, backend: str = "onednn", alloc: Alloc | None = None) -> None:
         # The plain weight stays: with tied embeddings it is also the embedding table.

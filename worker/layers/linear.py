@@ -13,7 +13,10 @@ and reads only this rank's rows/columns of it, so no rank materialises the full 
 On CPU, after loading, ``pack_for_cpu(backend)`` may move a layer's weight into oneDNN's
 blocked layout or the panel layout of kernels/cpu_gemm.py (pagedserve.kernels.cpu_linear;
 chosen by a load-time probe in worker/layers/cpu_backend.py). The plain weight is then
-dropped, so memory stays the same.
+dropped, so memory stays the same. With ``--quantization gguf`` a loader receives a
+QuantTensor (GGUF blocks, worker/layers/quantized.py) instead of a tensor: it keeps this
+rank's rows (or whole-block columns) of it, and ``finish_quantized`` packs them for
+kernels/cpu_gguf.py; the fp32 parameter is never written.
 """
 
 from __future__ import annotations
@@ -25,16 +28,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.cpu_linear import Alloc, cpu_linear, pack_cpu_weight
+from pagedserve.worker.layers.quantized import QuantTensor, take_quant
 from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
 def loaded_shape(loaded: Any) -> tuple[int, ...]:
-    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+    return tuple(loaded.get_shape()) if hasattr(loaded, "get_shape") else tuple(loaded.shape)
 
 
-def read_shard(loaded: Any, dim: int, start: int, size: int) -> torch.Tensor:
-    """``loaded[..., start:start+size, ...]`` along ``dim`` (tensor or safetensors slice)."""
-    if isinstance(loaded, torch.Tensor):
+def read_shard(loaded: Any, dim: int, start: int, size: int) -> Any:
+    """``loaded[..., start:start+size, ...]`` along ``dim`` (tensor, QuantTensor or safetensors slice)."""
+    if isinstance(loaded, (torch.Tensor, QuantTensor)):
         return loaded.narrow(dim, start, size)
     index = [slice(None)] * len(loaded.get_shape())
     index[dim] = slice(start, start + size)
@@ -67,7 +71,11 @@ class PackableLinear(nn.Module):
     """The GEMM of every linear layer here: ``F.linear`` on the plain weight, or, once
     ``pack_for_cpu`` ran, the chosen CPU backend on the packed one."""
 
-    _packed = None  # pack_cpu_weight(W, backend): an mkldnn tensor or a PanelWeight
+    _packed = None  # pack_cpu_weight(W, backend): an mkldnn tensor or a PanelWeight; or a GGUFWeight
+
+    def quantize_with(self, w) -> None:
+        """Run the GEMM on GGUF blocks (worker/layers/quantized.py's finish_quantized)."""
+        self._packed = w
 
     def pack_for_cpu(self, backend: str = "onednn", alloc: Alloc | None = None, free_plain: bool = True) -> None:
         self._packed = pack_cpu_weight(self.weight.data, backend, alloc)
@@ -99,7 +107,9 @@ class ColumnParallelLinear(PackableLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[0]
-        copy_checked(param.data, read_shard(loaded, 0, self.tp_rank * size, size), "column-parallel weight")
+        shard = read_shard(loaded, 0, self.tp_rank * size, size)
+        if not take_quant(self, param, 0, shard, "column-parallel weight"):
+            copy_checked(param.data, shard, "column-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x, self.bias)
@@ -120,8 +130,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("MergedColumnParallelLinear needs a shard_id (index into output_sizes).")
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        copy_checked(param.data.narrow(0, offset, size),
-                     read_shard(loaded, 0, self.tp_rank * size, size), f"merged shard {shard_id}")
+        shard = read_shard(loaded, 0, self.tp_rank * size, size)
+        if not take_quant(self, param, offset, shard, f"merged shard {shard_id}"):
+            copy_checked(param.data.narrow(0, offset, size), shard, f"merged shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -141,8 +152,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                         "v": (self.q_size + self.kv_size, self.kv_size)}[shard_id]
-        copy_checked(param.data.narrow(0, offset, size),
-                     read_shard(loaded, 0, self.tp_rank * size, size), f"qkv shard {shard_id}")
+        shard = read_shard(loaded, 0, self.tp_rank * size, size)
+        if not take_quant(self, param, offset, shard, f"qkv shard {shard_id}"):
+            copy_checked(param.data.narrow(0, offset, size), shard, f"qkv shard {shard_id}")
 
 
 class RowParallelLinear(PackableLinear):
@@ -164,7 +176,9 @@ class RowParallelLinear(PackableLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         size = param.shape[1]
-        copy_checked(param.data, read_shard(loaded, 1, self.tp_rank * size, size), "row-parallel weight")
+        shard = read_shard(loaded, 1, self.tp_rank * size, size)
+        if not take_quant(self, param, 0, shard, "row-parallel weight"):
+            copy_checked(param.data, shard, "row-parallel weight")
 
     def bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         copy_checked(param.data, read_full(loaded), "row-parallel bias")

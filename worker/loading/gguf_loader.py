@@ -12,6 +12,12 @@ so the TP weight loaders shard them like any safetensors tensor (each rank copie
 or columns into parameters of the engine dtype). Only the Llama family is accepted; any
 other ``general.architecture`` is refused by name before anything is built.
 
+With ``--quantization gguf`` (the default for a .gguf on CPU) the 2-D weights stay in their
+blocks instead: ``iter_gguf_native`` hands the loaders QuantTensors (worker/layers/
+quantized.py), views of the file's rows, and kernels/cpu_gguf.py multiplies them. Its types
+are NATIVE_GGUF_TYPES; F16 and BF16 weights (rare: a file's unquantized leftovers) are
+dequantized to fp32 at load, and any other type refuses to start (``check_native_types``).
+
 GGUF stores shapes innermost-first (``[in, out]``); the reader's ``data`` is already
 row-major ``[out, in]`` (in blocks), and ``gguf.quants.dequantize`` returns ``[out, in]``.
 """
@@ -46,6 +52,10 @@ _GLOBAL_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 GGUF_MAGIC = b"GGUF"
+# What --quantization gguf runs: the kernel's block types, and the float types it reads as
+# they are (F32: norms, biases) or dequantizes at load (F16, BF16).
+NATIVE_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+PLAIN_GGUF_TYPES = ("F32", "F16", "BF16")
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -198,3 +208,55 @@ def iter_gguf_weights(path: str, reader=None) -> Iterator[tuple[str, torch.Tenso
         if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the read-only map
             w = np.array(w, order="C")
         yield name, torch.from_numpy(w)
+
+
+def check_native_types(index, path: str) -> None:
+    """ValueError naming each GGML type of ``index`` (a gguf_index.GGUFIndex) that
+    ``--quantization gguf`` cannot run, a tensor of it, and the supported list."""
+    bad: dict[str, str] = {}
+    for t in index.tensors.values():
+        if t.qtype not in NATIVE_GGUF_TYPES + PLAIN_GGUF_TYPES:
+            bad.setdefault(t.qtype, t.name)
+    if bad:
+        shown = ", ".join(f"{q} (e.g. {name})" for q, name in bad.items())
+        raise ValueError(f"GGUF file {path!r} holds tensors of type {shown}, which --quantization gguf does "
+                         f"not run; supported: {', '.join(NATIVE_GGUF_TYPES + PLAIN_GGUF_TYPES)}. "
+                         "--quantization none dequantizes every tensor to fp32 at load instead.")
+
+
+def iter_gguf_native(path: str, hf: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(HF name, QuantTensor or fp32 tensor) for every tensor of the file: the block types as
+    QuantTensors over the file's rows (memory-mapped; each layer copies its rows when it packs
+    them), F32 as tensors, F16 / BF16 dequantized to fp32. ``hf``: the model's config dict
+    (head counts for the q/k row permutation)."""
+    from pagedserve.worker.layers.quantized import QuantTensor
+    from pagedserve.worker.loading.gguf_index import read_gguf_index
+
+    index = read_gguf_index(path)
+    check_native_types(index, path)
+    permute = {".self_attn.q_proj.": hf["num_attention_heads"],
+               ".self_attn.k_proj.": hf["num_key_value_heads"]} if hf.get("model_type", "llama") == "llama" else {}
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in index.tensors.values():
+        name = hf_tensor_name(t.name)
+        if name is None:
+            raise ValueError(f"GGUF file {path!r} has tensor {t.name!r}, which a "
+                             f"{hf['architectures'][0]} does not have.")
+        raw = data[t.offset:t.offset + t.nbytes]
+        if t.qtype in NATIVE_GGUF_TYPES and len(t.shape) == 2:
+            w = raw.reshape(t.shape[0], -1)
+        elif t.qtype == "F32":
+            w = raw.view(np.float32).reshape(t.shape)
+        else:  # F16 / BF16, or a 1-D block tensor: fp32, as --quantization none loads it
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            w = np.asarray(dequantize(raw.reshape(t.shape[0] if len(t.shape) == 2 else 1, -1),
+                                      GGMLQuantizationType[t.qtype]), dtype=np.float32).reshape(t.shape)
+        for part, heads in permute.items():
+            if part in name:
+                w = _unpermute_rope_rows(w, heads)  # whole rows: blocks move with their row
+        if t.qtype in NATIVE_GGUF_TYPES and len(t.shape) == 2:
+            yield name, QuantTensor(t.qtype, t.shape, w)
+        else:
+            yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))

@@ -3,7 +3,9 @@
     DIR/model.safetensors                          one file
     DIR/model.safetensors.index.json + shards      sharded ({"weight_map": {name: file}})
     FILE.gguf (or config.json's "gguf_file")       dequantized tensor by tensor (gguf_loader.py),
-                                                   unless DIR/model.safetensors caches them
+                                                   unless DIR/model.safetensors caches them;
+                                                   with --quantization gguf kept in their blocks
+                                                   (iter_gguf_native), packed once loaded
 
 Every tensor is handed to the model as a lazy ``safe_open(...).get_slice(name)``; each
 parameter's weight loader reads only this rank's rows/columns, so a TP rank never reads
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from collections import defaultdict
 from typing import Any, Iterator
@@ -26,9 +29,11 @@ from torch import nn
 
 from pagedserve.kernels import resolve_attention_backend
 
-from pagedserve.worker.loading.gguf_loader import iter_gguf_weights
+from pagedserve.worker.loading.gguf_loader import iter_gguf_native, iter_gguf_weights
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.models import get_model_class
+
+logger = logging.getLogger(__name__)
 
 _PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
@@ -66,9 +71,14 @@ def iter_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
-def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None = None) -> None:
+def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None = None,
+                      quantization: str | None = None, hf_config: dict | None = None) -> None:
+    """``quantization="gguf"``: the GGUF's block weights stay quantized (``hf_config``: the
+    model's config dict, for the q/k row permutation)."""
+    if quantization == "gguf":
+        weights = iter_gguf_native(gguf_file, hf_config or {})
     # A prepared GGUF directory may hold the dequantized weights already (model_source.py).
-    if gguf_file and not os.path.isfile(os.path.join(model_path, "model.safetensors")):
+    elif gguf_file and not os.path.isfile(os.path.join(model_path, "model.safetensors")):
         weights = iter_gguf_weights(gguf_file)
     else:
         weights = iter_weight_slices(model_path)
@@ -82,6 +92,23 @@ def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None =
         shown = [n if s == [""] else f"{n} (shard {', '.join(s)})" for n, s in sorted(by_param.items())]
         raise ValueError(f"checkpoint {model_path!r} is missing {len(missing)} tensor(s) for: "
                          f"{', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}.")
+    if quantization == "gguf":
+        _pack_quantized(model)
+
+
+def _pack_quantized(model: nn.Module) -> None:
+    """Every layer's GGUF shards into the kernel's layout (in huge pages, as the panel GEMM's
+    weights), and the start-up line that counts the bytes a step reads."""
+    from pagedserve.kernels import cpu_gguf
+    from pagedserve.worker import cpu_memory
+    from pagedserve.worker.layers.quantized import finish_quantized
+
+    sizes = finish_quantized(model, lambda shape, dtype: cpu_memory.zeros(shape, dtype, torch.device("cpu")))
+    plain = sum(p.numel() * p.element_size() for p in model.parameters())
+    mib = 1 << 20
+    logger.info("Weights: %.1f MiB in GGUF blocks (%s; %s kernel) + %.1f MiB plain (norms, biases)",
+                sum(sizes.values()) / mib, ", ".join(f"{q} {b / mib:.1f} MiB" for q, b in sorted(sizes.items())),
+                cpu_gguf.isa(), plain / mib)
 
 
 def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
@@ -93,5 +120,6 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     cls = get_model_class(model_config.architecture)
     with torch.device(device):
         model = cls(model_config, attention_backend=attention_backend)
-    load_weights_into(model, model_config.model_path, model_config.gguf_file)
+    load_weights_into(model, model_config.model_path, model_config.gguf_file, model_config.quantization,
+                      model_config.hf_config)
     return model.eval()

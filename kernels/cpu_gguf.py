@@ -1,0 +1,164 @@
+"""``y = x W^T + b`` on CPU with W kept in GGUF's quantized blocks (a C++ extension, AVX2 with
+FMA and F16C, or scalar C++; built at worker start like cpu_gemm.py):
+
+    Q8_0  Q4_0  Q4_1    blocks of 32 weights along a row: a scale d (and a min m), 8- or 4-bit q
+    Q4_K  Q5_K  Q6_K    super-blocks of 256: 8 sub-blocks of 32 (Q6_K: 16 of 16), each with a
+                        scale (and a min) of 6 or 8 bits under the super-block's fp16 d (dmin)
+
+A decode step at batch 1 reads every weight once, so its speed is the speed at which it reads
+W: a Q4_1 weight is 5 bits where the fp32 copy is 32. The file's rows are repacked once at load,
+eight rows to a group, so that each block position of the 8 rows is one run of bytes:
+
+    file    row n: [blk 0][blk 1] ... [blk K/B-1]                  B weights a block
+    packed  group g (rows 8g .. 8g+7), block b:
+            [8 scales (f16)][8 mins (f16)] ... [q for weight k: 8 rows' q side by side]
+
+so one 8-byte load holds one weight position of 8 rows: widened to 8 int32 lanes, converted to
+fp32 and scaled, it is one 256-bit vector of 8 outputs' weights, and one FMA per row of x
+adds it times the broadcast x[m, k] into 8 outputs' sums. A group's bytes are one stream from
+memory; the groups are split over torch's intra-op threads. No byte is re-rounded: each row's
+block holds the file's scales and quants (the K-quants' 6-bit scales unpacked to a byte each;
+``packed_bytes`` has the sizes, within 3% of the file's).
+
+Summation: each weight is dequantized in fp32 as the gguf package's ``dequantize`` computes it
+(d q, (d sc) q) and multiplied in; a min (Q4_1 d q + m, the K-quants' dmin mn) multiplies the
+sum of x over its 32 weights instead, once per block. Results differ from ``F.linear`` on the
+dequantized weight in rounding only (~1e-6 of sum |w x|). Rows of x go in passes of 1 to 4
+against a group held in L1; from ``DIRECT_MAX_ROWS`` rows on (a prefill), W is dequantized
+range by range into fp32 and multiplied by torch's GEMM, where the FMAs, not the bytes, are
+the cost. The C++ is kernels/cpu_gguf.cpp; the repacked layout is described there byte by byte.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .cpu_build import LazyExtension, read_source
+
+# GGUF type name -> ggml's type id (what the extension takes)
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# GGUF type name -> (weights a block, bytes of one row's block in the file)
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+          "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+GROUP = 8  # output rows a packed group interleaves (one 256-bit vector of fp32 outputs)
+DIRECT_MAX_ROWS = 16  # from this many rows of x on, dequantize ranges of W and use torch's GEMM
+_DEQUANT_ROWS = 2048  # rows of W dequantized at a time on that path (2048 x K fp32)
+
+_EXT = LazyExtension("pagedserve_cpu_gguf_v1", read_source("cpu_gguf.cpp"),
+                     # -ffp-contract=off: the scalar dequantization rounds each product as numpy
+                     # does (the vector paths use explicit FMAs where they want them)
+                     ["-O3", "-march=native", "-ffp-contract=off"],
+                     "CPU GGUF GEMM", "GGUF weights are dequantized to fp32 at load")
+
+# shape, dtype -> a new tensor for the packed weights (the worker passes one in huge pages)
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def available() -> bool:
+    return _EXT.get() is not None
+
+
+def isa() -> str:
+    """The vector path the extension was built with: "avx2" or "scalar"."""
+    return _EXT.get().isa()
+
+
+def packed_shape(qtype: str, n: int, k: int) -> tuple[int, int, int]:
+    block = BLOCKS[qtype][0]
+    if k % block:
+        raise ValueError(f"a {qtype} row holds whole blocks of {block} weights; K = {k} does not.")
+    return -(-n // GROUP), k // block, _EXT.get().format(QTYPES[qtype])[2]
+
+
+class GGUFPart:
+    """Rows [offset, offset + n) of W, K columns, in one GGUF type's packed groups."""
+
+    __slots__ = ("qtype", "n", "k", "packed")
+
+    def __init__(self, qtype: str, n: int, k: int, packed: torch.Tensor) -> None:
+        self.qtype, self.n, self.k, self.packed = qtype, n, k, packed
+
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+class GGUFWeight:
+    """W [N, K] as consecutive row ranges, each a GGUFPart (a fused projection whose pieces
+    come in different types, e.g. a Q4_K_M file's Q4_K q, k and Q6_K v, is several parts)."""
+
+    __slots__ = ("parts", "n", "k")
+
+    def __init__(self, parts: list[GGUFPart]) -> None:
+        if not parts or len({p.k for p in parts}) != 1:
+            raise ValueError("a GGUFWeight needs parts of one K.")
+        self.parts, self.n, self.k = list(parts), sum(p.n for p in parts), parts[0].k
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def qtypes(self) -> list[str]:
+        return [p.qtype for p in self.parts]
+
+
+def pack(raw: torch.Tensor,  # [N, K / block * block bytes] uint8: the file's rows, in order
+         qtype: str, k: int, alloc: Alloc | None = None) -> GGUFPart:
+    if qtype not in QTYPES:
+        raise ValueError(f"no GGUF kernel for {qtype}; supported: {', '.join(QTYPES)}.")
+    raw = raw.contiguous()
+    shape = packed_shape(qtype, raw.shape[0], k)
+    out = alloc(shape, torch.uint8) if alloc is not None else torch.empty(shape, dtype=torch.uint8)
+    _EXT.get().pack(raw, QTYPES[qtype], k, out)
+    return GGUFPart(qtype, raw.shape[0], k, out)
+
+
+def dequantize_rows(w: GGUFWeight,
+                    ids: torch.Tensor) -> torch.Tensor:  # [n] int64 row ids -> [n, K] fp32
+    """Rows ``ids`` of W in fp32, as the gguf package's ``dequantize`` computes them."""
+    ids = ids.reshape(-1).to(torch.int64)
+    if len(w.parts) == 1:
+        out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+        _EXT.get().dequantize_rows(out, w.parts[0].packed, QTYPES[w.parts[0].qtype], ids.contiguous())
+        return out
+    out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+    start = 0
+    for p in w.parts:
+        sel = ((ids >= start) & (ids < start + p.n)).nonzero().view(-1)
+        if sel.numel():
+            rows = torch.empty((sel.numel(), w.k), dtype=torch.float32)
+            _EXT.get().dequantize_rows(rows, p.packed, QTYPES[p.qtype], (ids[sel] - start).contiguous())
+            out[sel] = rows
+        start += p.n
+    return out
+
+
+def linear(x: torch.Tensor,  # [..., K], any float dtype (computed in fp32)
+           w: GGUFWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:  # [..., N], x's dtype
+    lead, dtype = x.shape[:-1], x.dtype
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, w.n), dtype=torch.float32)
+    b32 = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
+    if m:
+        mod, start = _EXT.get(), 0
+        for p in w.parts:
+            cols = out[:, start:start + p.n]
+            if m < DIRECT_MAX_ROWS:
+                mod.gemm(cols, x2, p.packed, QTYPES[p.qtype], None if b32 is None else b32[start:start + p.n])
+            else:
+                for r0 in range(0, p.n, _DEQUANT_ROWS):
+                    r1 = min(p.n, r0 + _DEQUANT_ROWS)
+                    wr = torch.empty((r1 - r0, w.k), dtype=torch.float32)
+                    mod.dequantize_rows(wr, p.packed, QTYPES[p.qtype], torch.arange(r0, r1))
+                    cols[:, r0:r1] = x2 @ wr.t()
+                if b32 is not None:
+                    cols.add_(b32[start:start + p.n])
+            start += p.n
+    out = out.view(*lead, w.n)
+    return out if dtype == torch.float32 else out.to(dtype)
