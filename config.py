@@ -10,11 +10,11 @@ from dataclasses import dataclass, fields
 
 from pagedserve.scheduler.config import CacheConfig, Reservation, SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.kv.kv_cache_dtype import canonical_kv_cache_dtype
+from pagedserve.scheduler.lora import parse_lora_modules
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # --cpu-linear: the probe, or one of kernels/cpu_linear.BACKENDS (this module imports no torch).
 CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "aten")
-
 # --quantization (worker/model_config.py resolves it; unset: implied by the checkpoint).
 QUANTIZATION_CHOICES = ("gguf", "none")
 
@@ -23,6 +23,7 @@ def check_quantization(value: str | None) -> None:
     if value not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or unset: implied "
                          f"by the checkpoint), got {value!r}.")
+
 
 @dataclass
 class EngineConfig:
@@ -35,11 +36,11 @@ class EngineConfig:
     # ``model`` to a directory before the engine starts, and keeps the given one here.
     model_root: str | None = None
     dtype: str = "auto"
-    tensor_parallel_size: int = 1
     # vLLM's --quantization: "gguf" runs a GGUF's weights in their blocks (CPU,
     # kernels/cpu_gguf.py); "none" dequantizes them to ``dtype`` at load; None: implied by
     # the checkpoint (a GGUF on CPU runs natively). worker/model_config.resolve_quantization.
     quantization: str | None = None
+    tensor_parallel_size: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -106,6 +107,16 @@ class EngineConfig:
     # {"GPU": 1, "CPU": 1} bundle per worker on CUDA ({"CPU": 1} on the CPU).
     accelerator_type: str | None = None
     placement_group_config: dict | None = None
+    # LoRA adapters (vLLM's flags; worker/lora, scheduler/lora.py): off unless enable_lora.
+    # lora_modules: the adapters served from the start, each "name=path" or {"name", "path",
+    # "base_model_name"} (text, a dict or a LoRAModulePath); max_loras: the most distinct
+    # adapters in one step (the worker's slots); max_lora_rank: the largest r an adapter may
+    # have (the slots' size); max_cpu_loras: adapters kept in host memory (None: max_loras).
+    enable_lora: bool = False
+    lora_modules: list | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -126,6 +137,7 @@ class EngineConfig:
         from pagedserve.worker.cpu_affinity import parse_bind
 
         parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
+        check_quantization(self.quantization)
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}.")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -133,11 +145,26 @@ class EngineConfig:
         from pagedserve.platforms import check_placement_group_config, decide_device, placement_asks_gpus
 
         check_placement_group_config(self.placement_group_config, self.tensor_parallel_size)
+        self._check_lora()
         if self.device == "cpu":  # refuses a GPU placement on the CPU
             decide_device("cpu", placement_asks_gpus=placement_asks_gpus(self.placement_group_config,
                                                                          self.accelerator_type))
 
-        check_quantization(self.quantization)
+    def _check_lora(self) -> None:
+        self.lora_modules = parse_lora_modules(self.lora_modules) or None
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules need enable_lora (--enable-lora).")
+        if not self.enable_lora:
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}.")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("LoRA runs at tensor_parallel_size 1 for now (its A and B are not sharded yet).")
+
     def executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")
 
@@ -159,6 +186,7 @@ class EngineConfig:
             isolate_tenant_prefix_cache=self.isolate_tenant_prefix_cache,
             preemption_protect_steps=self.preemption_protect_steps,
             speculative_config=self.speculative_config,
+            max_loras=self.max_loras if self.enable_lora else None,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

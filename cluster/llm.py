@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pagedserve.cluster.engine.llm_engine import LLMEngine
 from pagedserve.cluster.executors import executor_class_for
 from pagedserve.cluster.wire.outputs import RequestOutput
+from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
 
@@ -35,8 +36,10 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order. ``lora_request``:
+        the adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -46,12 +49,16 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params.")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests.")
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
                 rid = f"offline-{next(self._counter)}"
                 self.engine.add_request(rid, prompt, params,
-                                        priority=priority[i] if priority is not None else 0)
+                                        priority=priority[i] if priority is not None else 0,
+                                        lora_request=loras[i])
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:

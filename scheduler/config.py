@@ -69,6 +69,9 @@ class SchedulerConfig:
     preemption_protect_steps: int = 32
     # Speculative decoding (prompt lookup drafts); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA (vLLM's --max-loras): the most distinct adapters running at once, so that every
+    # step's adapters fit the worker's slots; None: LoRA off.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

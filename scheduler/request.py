@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 
+from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -55,7 +56,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "status", "stop_reason", "max_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "stop_token_ids",
         "min_tokens", "ignore_eos", "tenant", "resumed_step", "preempted_step", "cache_tenant",
-        "num_output_placeholders",
+        "num_output_placeholders", "lora_request",
     )
 
     def __init__(
@@ -68,6 +69,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {req_id!r}: the prompt must contain at least one token.")
@@ -93,6 +95,9 @@ class Request:
         # to 0 before every plan).
         self.num_output_placeholders = 0
         self.cache_tenant: str | None = None  # set by the scheduler when tenants are isolated
+        # The LoRA adapter it runs with (None: the base model): salts its block hashes and
+        # takes one of the step's max_loras slots while it runs (scheduler/lora.py).
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Resolved by Scheduler.add_request against max_model_len and the pool size;

@@ -63,6 +63,7 @@ class Scheduler:
         self.max_model_len = scheduler_config.max_model_len
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
         self.policy = scheduler_config.scheduling_policy
+        self.max_loras = scheduler_config.max_loras  # None: LoRA off (scheduler/lora.py)
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
         # No sequence may outgrow the whole pool: alone it could never get its next
@@ -351,6 +352,7 @@ class Scheduler:
         tenant_policy = self.tenant_policy
         static = self.policy == "static"
         batch_open = not self.static_batch  # static: a batch forms only when idle
+        adapters: set[int] | None = None  # LoRA adapters running, made on first need
         while len(waiting):
             if budget <= 0:
                 return "no_budget"
@@ -368,6 +370,15 @@ class Scheduler:
                 return "tenant_share" if req is tenant_policy.share_victim else "reserved"
             if static and not batch_open and req.req_id not in self.static_batch:
                 return "static_batch"
+            lora = req.lora_request
+            if lora is not None and self.max_loras is not None:
+                # At most max_loras distinct adapters run, so every step's fit the worker's
+                # slots. One that has none waits at the head of the line (FIFO): letting
+                # others pass could keep the running adapters' slots busy forever.
+                if adapters is None:
+                    adapters = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+                if lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                    return "lora_slots"
             hit_blocks, num_hit = kv.get_computed_blocks(req)
             num_new = len(req.all_token_ids) - num_hit
             if num_new > budget:
@@ -400,6 +411,8 @@ class Scheduler:
             req.status = _RUNNING
             req.num_computed_tokens = num_hit
             running.append(req)
+            if adapters is not None and lora is not None:
+                adapters.add(lora.lora_int_id)
             if static:
                 self.static_batch.add(req.req_id)
             sched_reqs.append(req)
@@ -412,7 +425,8 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     req_id=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
                     sampling_params=req.sampling_params,
-                    block_ids=list(kv.req_to_block_ids[req.req_id]), num_computed_tokens=num_hit))
+                    block_ids=list(kv.req_to_block_ids[req.req_id]), num_computed_tokens=num_hit,
+                    lora_request=req.lora_request))
         return None
 
     def _preempt(self, index: int, ledger: Ledger | None = None) -> None:

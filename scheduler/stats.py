@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 #              small for its whole prompt);
 # max_seqs   - max_num_seqs requests were already running;
 # static_batch - scheduling_policy="static" and a batch is still running;
-# reserved   - it would fit only into capacity reserved for another tenant or class.
+# reserved   - it would fit only into capacity reserved for another tenant or class;
+# lora_slots - its LoRA adapter is not running, and max_loras other adapters are.
 # (Per request, Scheduler.waiting_info adds tenant_share and queue_order: tenancy.py.)
-WAITING_REASONS = ("no_blocks", "no_budget", "max_seqs", "static_batch", "reserved")
+WAITING_REASONS = ("no_blocks", "no_budget", "max_seqs", "static_batch", "reserved", "lora_slots")
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ Why-waiting reasons, for each waiting request after a schedule():
     tenant_share  its tenant got more than its fair share; another tenant goes first
     queue_order   it waits behind earlier requests of its own tenant
     static_batch  scheduling_policy "static" and a batch is still running
+    lora_slots    its LoRA adapter is not running and max_loras others are (scheduler/lora.py)
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from pagedserve.scheduler.config import Reservation
 from pagedserve.scheduler.request import Request
 
-WHY_REASONS = ("no_blocks", "no_budget", "max_seqs", "reserved", "tenant_share", "queue_order", "static_batch")
+WHY_REASONS = ("no_blocks", "no_budget", "max_seqs", "reserved", "tenant_share", "queue_order", "static_batch",
+               "lora_slots")
 
 
 def classes_of(req: Request) -> tuple[str, str]:

@@ -146,10 +146,17 @@ class Worker:
             self.cpu_linear_backend = apply_cpu_linear_backend(model, self.config.cpu_linear)
         budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
         spec = self.config.speculative_config
+        lora = None
+        if self.config.enable_lora:  # its slot pool now, before the memory profile counts the weights
+            from pagedserve.worker.lora.manager import LoRAManager
+
+            lora = LoRAManager(self.model_config, max_loras=self.config.max_loras,
+                               max_lora_rank=self.config.max_lora_rank, max_cpu_loras=self.config.max_cpu_loras,
+                               device=self.device)
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
                                   device=self.device, seed=self.config.seed, max_num_seqs=self.config.max_num_seqs,
                                   max_num_batched_tokens=budget, enforce_eager=self.config.enforce_eager,
-                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0, lora=lora)
 
     # ---------------------------------------------------------------- KV sizing
     @property

@@ -21,6 +21,7 @@ import time
 
 from pagedserve import plugins
 from pagedserve.cluster.engine.kv_sizing import log_kv_sizing
+from pagedserve.cluster.engine.lora_adapters import LoRAAdapters
 from pagedserve.cluster.engine.output_processor import Group, OutputProcessor
 from pagedserve.cluster.engine.request_options import truncate_prompt
 from pagedserve.cluster.engine.step_containment import StepFailedError, contain, subplan
@@ -33,6 +34,7 @@ from pagedserve.cluster.wire.request import EngineRequest
 from pagedserve.config import EngineConfig
 from pagedserve.platforms import decide_here
 from pagedserve.scheduler import Scheduler
+from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
@@ -68,6 +70,9 @@ class LLMEngine:
         given = engine_config.model_root or engine_config.model
         self.model_root = os.fspath(given) if given is not None else resolved.served_model_name
         self.served_model_name = self.config.served_model_name or self.model_root
+        # LoRA: the --lora-modules, checked now (before any worker starts), and each adapter
+        # a request names, checked on its first use (lora_adapters.py).
+        self.loras = LoRAAdapters(self.config, self.model_config, (self.served_model_name, self.model_root))
         # From this node's files (a repo id or URI tokenizer fetched here first, as the model's).
         self.tokenizer = load_tokenizer(local_model_path(self.config.tokenizer, download_dir=self.config.download_dir,
                                                          config_only=True) or path)
@@ -148,6 +153,8 @@ class LLMEngine:
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
         self.check_length(len(prompt_ids), params.max_tokens)
         req.grammar = self.check_params(params)
+        if req.lora_request is not None:
+            self.loras.check(req.lora_request)
         if len(prompt_ids) < full_len:  # RequestOutput.prompt is what the model saw
             req.prompt_text = self.tokenizer.decode(prompt_ids)
         else:  # the text itself, where this call tokenized it
@@ -157,10 +164,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None, tenant: str | None = None) -> None:
+                    cache_salt: str | None = None, tenant: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """vLLM's offline entry: one EngineRequest, ``make_request`` then ``add_engine_request``."""
         req = EngineRequest(request_id, prompt, params, priority, cache_salt, tenant=tenant,
-                            arrival_time=arrival_time)
+                            arrival_time=arrival_time, lora_request=lora_request)
         self.add_engine_request(self.make_request(req))
 
     def add_engine_request(self, req: EngineRequest) -> None:

@@ -96,7 +96,8 @@ class OutputProcessor:
             sample = Sample(i, req_id, detok, child, logprobs=[] if child.logprobs is not None else None)
             group.samples.append(sample)
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
-                                    priority=req.priority, cache_salt=req.cache_salt, tenant=req.tenant))
+                                    priority=req.priority, cache_salt=req.cache_salt, tenant=req.tenant,
+                                    lora_request=req.lora_request))
         return group, requests
 
     def add(self, group: Group, pending: list[Request]) -> None:

@@ -17,13 +17,14 @@ chat was rendered there). ``LLMEngine.make_request`` then validates it once and 
 last four fields (``prompt_token_ids`` set means validated: the engine thread trusts it).
 Every 4xx a request can get comes from there: token ids in the vocabulary, an empty prompt,
 prompt truncation, the context length, logprobs and stop ids against the vocabulary and
-``--max-logprobs``, logit_bias ids, a grammar that compiles.
+``--max-logprobs``, logit_bias ids, a grammar that compiles, a LoRA adapter that loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -38,6 +39,9 @@ class EngineRequest:
     add_generation_prompt: bool | str = True  # "continue": vLLM's continue_final_message
     tenant: str | None = None
     tools: list[dict] | None = None  # for a template that renders tools
+    # The LoRA adapter the body's ``model`` named (the front resolves it: "<adapter>" or
+    # "<base>:<adapter>"); None: the base model. The worker reads it from its path.
+    lora_request: LoRARequest | None = None
     # Filled in by LLMEngine.make_request, on the process that runs the engine:
     prompt_token_ids: list[int] | None = None  # after truncate_prompt_tokens: what the model sees
     prompt_text: str | None = None  # RequestOutput.prompt: the text the model saw, None when sent as ids

@@ -2,7 +2,7 @@
 
 A full block's identity is its whole prefix, not just its own tokens:
 
-    block 0: hash(ROOT_HASH,  tokens[0:16],  salt)   salt: per-tenant cache_salt, block 0 only
+    block 0: hash(ROOT_HASH,  tokens[0:16],  salt)   salt: cache_salt, tenant, LoRA adapter; block 0 only
     block 1: hash(h0,         tokens[16:32], None)
     block 2: hash(h1,         tokens[32:48], None)
 
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 
+from pagedserve.scheduler.lora import lora_salt
+
 # Parent id of a prompt's first block in the trie (real node ids start at 1).
 ROOT_NODE_ID = 0
 
@@ -40,10 +42,16 @@ ROOT_HASH: int = _sha256_int(b"pagedserve/prefix-cache/root")
 BlockKey = tuple  # (parent_node_id: int, token_ids: tuple[int, ...], extra: int | None)
 
 
-def hash_cache_salt(cache_salt: str | None, tenant: str | None = None) -> int | None:
+def hash_cache_salt(cache_salt: str | None, tenant: str | None = None, lora: str | None = None) -> int | None:
     """The salt of block 0 as an int (sha256, so it does not depend on ``PYTHONHASHSEED``):
     the request's own ``cache_salt`` and, with per-tenant isolation, its tenant. The two
-    are length-prefixed, so no choice of salt string can reproduce another tenant's key."""
+    are length-prefixed, so no choice of salt string can reproduce another tenant's key.
+    ``lora`` (scheduler/lora.lora_salt): the request's adapter, wrapped around the rest, so
+    K/V computed under one adapter is never a hit for another or for the base model."""
+    if lora is not None:
+        inner = hash_cache_salt(cache_salt, tenant)
+        name = lora.encode("utf-8")
+        return _sha256_int(b"\x00lora\x00%d:%s%d" % (len(name), name, -1 if inner is None else inner))
     if cache_salt is None and tenant is None:
         return None
     if tenant is None:
@@ -53,7 +61,7 @@ def hash_cache_salt(cache_salt: str | None, tenant: str | None = None) -> int | 
 
 
 def request_salt(request) -> int | None:
-    return hash_cache_salt(request.cache_salt, request.cache_tenant)
+    return hash_cache_salt(request.cache_salt, request.cache_tenant, lora_salt(request.lora_request))
 
 
 def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...], extra: int | None) -> int:
