@@ -94,6 +94,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", default=None, type=_speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup drafts)')
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
+    lora.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
+                      help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
+                           '"base_model_name": ...}; a request names one as its model ("name" or "<base>:name")')
+    lora.add_argument("--max-loras", type=int, default=d.max_loras,
+                      help="the most distinct adapters in one step (slots in the worker; default %(default)s)")
+    lora.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                      help="the largest rank an adapter may have (default %(default)s)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in host memory, least recently used out first (default: --max-loras)")
     t = parser.add_argument_group("tenants")
     t.add_argument("--tenant-weight", action="append", type=_tenant_weight, default=None,
                    metavar="NAME=W", help="fair-share weight of a tenant (default 1); repeatable")
@@ -118,6 +129,15 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+def _lora_module(text: str):
+    from pagedserve.scheduler.lora import parse_lora_modules
+
+    try:
+        return parse_lora_modules(text)[0]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _speculative_config(text: str):

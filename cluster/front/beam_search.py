@@ -97,7 +97,7 @@ async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, 
     (schemas._SamplingFields.beam_width has refused what beam search does not take): n
     choices per prompt, the best beams first. ``engine``: the replicas' Serve handle
     (tokenize, detokenize); each step's engine requests go through ``client``."""
-    bad = await model.check_model(body.model)
+    lora, bad = await model.resolve(body.model)
     if bad is not None:
         return bad
     try:
@@ -134,7 +134,7 @@ async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, 
 
     async def one(tokens: list[int]) -> dict[int, float]:
         req = EngineRequest(f"{rid}-beam-{next(ids)}", tokens, step_params, body.priority, body.cache_salt,
-                            tenant=tenant)
+                            tenant=tenant, lora_request=lora)
         stream, adm = await client.generate(req, whole=not body.stream)
         if stream is None:
             raise _Refused(adm)
@@ -159,7 +159,7 @@ async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, 
                                                    body.length_penalty) for p in prompts))
     except _Refused as e:
         return e.response
-    created, model = int(time.time()), info["served_model_name"]
+    created, model = int(time.time()), ServedModel.response_name(info, lora)
     choices, generated, finals = [], 0, []
     for i, (prompt, beams) in enumerate(zip(prompts, found)):
         outputs = []

@@ -35,6 +35,7 @@ from pagedserve.cluster.wire.failures import ReplicaLost
 logger = logging.getLogger("pagedserve")
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in to loading adapters at run time
 # The default body limit: room for a prompt of max_model_len tokens in its most verbose
 # legitimate JSON, plus headroom. Token ids take <= 8 bytes each ("151935, "); text takes
 # ~4 bytes per token in English, ~6-12 once a client escapes non-ASCII as \uXXXX (Python's
@@ -61,19 +62,23 @@ class IngressConfig:
     allow_tenant_header: bool = False  # x-tenant names the tenant of an unmapped key
     # The router needs token ids (the KV router): the front tokenizes (prompt_tokens.py).
     tokenize_for_router: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (serving_models.py).
+    allow_runtime_lora_updating: bool = False
 
     @classmethod
     def from_options(cls, api_key: str | None = None, max_request_body_bytes: int | None = None,
                      api_keys: dict[str, str] | None = None, allow_tenant_header: bool = False,
                      tokenize_for_router: bool = False) -> "IngressConfig":
         """``api_key`` falls back to $PAGEDSERVE_API_KEY of the process that builds the app
-        (the CLI, or ``serve run``), so a key need not be written into a config file."""
+        (the CLI, or ``serve run``), so a key need not be written into a config file; the
+        LoRA routes follow that process's VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's opt-in)."""
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
         if max_request_body_bytes is not None and max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}.")
+        lora_updates = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
         return cls(api_key=key or None, max_request_body_bytes=max_request_body_bytes,
                    api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header),
-                   tokenize_for_router=bool(tokenize_for_router))
+                   tokenize_for_router=bool(tokenize_for_router), allow_runtime_lora_updating=lora_updates)
 
 
 class EdgeGuard:

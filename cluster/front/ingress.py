@@ -12,6 +12,7 @@ its API family; what every route that generates shares sits in one object each:
                        replica_client.py   the connection to the engine replicas: the door's
                                            checks, the output channel, lifelines, failover
                        served_model.py     the replicas' info (404 for another model), metrics
+                       serving_models.py   /v1/models, LoRA adapters loaded at run time
                        sse_stream.py       a streamed body: chunks, in-band errors, [DONE]
 
 The request's first item from a replica is its admission, so a 400/429 is known before
@@ -42,11 +43,11 @@ from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressCon
 from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.openai.schemas import (BatchChatCompletionRequest, ChatCompletionRequest,
                                                CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                               ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
-                                               random_id)
+                                               TokenizeRequest, TokenizeResponse, random_id)
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.serving_chat import OpenAIServingChat
 from pagedserve.cluster.front.serving_completion import OpenAIServingCompletion
+from pagedserve.cluster.front.serving_models import OpenAIServingModels
 from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip
 
 
@@ -87,6 +88,7 @@ class OpenAIIngress:
         self._client = ReplicaClient(engine, self._model, self._live, self.config.tokenize_for_router)
         self._completion = OpenAIServingCompletion(engine, self._model, self._live, self._client)
         self._chat = OpenAIServingChat(engine, self._model, self._live, self._client)
+        self._models = OpenAIServingModels(engine, self._model, self.config.allow_runtime_lora_updating)
         activate(EdgeGuard(self.config, self._model.max_model_len))
 
     async def info(self) -> dict:
@@ -185,12 +187,15 @@ class OpenAIIngress:
     # ------------------------------------------------------------ the rest
     @app.get("/v1/models")
     async def models(self):
-        info = await self.info()
-        # As vLLM: root is --model as the user gave it, never the directory it resolved to
-        # (the default model's prepared cache entry is nobody's business).
-        card = ModelCard(id=info["served_model_name"], root=info["model_root"],
-                         max_model_len=info["max_model_len"])
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return await self._models.list_models()  # the base model and its LoRA adapters
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, body: dict):
+        return await self._models.load_lora_adapter(body)  # 404 unless VLLM_ALLOW_RUNTIME_LORA_UPDATING
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, body: dict):
+        return await self._models.unload_lora_adapter(body)
 
     @app.get("/version")
     async def version(self):

@@ -2,7 +2,9 @@
 counts about the requests it serves.
 
 The replicas' info() (served name, max_model_len, tokenizer, logprob limit, ...) is asked
-once, on first need; a body that names another model is a 404 (OpenAI's words). The front's
+once, on first need; a body that names another model is a 404 (OpenAI's words). Its LoRA
+adapters are models too (``resolve``): the replicas' --lora-modules, from that info, and those
+loaded at run time (serving_models.py). The front's
 metrics (metrics.py) carry the served name as a label, so they are made with that info:
 until it has come there is nothing to count into, and every count here is skipped.
 """
@@ -13,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from pagedserve.cluster.front.edge import error
 from pagedserve.cluster.front.metrics import ServeMetrics
+from pagedserve.scheduler.lora import LoRARequest
 
 
 class ServedModel:
@@ -20,23 +23,45 @@ class ServedModel:
         self._engine = engine  # the replicas' Serve handle
         self._info: dict | None = None
         self.metrics: ServeMetrics | None = None  # made with the info
+        # LoRA adapter name -> its request, in the order they came (/v1/models lists them so).
+        self.loras: dict[str, LoRARequest] = {}
 
     async def info(self) -> dict:
         if self._info is None:
-            self._info = await self._engine.info.remote()
+            info = await self._engine.info.remote()
+            for m in info.get("lora_modules") or ():
+                self.loras.setdefault(m["name"], LoRARequest(m["name"], m["lora_int_id"], m["path"],
+                                                             m.get("base_model_name")))
+            self._info = info
             self.metrics = ServeMetrics(self._info["served_model_name"], self._info.get("kv_sizing"))
         return self._info
+
+    async def resolve(self, model: str | None) -> tuple[LoRARequest | None, JSONResponse | None]:
+        """What a body's ``model`` names: (None, None) for the base model (or no name), (its
+        LoRARequest, None) for an adapter, as "<adapter>" or "<base>:<adapter>" (Ray Serve
+        LLM's form), else (None, vLLM's 404)."""
+        info = await self.info()
+        base = info["served_model_name"]
+        if model is None or model == base:
+            return None, None
+        lora = self.loras.get(model[len(base) + 1:] if model.startswith(base + ":") else model)
+        if lora is not None:
+            return lora, None
+        available = ", ".join(f"`{n}`" for n in [base, *self.loras])
+        return None, error(404, f"The model `{model}` does not exist. Available: {available}.")
+
+    @staticmethod
+    def response_name(info: dict, lora: LoRARequest | None) -> str:
+        """The ``model`` a response names: the adapter's, or the base model's (vLLM's)."""
+        return lora.lora_name if lora is not None else info["served_model_name"]
 
     async def max_model_len(self) -> int:
         return (await self.info())["max_model_len"]
 
     async def check_model(self, model: str | None) -> JSONResponse | None:
-        """The 404 for a body that names a model this front does not serve; None: it may go on."""
-        info = await self.info()
-        if model is not None and model != info["served_model_name"]:
-            return error(404, f"The model `{model}` does not exist. "
-                              f"Available: `{info['served_model_name']}`.")
-        return None
+        """The 404 for a body that names a model this front does not serve (the base model
+        or one of its adapters); None: it may go on."""
+        return (await self.resolve(model))[1]
 
     def first_output(self, ttft_s: float) -> None:
         """A request's first output reached this front, ``ttft_s`` after it arrived here."""

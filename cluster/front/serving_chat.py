@@ -119,7 +119,7 @@ class OpenAIServingChat:
     async def _start(self, body, rid: str, tenant, arrival: float | None = None):
         """Admit one chat request: _ChatStarted, or the error response. ``arrival``: when
         the front took it (default: the live entry of ``rid``)."""
-        bad = await self._model.check_model(body.model)
+        lora, bad = await self._model.resolve(body.model)
         if bad is not None:
             return bad
         info = await self._model.info()
@@ -140,12 +140,13 @@ class OpenAIServingChat:
             except Exception as e:  # arrives wrapped (RayTaskError)
                 return remote_error(e)
             messages = None
-        req = EngineRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools)
+        req = EngineRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools,
+                            lora_request=lora)
         stream, adm = await self._client.generate(req, whole=not body.stream,
                                                   arrival=arrival if arrival is not None else self._live.arrival(rid))
         if stream is None:
             return adm
-        return _ChatStarted(rid, stream, params, plan, echo, info["served_model_name"], int(time.time()),
+        return _ChatStarted(rid, stream, params, plan, echo, self._model.response_name(info, lora), int(time.time()),
                             admitted_headers(rid, adm))
 
     async def _collect(self, body, started: _ChatStarted):

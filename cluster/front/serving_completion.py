@@ -43,7 +43,7 @@ class OpenAIServingCompletion:
 
     async def create(self, body, rid: str, tenant):
         """The /v1/completions answer of ``body`` (live as ``rid``): JSON, SSE, or an error."""
-        bad = await self._model.check_model(body.model)
+        lora, bad = await self._model.resolve(body.model)
         if bad is not None:
             return bad
         info = await self._model.info()
@@ -58,9 +58,9 @@ class OpenAIServingCompletion:
                            for p in prompts]
             except Exception as e:  # arrives wrapped (RayTaskError)
                 return remote_error(e)
-        model = info["served_model_name"]
+        model = self._model.response_name(info, lora)
         created = int(time.time())
-        streams, adms = await self._start_all(rid, prompts, params, body, tenant)
+        streams, adms = await self._start_all(rid, prompts, params, body, tenant, lora)
         if streams is None:
             return adms
         self._live.placed(rid, adms[0].replica_id)
@@ -98,11 +98,12 @@ class OpenAIServingCompletion:
                               params.prompt_logprobs, body.return_tokens_as_token_ids)
         return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
 
-    async def _start_all(self, rid: str, prompts: list, params, body, tenant):
-        """Admit every prompt (concurrently); (streams, admissions) or (None, error response)."""
+    async def _start_all(self, rid: str, prompts: list, params, body, tenant, lora):
+        """Admit every prompt (concurrently); (streams, admissions) or (None, error response).
+        ``lora``: the adapter the body's model names (None: the base model)."""
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         arrival = self._live.arrival(rid)
-        reqs = [EngineRequest(sub, p, params, body.priority, body.cache_salt, tenant=tenant)
+        reqs = [EngineRequest(sub, p, params, body.priority, body.cache_salt, tenant=tenant, lora_request=lora)
                 for sub, p in zip(ids, prompts)]
         tasks = [asyncio.ensure_future(self._client.generate(req, whole=not body.stream, arrival=arrival))
                  for req in reqs]

@@ -148,10 +148,19 @@ class AsyncEngine:
                     revision=e.config.revision, download_dir=e.config.download_dir,
                     vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
                     chat_template_tools=renders_tools(e.tokenizer), eos_token_ids=list(e.eos_token_ids),
-                    kv_events=self.kv_events_address)
+                    kv_events=self.kv_events_address, enable_lora=e.config.enable_lora,
+                    lora_modules=e.loras.describe())
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
+
+    async def check_lora(self, lora_request) -> None:
+        """ValueError naming why this engine cannot serve the adapter (POST
+        /v1/load_lora_adapter asks before requests may name it); reads its files off the loop."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.loras.check, lora_request)
+        except ValueError as e:  # a plain ValueError: the front need not import the worker's LoRAError
+            raise ValueError(str(e)) from None
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        add_special_tokens: bool | None = None, add_generation_prompt: bool | str = True,

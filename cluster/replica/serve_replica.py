@@ -88,6 +88,10 @@ class EngineReplica:
     def stats(self) -> dict:
         return self.core.stats()
 
+    async def check_lora(self, lora_request) -> None:
+        """Whether this replica can serve a LoRA adapter (ValueError naming why not)."""
+        await self.core.check_lora(lora_request)
+
     async def tokenize(self, prompt=None, messages=None, add_special_tokens=None,
                        add_generation_prompt=True, tools=None) -> list[int]:
         return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,

@@ -215,6 +215,7 @@ class ModelCard(OpenAIBase):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's); None for the base model
     max_model_len: int | None = None
 
 
