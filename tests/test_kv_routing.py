@@ -28,8 +28,8 @@ def replica(isolate=True):
     return sched
 
 
-def serve(sched, rid, prompt, salt=None, tenant=None) -> Request:
-    req = Request(rid, list(prompt), SamplingParams(max_tokens=1), cache_salt=salt, tenant=tenant)
+def serve(sched, rid, prompt, salt=None, tenant=None, lora=None) -> Request:
+    req = Request(rid, list(prompt), SamplingParams(max_tokens=1), cache_salt=salt, tenant=tenant, lora_request=lora)
     sched.add_request(req)
     while rid in sched.requests and not sched.requests[rid].is_finished:
         step(sched)
@@ -53,6 +53,21 @@ def test_the_router_names_blocks_as_the_replica_caches_them(salt, tenant, isolat
     hashes = policy.block_hashes(prompt, salt, tenant)
     assert hashes == req.block_hashes[:5]
     assert view_of(sched).matched_blocks(hashes) == 5
+
+
+def test_the_router_names_an_adapters_blocks_as_the_replica_does_and_never_across_adapters():
+    from pagedserve.scheduler.lora import LoRARequest
+
+    sched = replica()
+    sql, chat = LoRARequest.named("sql", "/a/sql"), LoRARequest.named("chat", "/a/chat")
+    prompt = list(range(1, 23))
+    req = serve(sched, "a", prompt, lora=sql)
+    policy = KVRoutingPolicy(block_size=BS)
+    view = view_of(sched)
+    assert policy.block_hashes(prompt, None, None, sql) == req.block_hashes[:5]
+    assert view.matched_blocks(policy.block_hashes(prompt, None, None, sql)) == 5
+    for other in (chat, None):  # another adapter, or the base model: no hit
+        assert view.matched_blocks(policy.block_hashes(prompt, None, None, other)) == 0
 
 
 def test_another_tenant_never_matches_a_tenants_prefix():

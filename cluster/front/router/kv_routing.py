@@ -38,9 +38,10 @@ gone: a holder whose queue costs more than the miss elsewhere loses by its own c
 an idle holder wins by it. Serve tries the replicas in the order given when the first is
 full.
 
-Block 0's salt is the replica's: the request's cache_salt and, when tenants' caches are
-isolated, its tenant (scheduler/kv_cache_utils.hash_cache_salt), so a prompt never matches
-another tenant's blocks here either.
+Block 0's salt is the replica's: the request's cache_salt, its LoRA adapter and, when
+tenants' caches are isolated, its tenant (scheduler/kv_cache_utils.hash_cache_salt), so a
+prompt never matches another tenant's or another adapter's blocks here either. (Where an
+adapter is loaded is not costed yet: the replicas do not publish their adapters.)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from typing import Callable
 
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT
 from pagedserve.scheduler.kv.kv_cache_utils import ROOT_HASH, hash_block_tokens, hash_cache_salt
+from pagedserve.scheduler.lora import LoRARequest, lora_salt
 
 BY_PREFIX, BY_LOAD = "prefix", "load"
 # A file to append every decision to, one JSON line each (the loads, the predicted TTFTs,
@@ -74,11 +76,13 @@ class KVRoutingPolicy:
     default_prefill_tok_s: float = 2000.0
     default_decode_step_s: float = 0.02
 
-    def block_hashes(self, token_ids: list[int], cache_salt: str | None, tenant: str | None) -> list[int]:
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None, tenant: str | None,
+                     lora: LoRARequest | None = None) -> list[int]:
         """The content hashes of the prompt's full blocks, as the replica computes them
-        (scheduler/kv_cache_utils.extend_block_hashes)."""
+        (scheduler/kv_cache_utils.extend_block_hashes): salted by its tenant and its LoRA
+        adapter as there, so a prompt under one adapter never matches another's blocks."""
         cache_tenant = tenant if self.isolate_tenants and tenant not in (None, DEFAULT_TENANT) else None
-        extra = hash_cache_salt(cache_salt, cache_tenant)
+        extra = hash_cache_salt(cache_salt, cache_tenant, lora_salt(lora))
         out, parent, bs = [], ROOT_HASH, self.block_size
         for i in range(len(token_ids) // bs):
             parent = hash_block_tokens(parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra if i == 0 else None)

@@ -257,7 +257,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         ids = getattr(req, "token_ids", None)
         if not ids or not candidate_replicas:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
-        hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant)
+        hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant, req.lora_request)
         loads, seen, now = {}, False, time.monotonic()
         me = pending_request.metadata.internal_request_id  # scored before, when this is a retry
         # The requests scored and not routed yet (a burst is scored before any of it is
@@ -317,7 +317,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
             if replica_id.unique_id == first:
                 return  # marked as sent there when it was scored
         self._sent.send(pending_request.metadata.internal_request_id, replica_id.unique_id,
-                        self._policy.block_hashes(ids, req.cache_salt, req.tenant))
+                        self._policy.block_hashes(ids, req.cache_salt, req.tenant, req.lora_request))
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
