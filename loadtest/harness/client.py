@@ -171,6 +171,24 @@ def _finish(res: RequestResult) -> RequestResult:
     return res
 
 
+async def read_chat_stream(resp: httpx.Response, t0: float) -> tuple[float, int, str]:
+    """A streamed chat completion's (seconds from ``t0`` to its first content, completion
+    tokens from its usage chunk, the text)."""
+    ttft, tokens, parts = 0.0, 0, []
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        msg = json.loads(line[5:])
+        if msg.get("usage"):
+            tokens = msg["usage"]["completion_tokens"]
+        for c in msg.get("choices") or ():
+            piece = (c.get("delta") or {}).get("content")
+            if piece:
+                ttft = ttft or time.perf_counter() - t0
+                parts.append(piece)
+    return ttft, tokens, "".join(parts)
+
+
 async def get_served_model(client: httpx.AsyncClient, base_url: str) -> str:
     resp = await client.get(f"{base_url}/v1/models", timeout=30.0)
     resp.raise_for_status()

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from pagedserve.loadtest.harness.client import RequestSpec, send_completion
+from pagedserve.loadtest.harness.client import RequestSpec, read_chat_stream, send_completion
 from pagedserve.loadtest.harness.metrics import percentile
 from pagedserve.loadtest.harness.servers import pagedserve_server
 from pagedserve.loadtest.workloads import WordText, word_prompts, word_shared_prefix_prompts
@@ -134,26 +134,14 @@ async def chat(client: httpx.AsyncClient, base: str, model: str, messages: list[
 async def _chat_once(client, base, model, messages, max_tokens, t0) -> tuple[Result, float | None]:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    ttft, tokens, parts = 0.0, 0, []
     async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
         replica = resp.headers.get("x-pagedserve-replica", "")
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             retry = float(resp.headers.get("retry-after") or 0.5) if resp.status_code == 429 else None
             return Result(0.0, 0, replica, False, error=f"HTTP {resp.status_code}: {text[:200]}"), retry
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            msg = json.loads(line[5:])
-            if msg.get("usage"):
-                tokens = msg["usage"]["completion_tokens"]
-            for c in msg.get("choices") or ():
-                piece = (c.get("delta") or {}).get("content")
-                if piece:
-                    if not ttft:
-                        ttft = time.perf_counter() - t0
-                    parts.append(piece)
-    return Result(ttft, tokens, replica, tokens > 0, "".join(parts)), None
+        ttft, tokens, text = await read_chat_stream(resp, t0)
+    return Result(ttft, tokens, replica, tokens > 0, text), None
 
 
 async def complete(client: httpx.AsyncClient, base: str, model: str, rid: str, prompt: str, out: int) -> Result:

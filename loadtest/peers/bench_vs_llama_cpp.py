@@ -1,0 +1,166 @@
+"""pagedserve on a quantized GGUF, natively and dequantized, against llama.cpp's own
+server on the same file, in one run (issue 57):
+
+    offline b1   pagedserve's batch-1 decode tok/s, native (``--quantization gguf``) and
+                 dequantized at load (``--quantization none``), and the weight bytes each
+                 reads per decode step
+    http         three OpenAI servers one after the other: pagedserve native, pagedserve
+                 dequantized, llama-server (loadtest/peers/llama_cpp.py, built once); the same
+                 chat prompts, greedy, ``--max-tokens`` tokens each (ignore_eos), streamed, at
+                 concurrency 1 and 8; output tok/s (all output tokens over the wall time),
+                 mean TTFT, mean time per output token after the first
+
+    python -m pagedserve.loadtest.peers.bench_vs_llama_cpp [--model PATH.gguf] [--requests-c1 6]
+        [--requests-c8 32] [--max-tokens 128] [--no-llama-cpp] [--no-dequantized]
+
+The last line is one JSON object: ``offline`` {native, dequantized: {tok_s, weight_bytes}},
+``http`` {server: {"1": {...}, "8": {...}}}, the ratios ``c1_vs_llama_cpp``,
+``c8_vs_llama_cpp`` (> 1: pagedserve native faster) and ``serving_share_c1`` (native HTTP
+tok/s at c=1 over its offline batch-1 tok/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+
+import httpx
+
+from pagedserve.loadtest.harness.client import read_chat_stream
+from pagedserve.loadtest.harness.servers import pagedserve_server
+
+# Short chat questions: the answers run to --max-tokens (ignore_eos), the prompts are a
+# chat template's worth of tokens, as a user's first turn is.
+QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
+             "Explain what a CPU cache is in two sentences.", "List three uses of a paperclip.",
+             "Why is the sky blue?", "Give me a short recipe for pancakes.",
+             "What does HTTP stand for?", "Summarise the plot of Hamlet briefly.")
+
+
+def default_gguf() -> str:
+    from pagedserve.worker.loading.gguf_loader import find_gguf_file
+    from pagedserve.worker.loading.model_source import DEFAULT_MODEL_NAME, resolve_model
+
+    path = resolve_model(DEFAULT_MODEL_NAME).path
+    return find_gguf_file(path) or str(path)
+
+
+def offline_b1(model: str, quantization: str, n_tokens: int) -> dict:
+    """Batch-1 greedy decode tok/s (after the first token) and the bytes a step reads."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.loadtest.offline.bench_offline import decode_weight_bytes
+
+    llm = LLM(model=model, quantization=quantization, max_model_len=1024, max_num_seqs=1,
+              enable_prefix_caching=False, kv_cache_memory_bytes=1 << 28)
+    try:
+        warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        llm.generate([[5, 6, 7, 8]], warm, use_tqdm=False)
+        params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True, detokenize=False)
+        m = llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], params, use_tqdm=False)[0].metrics
+        tok_s = (n_tokens - 1) / (m.last_token_time - m.first_token_time)
+        weight_bytes = decode_weight_bytes(llm.engine.executor.worker.runner.model,
+                                           llm.engine.model_config.tie_word_embeddings)
+    finally:
+        llm.shutdown()
+    return {"tok_s": tok_s, "weight_bytes": weight_bytes}
+
+
+async def _one(client: httpx.AsyncClient, base: str, model: str, question: str, max_tokens: int) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        first, tokens, text = await read_chat_stream(resp, t0)
+    return {"ttft": first, "tokens": tokens, "e2e": time.perf_counter() - t0, "text": text}
+
+
+async def http_run(base: str, model: str, concurrency: int, num: int, max_tokens: int) -> dict:
+    """``num`` chat requests, ``concurrency`` at a time (each client sends its next when one
+    ends); the questions in turn."""
+    queue = [QUESTIONS[i % len(QUESTIONS)] for i in range(num)]
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        await _one(client, base, model, QUESTIONS[0], 4)  # warm-up: not counted
+
+        async def worker():
+            while queue:
+                q = queue.pop(0)
+                results.append(await _one(client, base, model, q, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    out_tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "output_tok_s": out_tokens / wall, "wall_s": wall,
+            "ttft_mean_s": statistics.fmean(r["ttft"] for r in results),
+            "tpot_mean_ms": 1000 * statistics.fmean((r["e2e"] - r["ttft"]) / max(1, r["tokens"] - 1) for r in results),
+            "tokens_per_request": out_tokens / len(results), "first_text": results[0]["text"][:120]}
+
+
+def serve_and_measure(server, model_name: str | None, a) -> dict:
+    with server:
+        base = server.base_url
+        model = model_name or httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        out = {}
+        for c, n in ((1, a.requests_c1), (8, a.requests_c8)):
+            r = out[str(c)] = asyncio.run(http_run(base, model, c, n, a.max_tokens))
+            print(f"  {server.name:22s} c={c}: {r['output_tok_s']:.1f} tok/s  TTFT {r['ttft_mean_s'] * 1000:.0f} ms  "
+                  f"TPOT {r['tpot_mean_ms']:.1f} ms  ({r['requests']} requests, {r['tokens_per_request']:.0f} tokens each)",
+                  flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.loadtest.peers.bench_vs_vllm import cpu_name
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a .gguf file (default: the default model's)")
+    p.add_argument("--requests-c1", type=int, default=6)
+    p.add_argument("--requests-c8", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--no-dequantized", action="store_true")
+    p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--log-dir", default=None)
+    a = p.parse_args(argv)
+    gguf = a.model or default_gguf()
+    print(f"bench_vs_llama_cpp: {gguf}; {cpu_name()}", flush=True)
+    kinds = ["gguf"] + ([] if a.no_dequantized else ["none"])
+    report: dict = {"model": gguf, "cpu": cpu_name(), "offline": {}, "http": {}}
+    if not a.no_offline:
+        for q in kinds:
+            r = report["offline"]["native" if q == "gguf" else "dequantized"] = offline_b1(gguf, q, a.max_tokens)
+            print(f"  offline b1 --quantization {q:5s}: {r['tok_s']:.1f} tok/s, {r['weight_bytes'] / 1e6:.0f} MB "
+                  f"read a step", flush=True)
+    for q in kinds:
+        server = pagedserve_server(gguf, quantization=q, max_num_seqs=a.max_num_seqs, max_model_len=2048,
+                                   log_dir=a.log_dir)
+        server.name = f"pagedserve-{'native' if q == 'gguf' else 'dequantized'}"
+        report["http"][server.name] = serve_and_measure(server, None, a)
+    if not a.no_llama_cpp:
+        from pagedserve.loadtest.peers.llama_cpp import llama_server, setup_llama_server
+
+        setup_llama_server()
+        server = llama_server(gguf, alias="model", parallel=8, ctx_size=8 * 2048, log_dir=a.log_dir)
+        report["http"]["llama-server"] = serve_and_measure(server, "model", a)
+        native, llama = report["http"]["pagedserve-native"], report["http"]["llama-server"]
+        for c in ("1", "8"):
+            report[f"c{c}_vs_llama_cpp"] = native[c]["output_tok_s"] / llama[c]["output_tok_s"]
+            print(f"  c={c}: pagedserve native / llama-server = {report[f'c{c}_vs_llama_cpp']:.2f}x", flush=True)
+    if "native" in report["offline"]:
+        report["serving_share_c1"] = (report["http"]["pagedserve-native"]["1"]["output_tok_s"]
+                                      / report["offline"]["native"]["tok_s"])
+        print(f"  serving share at c=1 (HTTP / offline b1): {report['serving_share_c1']:.2f}", flush=True)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
