@@ -1,5 +1,6 @@
 """The cluster, tested as a cluster (several Ray nodes on this machine): placement, node
-loss under load, scale-down and a rolling update, each against real Ray nodes.
+loss under load (a steady one, and a storm of short streams), scale-down and a rolling
+update, each against real Ray nodes.
 
 One run of ``python -m pagedserve.loadtest.multinode.cluster_check`` in a subprocess: it builds its
 own multi-node clusters (cluster/ray_utils.py LocalCluster; the suite's session Ray is not
@@ -18,7 +19,7 @@ import tempfile
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def phases(tmp_path_factory):
     out = tmp_path_factory.mktemp("cluster-check")
     proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.multinode.cluster_check",
                            "--result-dir", str(out)],
-                          cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=840)
+                          cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=1140)
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert last.startswith('{"phases"'), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(last)["phases"]
@@ -78,6 +79,21 @@ def test_node_loss_fails_or_retries_its_requests_at_once_and_serve_replaces_the_
     # Nothing left behind: the lost group is gone, two groups of 2 workers each remain.
     assert p["groups_left_behind"] == 0 and p["old_groups_gone"] == 1
     assert p["groups_alive"] == 2 and p["workers_alive"] == 4
+    assert p["ok"]
+
+
+def test_a_node_lost_under_a_storm_of_short_streams_fails_no_request_that_had_no_token(phases):
+    p = phases["node_kill_storm"]
+    # At least 1,000 requests around the kill, some streaming on the lost replica when its
+    # node's processes were killed, and the front saw it go.
+    assert p["requests_around_kill"] >= 1000 and p["sent_before_kill"] > 0 and p["sent_after_kill"] > 0
+    assert p["on_lost_replica_at_kill"] > 0 and p["workers_killed"] > 0
+    assert p["loss_seen_after_s"] is not None and p["front_replicas_lost"] == 1
+    # None of those that had received no token failed: each was admitted elsewhere.
+    assert p["failed_without_token"] == 0, p["failed_without_token_errors"]
+    # Only streams that had shown tokens ended in-band, each on the lost replica, naming it.
+    assert p["in_band_named"] == p["in_band_after_tokens"] == p["in_band_on_lost_replica"]
+    assert p["answered_after_kill"] > 0
     assert p["ok"]
 
 

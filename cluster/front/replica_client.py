@@ -10,10 +10,10 @@ route that generates goes through.
 It owns what the requests share: the output channel (made on the loop that reads it), the
 lifeline of every replica it has heard from (cluster/wire/lifeline.py), and the loss future,
 done when one of them ends and then renewed. A lost replica is routed around at once
-(lost_replicas.py, routing.py); its requests that have sent the client nothing yet are
-tried again on another replica (failover.Resumable), and a stream that has sent tokens ends
-with ReplicaLost, which the response turns into a 503. /health asks a replica through this
-client too, so that a replica lost while it is asked is not the answer.
+(lost_replicas.py, routing.py); its requests that have shown the client none of their
+output yet are tried again on another replica (failover.Resumable), and a stream that has
+shown some ends with ReplicaLost, which the response turns into a 503. /health asks a
+replica through this client too, so that a replica lost while it is asked is not the answer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fastapi.responses import Response
 
 from pagedserve.cluster.front.door import FrontLimit, LiveRequests, ShedGate
 from pagedserve.cluster.front.edge import error
-from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission
+from pagedserve.cluster.front.failover import MAX_ATTEMPTS, Resumable, admission, patiently
 from pagedserve.cluster.front.router.lost_replicas import mark_lost
 from pagedserve.cluster.front.prompt_tokens import PromptTokens
 from pagedserve.cluster.front.served_model import ServedModel
@@ -59,13 +59,15 @@ class ReplicaClient:
         # The KV router scores replicas on token ids: the prompt is tokenized here, once.
         self._tokens = PromptTokens(model.info) if tokenize_for_router else None
 
-    async def generate(self, req: EngineRequest, *, whole: bool, arrival: float | None = None):
+    async def generate(self, req: EngineRequest, *, whole: bool, arrival: float | None = None,
+                       ids_shown: bool = True):
         """Open the engine stream of ``req``; return (stream, admission) or (None, error
         response). ``whole``: the response is sent when it ends (not streamed), so it may be
         tried again at any point; ``arrival``: when this front took the request (its TTFT
-        starts there). A request whose replica is lost before it has sent anything is tried on
-        another (Resumable). With the KV router, a text prompt or chat is tokenized here first
-        and goes on as token ids (``req.prompt``; ``req.messages`` None)."""
+        starts there); ``ids_shown``: the response carries token ids. A request whose replica
+        is lost before it has shown the client any output is tried on another (Resumable).
+        With the KV router, a text prompt or chat is tokenized here first and goes on as
+        token ids (``req.prompt``; ``req.messages`` None)."""
         if self._tokens is not None:
             try:
                 ids = await self._tokens.encode(req)
@@ -89,13 +91,13 @@ class ReplicaClient:
         async def resume():
             if self._model.metrics is not None:
                 self._model.metrics.requests_retried.inc()
-            return await again(retry=True)
+            return await patiently(lambda: again(retry=True))  # the client holds a 200 already
 
         stream, adm = await again()
         if stream is None:
             return None, adm
         resumable = Resumable(stream, adm, resume, whole,
-                              lambda a: self._live.placed(rid, a.replica_id))
+                              lambda a: self._live.placed(rid, a.replica_id), ids_shown)
         return resumable, adm
 
     async def _generate_once(self, req: EngineRequest, arrival: float | None, retry: bool = False):

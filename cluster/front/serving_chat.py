@@ -143,7 +143,8 @@ class OpenAIServingChat:
         req = EngineRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools,
                             lora_request=lora)
         stream, adm = await self._client.generate(req, whole=not body.stream,
-                                                  arrival=arrival if arrival is not None else self._live.arrival(rid))
+                                                  arrival=arrival if arrival is not None else self._live.arrival(rid),
+                                                  ids_shown=body.return_token_ids)
         if stream is None:
             return adm
         return _ChatStarted(rid, stream, params, plan, echo, self._model.response_name(info, lora), int(time.time()),

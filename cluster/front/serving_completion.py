@@ -105,7 +105,8 @@ class OpenAIServingCompletion:
         arrival = self._live.arrival(rid)
         reqs = [EngineRequest(sub, p, params, body.priority, body.cache_salt, tenant=tenant, lora_request=lora)
                 for sub, p in zip(ids, prompts)]
-        tasks = [asyncio.ensure_future(self._client.generate(req, whole=not body.stream, arrival=arrival))
+        tasks = [asyncio.ensure_future(self._client.generate(req, whole=not body.stream, arrival=arrival,
+                                                             ids_shown=body.return_token_ids))
                  for req in reqs]
         try:
             await asyncio.wait(tasks)

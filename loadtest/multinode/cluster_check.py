@@ -13,11 +13,17 @@ declarative ``serve deploy`` apply) and drives it over HTTP with httpx:
                     TP=4 on 4-CPU nodes is refused at once with the group's size and the
                     largest node; with --placement-group-strategy PACK it spans nodes and
                     answers as TP=1 does
-    node_kill       2 replicas (TP=2) under a streaming load; the node of one is removed:
-                    its streams end within 2 s (in-band error) or are retried (no token yet),
-                    the other replica's streams never notice, new requests get their usual
-                    TTFT, Serve replaces the group within 60 s, /health says 200 throughout
-                    (a live replica answers), no placement group or actor is left behind
+    node_kill       2 replicas (TP=2) under a streaming load; the node of one is killed (all
+                    its processes at once, as a machine that dies): its streams end within
+                    2 s (in-band error) or are retried (no token yet), the other replica's
+                    streams never notice, new requests get their usual TTFT, Serve replaces
+                    the group within 60 s, /health says 200 throughout (a live replica
+                    answers), no placement group or actor is left behind
+    node_kill_storm 2 replicas (TP=1) on 2 worker nodes, 16 clients of short streams (a
+                    closed loop each, 550 requests sent before the kill and 550 after); every
+                    process of one replica's node is killed while it streams: no request that
+                    had received no token fails (retried elsewhere); only streams that had
+                    shown tokens may end in-band, naming the lost replica
     scale_cycle     autoscaling 1 -> 2 -> 1 under load: 0 failed requests
     rolling_update  ``serve deploy`` of a changed max_num_seqs under load: 0 failed requests
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -37,13 +44,14 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 
 from pagedserve.cluster.ray_utils import LocalCluster, cluster_view, delete_app, deploy_config, shutdown_ray
 from pagedserve.loadtest.harness.servers import free_port, pagedserve_server
 from pagedserve.loadtest.harness.client import RequestResult
 from pagedserve.loadtest.multinode.load import Load, failures, median, quantile
 
-PHASES = ("spread", "tp", "node_kill", "scale_cycle", "rolling_update")
+PHASES = ("spread", "tp", "node_kill", "node_kill_storm", "scale_cycle", "rolling_update")
 ENGINE = "EngineDeployment"
 # The replica's own ongoing-request limit and the shedding are off: these phases count
 # failures, and an overloaded 2-core box must queue, not refuse.
@@ -60,7 +68,8 @@ class Ctx:
         self.args = args
         self.port = args.port or free_port()  # one port: Serve's proxy keeps the first it was given
         self.base = f"http://127.0.0.1:{self.port}"
-        self.logs = Path(args.result_dir or "/tmp/cluster-check") / "logs"
+        self.out_dir = Path(args.result_dir or "/tmp/cluster-check")
+        self.logs = self.out_dir / "logs"
         self.cluster: LocalCluster | None = None
 
     def new_cluster(self, workers: int) -> LocalCluster:
@@ -158,6 +167,21 @@ async def _health_watch(base: str, stop: asyncio.Event, codes: list) -> None:
             except httpx.HTTPError as e:
                 codes.append((t, type(e).__name__))
             await asyncio.sleep(0.5)
+
+
+def _kill_node_at_once(cluster: LocalCluster, ip: str) -> int:
+    """Every process of node ``ip`` at once, as a machine that dies; returns how many of its
+    workers were killed. LocalCluster.kill stops the raylet and its agents; the workers it
+    started (the engine replica) follow only once they notice, and until then they serve:
+    the requests in flight would have drained."""
+    raylet = cluster.nodes[ip].all_processes["raylet"][0].process.pid
+    killed = 0
+    for proc in psutil.Process(raylet).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+            killed += 1
+    cluster.kill(ip)
+    return killed
 
 
 def phase_node_kill(ctx: Ctx) -> dict:
@@ -267,7 +291,7 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
     await asyncio.sleep(0.5)  # routed and queued there
     victims = {a["name"].rsplit("#", 1)[-1] for a in engine_replicas(view) if a["node"] == victim_node}
     kill_t = time.perf_counter()
-    await asyncio.to_thread(cluster.kill, victim_node)
+    await asyncio.to_thread(_kill_node_at_once, cluster, victim_node)
     print(f"  node {victim_node} removed under load (replica {', '.join(sorted(victims))})", flush=True)
     replaced = None
     while time.perf_counter() - kill_t < 90:
@@ -287,6 +311,116 @@ async def _kill_under_load(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
                 replaced_in_s=None if replaced is None else round(replaced, 1),
                 health_checks=len(codes), health_non_200=sum(1 for _, c in codes if c != 200),
                 requests=len(load.results))
+
+
+# node_kill_storm: a high rate of short streams, so that many requests are being routed,
+# waiting for their admission, or waiting for their first token when the node goes.
+STORM_CLIENTS = 16
+STORM_TOKENS = 8
+STORM_EACH_SIDE = 550  # requests sent before the kill, and after it: >= 1,000 around it
+STORM_MIN_AROUND = 1000
+STORM_STREAMS_AT_KILL = 3  # the node is killed while its replica answers at least this many streams
+STORM_AFTER_S = 4.0  # the load goes on at least this long after the kill
+STORM_CAP_S = 90.0  # each side's load stops here whatever it sent (a box too slow: the count says so)
+
+
+def phase_node_kill_storm(ctx: Ctx) -> dict:
+    cluster = ctx.new_cluster(2)
+    with ctx.server(min_replicas=2, max_num_seqs=32) as srv:
+        res = asyncio.run(_storm(ctx, srv.base_url, cluster))
+    kill_t, victims = res.pop("kill_t"), res.pop("victim_replicas")
+    results: list[RequestResult] = res.pop("results")
+    failed = failures(results)
+    # The client's own measure: a token is a chunk with text or token ids (harness/client.py).
+    no_token = [r for r in failed if r.first_token_time == 0]
+    in_band = [r for r in failed if r.first_token_time > 0]
+    before = [r for r in results if r.start_time < kill_t]
+    out = dict(
+        requests_around_kill=len(results),
+        sent_before_kill=len(before), sent_after_kill=len(results) - len(before),
+        load_before_kill_s=round(kill_t - min((r.start_time for r in results), default=kill_t), 1),
+        load_after_kill_s=round(max((r.end_time for r in results), default=kill_t) - kill_t, 1),
+        started_within_1s_after_kill=sum(1 for r in results if kill_t <= r.start_time < kill_t + 1.0),
+        answered_by_before_kill=dict(Counter(r.replica for r in before if r.success)),
+        victim_replicas=sorted(victims),
+        inflight_at_kill=sum(1 for r in results if r.start_time < kill_t < r.end_time),
+        on_lost_replica_at_kill=sum(1 for r in results if r.start_time < kill_t < r.end_time and r.replica in victims),
+        refused_429_retried=sum(r.retries for r in results),
+        failed_without_token=len(no_token),
+        failed_without_token_errors=sorted({r.error[:200] for r in no_token})[:3],
+        in_band_after_tokens=len(in_band),
+        in_band_named=sum("was lost" in r.error for r in in_band),
+        in_band_on_lost_replica=sum(r.replica in victims for r in in_band),
+        in_band_last_after_kill_s=round(max((r.end_time - kill_t for r in in_band), default=0.0), 2),
+        failed_after_kill=len([r for r in failed if r.start_time > kill_t]),
+        answered_after_kill=len([r for r in results if r.start_time > kill_t and r.success]),
+        **res)
+    # Every request's times from the kill, for a reader who wants the timeline.
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    (ctx.out_dir / "node_kill_storm_requests.json").write_text(json.dumps([
+        dict(start=round(r.start_time - kill_t, 3), first=round(r.first_token_time - kill_t, 3) if r.first_token_time else None,
+             end=round(r.end_time - kill_t, 3), replica=r.replica, retries=r.retries, error=r.error[:200])
+        for r in results]))
+    out["ok"] = bool(out["requests_around_kill"] >= STORM_MIN_AROUND and out["failed_without_token"] == 0
+                     and out["in_band_named"] == len(in_band) and out["in_band_on_lost_replica"] == len(in_band)
+                     and out["on_lost_replica_at_kill"] > 0 and out["answered_after_kill"] > 0
+                     and out["workers_killed"] > 0 and out["loss_seen_after_s"] is not None)
+    return out
+
+
+async def _storm(ctx: Ctx, base: str, cluster: LocalCluster) -> dict:
+    # Closed loops of short streams; a 429 (the front's own limit on an overloaded box) is
+    # sent again after its Retry-After, as the OpenAI SDK does, and counted.
+    load = Load(base, clients=STORM_CLIENTS, max_tokens=STORM_TOKENS, max_retries=5)
+    task = asyncio.ensure_future(load.run())
+    metrics = httpx.AsyncClient(timeout=30)
+
+    async def lost() -> float:  # replicas the front saw die (their lifeline ended)
+        return _counter((await metrics.get(f"{base}/metrics")).text, "pagedserve:replicas_lost_total")
+
+    t0 = time.perf_counter()
+    while load.num_sent < STORM_EACH_SIDE and time.perf_counter() - t0 < STORM_CAP_S:
+        await asyncio.sleep(0.1)
+    view = await asyncio.to_thread(ctx.view)
+    node_of = {a["name"].rsplit("#", 1)[-1]: a["node"] for a in engine_replicas(view)}
+    lost_before = await lost()
+    # The victim: the first node whose replica is answering STORM_STREAMS_AT_KILL streams (the
+    # router may send a whole burst to one replica: the other may hold none at a given moment).
+    victim_node, t1 = None, time.perf_counter()
+    while victim_node is None and time.perf_counter() - t1 < 10:
+        busy = Counter(node_of.get(r.replica) for r in list(load.inflight.values()) if r.replica)
+        busy.pop(None, None)
+        if busy and busy.most_common(1)[0][1] >= STORM_STREAMS_AT_KILL:
+            victim_node = busy.most_common(1)[0][0]
+        else:
+            await asyncio.sleep(0.005)
+    victim_node = victim_node or _replica_nodes(view)[0]  # none in 10 s: on_lost_replica_at_kill says so
+    victims = {rid for rid, node in node_of.items() if node == victim_node}
+    kill_t, sent_at_kill = time.perf_counter(), load.num_sent
+    killed = await asyncio.to_thread(_kill_node_at_once, cluster, victim_node)
+    print(f"  node {victim_node} removed under load (replica {', '.join(sorted(victims))})", flush=True)
+    seen = None  # when the front counted the loss, from the kill
+    while seen is None and time.perf_counter() - kill_t < 10:
+        if await lost() > lost_before:
+            seen = time.perf_counter() - kill_t
+        else:
+            await asyncio.sleep(0.05)
+    while (load.num_sent < sent_at_kill + STORM_EACH_SIDE or time.perf_counter() - kill_t < STORM_AFTER_S) \
+            and time.perf_counter() - kill_t < STORM_CAP_S:
+        await asyncio.sleep(0.1)
+    load.stop()
+    await task
+    page = (await metrics.get(f"{base}/metrics")).text
+    await metrics.aclose()
+    return dict(kill_t=kill_t, victim_replicas=victims, victim_node=victim_node, results=load.results,
+                workers_killed=killed, loss_seen_after_s=None if seen is None else round(seen, 2),
+                front_replicas_lost=_counter(page, "pagedserve:replicas_lost_total"),
+                front_requests_retried=_counter(page, "pagedserve:requests_retried_total"))
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The series ``name`` in a Prometheus text page, summed over its labels (0 if absent)."""
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith((name + " ", name + "{")))
 
 
 def phase_scale_cycle(ctx: Ctx) -> dict:
@@ -394,6 +528,7 @@ async def _update_under_load(ctx: Ctx, config: dict) -> dict:
 
 
 PHASE_FUNCS = {"spread": phase_spread, "tp": phase_tp, "node_kill": phase_node_kill,
+               "node_kill_storm": phase_node_kill_storm,
                "scale_cycle": phase_scale_cycle, "rolling_update": phase_rolling_update}
 
 
@@ -426,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ctx.cluster is not None:
             ctx.close_cluster()
-    out = Path(args.result_dir or "/tmp/cluster-check")
+    out = ctx.out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "cluster_check.json").write_text(json.dumps({"phases": results}, indent=1))
     print(json.dumps({"phases": results}))

@@ -19,16 +19,20 @@ class Load:
     """``clients`` streaming completions, each sending the next when one ends; every
     result is kept (RequestResult: start, first token, end, error, replica)."""
 
-    def __init__(self, base: str, clients: int, max_tokens: int, seed: int = 0, whole: int = 0) -> None:
-        """``whole``: that many of the clients ask for whole (not streamed) responses."""
+    def __init__(self, base: str, clients: int, max_tokens: int, seed: int = 0, whole: int = 0,
+                 max_retries: int = 0) -> None:
+        """``whole``: that many of the clients ask for whole (not streamed) responses;
+        ``max_retries``: a stream answered 429 is sent again after its Retry-After, up to
+        that many times (as the OpenAI SDK does)."""
         self.base, self.clients, self.max_tokens, self.whole = base, clients, max_tokens, whole
+        self.max_retries = max_retries
         self.results: list[RequestResult] = []
         self.inflight: dict[str, RequestResult] = {}  # streams being answered (client.send_completion)
         self.prompts: dict[str, str] = {}  # request id -> its prompt
         self.prompt: str | None = None  # every request's prompt, when set
         self._text = WordText(["alpha", "beta", "gamma", "delta"], seed)  # 16-word prompts
         self._stop = asyncio.Event()
-        self._n = 0
+        self.num_sent = 0  # requests sent so far (each client's next one counts when it goes)
         self.clients_now = clients
 
     async def run(self) -> None:
@@ -40,13 +44,13 @@ class Load:
             if i >= self.clients_now:  # fewer clients for now
                 await asyncio.sleep(0.2)
                 continue
-            self._n += 1
+            self.num_sent += 1
             words = self.prompt or self._text(16)
-            spec = RequestSpec(f"c{i}-{self._n}", words, 16, self.max_tokens)
+            spec = RequestSpec(f"c{i}-{self.num_sent}", words, 16, self.max_tokens)
             self.prompts[spec.request_id] = words
             if i < self.clients - self.whole:
                 self.results.append(await send_completion(client, self.base, spec, "model", timeout=120,
-                                                          inflight=self.inflight))
+                                                          inflight=self.inflight, max_retries=self.max_retries))
             else:
                 self.results.append(await self._whole(client, spec))
 
