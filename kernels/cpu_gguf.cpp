@@ -179,6 +179,12 @@ void check_packed(const torch::Tensor& packed, int64_t qtype, int64_t K) {
 
 namespace {
 
+// The decoding loops and their consumers are inlined into one function a call (direct, the
+// strip loop), so that a consumer is a local whose accumulators the compiler keeps in
+// registers: through a reference it must assume every float load may alias them (__m256
+// aliases anything) and stores them to memory on every FMA.
+#define PS_INLINE inline __attribute__((always_inline))
+
 inline __m256 f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i i8x8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -228,7 +234,7 @@ struct Tile {
     for (int a = 0; a < 4; ++a) t[a] = sc[a] = _mm256_setzero_ps();
   }
   template <int A>
-  inline void scale(__m256 s) {
+  PS_INLINE void scale(__m256 s) {
     if constexpr (kTemps) {
       acc[0][A] = _mm256_fmadd_ps(sc[A], t[A], acc[0][A]);
       t[A] = _mm256_setzero_ps();
@@ -236,7 +242,7 @@ struct Tile {
     sc[A] = s;
   }
   template <int A>
-  inline void put(int, __m256 q, int64_t k) {
+  PS_INLINE void put(int, __m256 q, int64_t k) {
     if constexpr (kTemps) {
       t[A] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(x + k), t[A]);
     } else {
@@ -245,11 +251,11 @@ struct Tile {
         acc[m][A % NA] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(x + m * ldx + k), acc[m][A % NA]);
     }
   }
-  inline void min(int slot, __m256 mn, int64_t s) {
+  PS_INLINE void min(int slot, __m256 mn, int64_t s) {
     for (int m = 0; m < MR; ++m)
       acc[m][slot % NA] = _mm256_fnmadd_ps(mn, _mm256_broadcast_ss(xs + m * ldxs + s), acc[m][slot % NA]);
   }
-  inline void finish() {
+  PS_INLINE void finish() {
     if constexpr (kTemps) {
       scale<0>(_mm256_setzero_ps());
       scale<1>(_mm256_setzero_ps());
@@ -274,20 +280,20 @@ struct Strip {
   __m256 sc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256 mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   template <int A>
-  inline void scale(__m256 s) { sc[A] = s; }
+  PS_INLINE void scale(__m256 s) { sc[A] = s; }
   template <int A>
-  inline void put(int slot, __m256 q, int64_t k) {
+  PS_INLINE void put(int slot, __m256 q, int64_t k) {
     _mm256_store_ps(buf + kGroup * k, _mm256_sub_ps(_mm256_mul_ps(q, sc[A]), mn[slot]));
   }
-  inline void min(int slot, __m256 m, int64_t) { mn[slot] = m; }
-  inline void finish() {}
+  PS_INLINE void min(int slot, __m256 m, int64_t) { mn[slot] = m; }
+  PS_INLINE void finish() {}
 };
 
 // Every kernel below decodes one group (nb packed blocks from `w`, laid out as this file's top
 // says) into a consumer C.
 
 template <class C>
-void decode_q8_0(C& t, const uint8_t* w, int64_t nb) {
+PS_INLINE void decode_q8_0(C& t, const uint8_t* w, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, w += 272) {
     const __m256 d = f16x8(w);
     t.template scale<0>(d);
@@ -308,7 +314,7 @@ void decode_q8_0(C& t, const uint8_t* w, int64_t nb) {
 
 // Q4_0 (MIN false: q - 8, exact in integers) and Q4_1 (MIN: d q + m).
 template <class C, bool MIN>
-void decode_q4(C& t, const uint8_t* w, int64_t nb) {
+PS_INLINE void decode_q4(C& t, const uint8_t* w, int64_t nb) {
   const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
   constexpr int64_t bytes = MIN ? 160 : 144, qoff = MIN ? 32 : 16;
   auto q4 = [&](__m256i v) { return cvt(MIN ? v : _mm256_sub_epi32(v, eight)); };
@@ -335,7 +341,7 @@ void decode_q4(C& t, const uint8_t* w, int64_t nb) {
 // Q4_K and Q5_K (HIGH: the fifth bit from qh). Chunk i decodes sub-blocks 2i (low nibbles:
 // chains 0 and 2, slot 0) and 2i + 1 (high nibbles: chains 1 and 3, slot 1) side by side.
 template <class C, bool HIGH>
-void decode_q45_k(C& t, const uint8_t* w, int64_t nb) {
+PS_INLINE void decode_q45_k(C& t, const uint8_t* w, int64_t nb) {
   const __m256i low = _mm256_set1_epi32(0xF), bit4 = _mm256_set1_epi32(16);
   constexpr int64_t bytes = HIGH ? 1440 : 1184;
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
@@ -377,7 +383,7 @@ void decode_q45_k(C& t, const uint8_t* w, int64_t nb) {
 // Q6_K: per half h of 128 weights and l < 32, four weights l, l + 32, l + 64, l + 96 (chains
 // 0..3, sub-blocks 8h + 2u + l / 16), their 6-bit q - 32 exact in integers.
 template <class C>
-void decode_q6_k(C& t, const uint8_t* w, int64_t nb) {
+PS_INLINE void decode_q6_k(C& t, const uint8_t* w, int64_t nb) {
   const __m256i low = _mm256_set1_epi32(0xF), two = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
   for (int64_t b = 0; b < nb; ++b, w += 1680) {
     const __m256 d = f16x8(w);
@@ -409,7 +415,7 @@ void decode_q6_k(C& t, const uint8_t* w, int64_t nb) {
 }
 
 template <class C>
-void decode(int64_t qtype, C& t, const uint8_t* w, int64_t nb) {
+PS_INLINE void decode(int64_t qtype, C& t, const uint8_t* w, int64_t nb) {
   switch (qtype) {
     case kQ8_0: decode_q8_0(t, w, nb); break;
     case kQ4_0: decode_q4<C, false>(t, w, nb); break;
@@ -585,8 +591,7 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
   });
 }
 
-// out [n, K] fp32 = rows `ids` of W, dequantized (the embedding's gather; the GEMM of many rows
-// dequantizes a range of W this way and multiplies in fp32).
+// out [n, K] fp32 = rows `ids` of W, dequantized (the embedding's gather).
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t qtype, torch::Tensor ids) {
   const int64_t K = out.size(1), n = ids.size(0);
   check_packed(packed, qtype, K);

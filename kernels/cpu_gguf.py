@@ -23,10 +23,11 @@ block holds the file's scales and quants (the K-quants' 6-bit scales unpacked to
 Summation: each weight is dequantized in fp32 as the gguf package's ``dequantize`` computes it
 (d q, (d sc) q) and multiplied in; a min (Q4_1 d q + m, the K-quants' dmin mn) multiplies the
 sum of x over its 32 weights instead, once per block. Results differ from ``F.linear`` on the
-dequantized weight in rounding only (~1e-6 of sum |w x|). Rows of x go in passes of 1 to 4
-against a group held in L1; from ``DIRECT_MAX_ROWS`` rows on (a prefill), W is dequantized
-range by range into fp32 and multiplied by torch's GEMM, where the FMAs, not the bytes, are
-the cost. The C++ is kernels/cpu_gguf.cpp; the repacked layout is described there byte by byte.
+dequantized weight in rounding only (~1e-6 of sum |w x|). Up to 4 rows of x take the weights
+dequantized in registers, each one vector of 8 rows' weights at one k, in one pass over the
+group; more rows (a batch, a prefill) dequantize each group once into an fp32 strip (L1/L2)
+and run fp32 tiles of 8 rows over it, 64 rows at a time, at about the speed of torch's own
+GEMM on the dequantized weight (where the FMAs, not the bytes, are the cost). The C++ is kernels/cpu_gguf.cpp; the repacked layout is described there byte by byte.
 """
 
 from __future__ import annotations
@@ -43,8 +44,6 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 GROUP = 8  # output rows a packed group interleaves (one 256-bit vector of fp32 outputs)
-DIRECT_MAX_ROWS = 16  # from this many rows of x on, dequantize ranges of W and use torch's GEMM
-_DEQUANT_ROWS = 2048  # rows of W dequantized at a time on that path (2048 x K fp32)
 
 _EXT = LazyExtension("pagedserve_cpu_gguf_v1", read_source("cpu_gguf.cpp"),
                      # -ffp-contract=off: the scalar dequantization rounds each product as numpy
@@ -75,10 +74,10 @@ def packed_shape(qtype: str, n: int, k: int) -> tuple[int, int, int]:
 class GGUFPart:
     """Rows [offset, offset + n) of W, K columns, in one GGUF type's packed groups."""
 
-    __slots__ = ("qtype", "n", "k", "packed")
+    __slots__ = ("qtype", "qid", "n", "k", "packed")
 
     def __init__(self, qtype: str, n: int, k: int, packed: torch.Tensor) -> None:
-        self.qtype, self.n, self.k, self.packed = qtype, n, k, packed
+        self.qtype, self.qid, self.n, self.k, self.packed = qtype, QTYPES[qtype], n, k, packed
 
     def nbytes(self) -> int:
         return self.packed.numel()
@@ -119,7 +118,7 @@ def dequantize_rows(w: GGUFWeight,
     ids = ids.reshape(-1).to(torch.int64)
     if len(w.parts) == 1:
         out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
-        _EXT.get().dequantize_rows(out, w.parts[0].packed, QTYPES[w.parts[0].qtype], ids.contiguous())
+        _EXT.get().dequantize_rows(out, w.parts[0].packed, w.parts[0].qid, ids.contiguous())
         return out
     out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
     start = 0
@@ -127,7 +126,7 @@ def dequantize_rows(w: GGUFWeight,
         sel = ((ids >= start) & (ids < start + p.n)).nonzero().view(-1)
         if sel.numel():
             rows = torch.empty((sel.numel(), w.k), dtype=torch.float32)
-            _EXT.get().dequantize_rows(rows, p.packed, QTYPES[p.qtype], (ids[sel] - start).contiguous())
+            _EXT.get().dequantize_rows(rows, p.packed, p.qid, (ids[sel] - start).contiguous())
             out[sel] = rows
         start += p.n
     return out
@@ -145,20 +144,13 @@ def linear(x: torch.Tensor,  # [..., K], any float dtype (computed in fp32)
     m = x2.shape[0]
     out = torch.empty((m, w.n), dtype=torch.float32)
     b32 = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
-    if m:
+    if len(w.parts) == 1 and m:  # one call (a decode step's common case)
+        p = w.parts[0]
+        _EXT.get().gemm(out, x2, p.packed, p.qid, b32)
+    elif m:
         mod, start = _EXT.get(), 0
         for p in w.parts:
-            cols = out[:, start:start + p.n]
-            if m < DIRECT_MAX_ROWS:
-                mod.gemm(cols, x2, p.packed, QTYPES[p.qtype], None if b32 is None else b32[start:start + p.n])
-            else:
-                for r0 in range(0, p.n, _DEQUANT_ROWS):
-                    r1 = min(p.n, r0 + _DEQUANT_ROWS)
-                    wr = torch.empty((r1 - r0, w.k), dtype=torch.float32)
-                    mod.dequantize_rows(wr, p.packed, QTYPES[p.qtype], torch.arange(r0, r1))
-                    cols[:, r0:r1] = x2 @ wr.t()
-                if b32 is not None:
-                    cols.add_(b32[start:start + p.n])
+            mod.gemm(out[:, start:start + p.n], x2, p.packed, p.qid, None if b32 is None else b32[start:start + p.n])
             start += p.n
     out = out.view(*lead, w.n)
     return out if dtype == torch.float32 else out.to(dtype)

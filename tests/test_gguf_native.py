@@ -1,9 +1,10 @@
 """GGUF weights run in their blocks (``--quantization gguf``, kernels/cpu_gguf.py), against the
 same weights dequantized (the gguf package's ``dequantize``; ``--quantization none``):
 
-    kernel      every block type, rows of x M = 1, 2, 3, 8, 17 (the register path up to 4, the
-                strip path beyond), odd N: within fp32 rounding of F.linear on the dequantized
-                weight (measured against float64, relative to sum |w x|); row gathers bit-exact
+    kernel      every block type, rows of x M = 1, 2, 3, 8, 17, 70 (the register path up to 4,
+                the strip path beyond, 64 rows of x a pass), odd N: within fp32 rounding of
+                F.linear on the dequantized weight (measured against float64, relative to
+                sum |w x|); dequantized rows bit-exact
     model       a small random Llama written as a GGUF of each type (Q4_K_M-style mixed types
                 too, so one fused projection holds two types): greedy tokens of the native
                 engine against the dequantized one, and the bytes it keeps
@@ -31,7 +32,7 @@ from pagedserve.worker.loading.random_models import make_test_model
 pytestmark = pytest.mark.skipif(not cpu_gguf.available(), reason="the GGUF C++ extension does not build here")
 
 TYPES = list(cpu_gguf.QTYPES)
-ROWS = (1, 2, 3, 8, 17)
+ROWS = (1, 2, 3, 8, 17, 70)
 
 
 def _dequantize(raw: np.ndarray, qtype: str) -> torch.Tensor:
