@@ -112,11 +112,14 @@ class EngineConfig:
     # "base_model_name"} (text, a dict or a LoRAModulePath); max_loras: the most distinct
     # adapters in one step (the worker's slots); max_lora_rank: the largest r an adapter may
     # have (the slots' size); max_cpu_loras: adapters kept in host memory (None: max_loras).
+    # dynamic_lora_loading_path (Ray Serve LLM's name): a folder whose sub-folder <name> is
+    # the adapter a request names as <name> (or <base>:<name>), loaded on its first use.
     enable_lora: bool = False
     lora_modules: list | None = None
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    dynamic_lora_loading_path: str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -154,6 +157,8 @@ class EngineConfig:
         self.lora_modules = parse_lora_modules(self.lora_modules) or None
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules need enable_lora (--enable-lora).")
+        if self.dynamic_lora_loading_path and not self.enable_lora:
+            raise ValueError("dynamic_lora_loading_path needs enable_lora (--enable-lora).")
         if not self.enable_lora:
             return
         if self.max_loras < 1:

@@ -48,3 +48,19 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def build_app_allowing_runtime_updates(cfg, name_prefix: str):
+    """build_app(cfg) with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (vLLM's opt-in to POST
+    /v1/load_lora_adapter), which the app reads where it is built; the environment is put back."""
+    from pagedserve.cluster.app import build_app
+
+    before = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    try:
+        return build_app(cfg, name_prefix=name_prefix)
+    finally:
+        if before is None:
+            del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+        else:
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = before

@@ -153,13 +153,13 @@ def bad_adapters(models, tmp_path_factory):
         f.truncate(os.path.getsize(weights) // 2)
     empty = root / "empty"
     empty.mkdir()
-    return {"rank16": (big, "rank 16 (layer 0 q_proj), over --max-lora-rank 8"),
+    return {"rank16": (big, "rank 16 (adapter_config.json): LoRA rank 16 is greater than max_lora_rank 8"),
             "lm-head": (head, "'lm_head', which is not adapted here"),
-            "dora": (dora, "use_dora=True is not supported"),
+            "dora": (dora, "use_dora=True is not supported (pagedserve does not yet support DoRA)"),
             "foreign-target": (foreign, "targets module 'c_attn', which the model does not have"),
             "corrupt": (corrupt, "adapter_model.safetensors cannot be read"),
             "empty": (str(empty), "has no adapter_config.json"),
-            "missing": (str(root / "nowhere"), "no adapter directory at")}
+            "missing": (str(root / "nowhere"), "No adapter found for")}
 
 
 @pytest.mark.parametrize("name", ["rank16", "lm-head", "dora", "foreign-target", "corrupt", "empty", "missing"])

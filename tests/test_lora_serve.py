@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from _lora_helpers import hf_greedy, make_random_adapter, merged_model
+from _lora_helpers import build_app_allowing_runtime_updates, hf_greedy, make_random_adapter, merged_model
 from conftest import SERVE_ENGINE, delete_app
 
 BASE = "base-model"
@@ -28,28 +28,29 @@ def adapters(serve_model, tmp_path_factory):
     return {"sql": make_random_adapter(serve_model, root / "sql", r=8, alpha=16, seed=3),
             "chat": make_random_adapter(serve_model, root / "chat", r=4, alpha=8, use_rslora=True,
                                         targets=["q_proj", "o_proj", "up_proj"], seed=4),
-            "too-big": make_random_adapter(serve_model, root / "too-big", r=32, targets=["q_proj"], seed=5)}
+            "too-big": make_random_adapter(serve_model, root / "too-big", r=32, targets=["q_proj"], seed=5),
+            # --dynamic-lora-loading-path: "dyn" (sql's weights: same settings and seed), and a
+            # folder whose adapter_config.json is not JSON
+            "dynamic": _dynamic_folder(serve_model, root / "dynamic")}
+
+
+def _dynamic_folder(serve_model, folder) -> str:
+    make_random_adapter(serve_model, folder / "dyn", r=8, alpha=16, seed=3)
+    (folder / "broken").mkdir()
+    (folder / "broken" / "adapter_config.json").write_text("this is not json")
+    return str(folder)
 
 
 @pytest.fixture(scope="module")
 def url(serve_url, serve_model, adapters):
     from ray import serve
 
-    from pagedserve.cluster.app import build_app
     from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, served_model_name=BASE, enable_lora=True, max_loras=2,
-                       lora_modules=[f"sql={adapters['sql']}"], **SERVE_ENGINE)
-    before = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
-    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # read where the app is built
-    try:
-        app = build_app(cfg, name_prefix="lora-")
-    finally:
-        if before is None:
-            del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
-        else:
-            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = before
-    serve.run(app, name="lora-test", route_prefix="/lora")
+                       lora_modules=[f"sql={adapters['sql']}"], dynamic_lora_loading_path=adapters["dynamic"],
+                       **SERVE_ENGINE)
+    serve.run(build_app_allowing_runtime_updates(cfg, "lora-"), name="lora-test", route_prefix="/lora")
     yield f"{serve_url}/lora"
     delete_app("lora-test")
 
@@ -115,12 +116,30 @@ def test_load_use_and_unload_at_run_time(url, client, adapters, oracle):
     assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
     big = load({"lora_name": "big", "lora_path": adapters["too-big"]})
     assert big.status_code == 400 and "rank 32" in big.json()["error"]["message"] \
-        and "--max-lora-rank 16" in big.json()["error"]["message"]
-    missing = load({"lora_name": "gone", "lora_path": "/nonexistent/adapter"})
-    assert missing.status_code == 400 and "no adapter directory" in missing.json()["error"]["message"]
+        and "is greater than max_lora_rank 16" in big.json()["error"]["message"]
+    missing = load({"lora_name": "gone", "lora_path": "/nonexistent/adapter"})  # vLLM's 404
+    assert missing.status_code == 404 and "No adapter found for" in missing.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=60)
     assert r.status_code == 200 and "removed successfully" in r.text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="chat", prompt="hi", max_tokens=2)
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "chat"}, timeout=60)
     assert r.status_code == 404 and r.json()["error"]["message"] == "The lora adapter 'chat' cannot be found."
+
+
+def test_an_adapter_in_the_dynamic_loading_path_loads_on_first_use(url, client, adapters, oracle):
+    """--dynamic-lora-loading-path (Ray Serve LLM's): a request naming "dyn" loads the folder
+    dyn there on first use (its tokens are the merged model's), and /v1/models lists it from
+    then on; a folder there with a broken adapter is a 400 naming the problem; a name with no
+    folder stays vLLM's 404, and a path is never taken as a name."""
+    assert "dyn" not in [c.id for c in client.models.list().data]
+    assert _tokens(client, "dyn") == oracle["sql"]  # sql's weights
+    assert _tokens(client, f"{BASE}:dyn") == oracle["sql"]
+    card = next(c for c in client.models.list().data if c.id == "dyn")
+    assert card.root == os.path.join(adapters["dynamic"], "dyn") and card.parent == BASE
+    with pytest.raises(openai.BadRequestError, match="is not valid JSON"):
+        client.completions.create(model="broken", prompt="hi", max_tokens=2)
+    for name in ("absent", "../dynamic/dyn", ".."):
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model=name, prompt="hi", max_tokens=2)
+

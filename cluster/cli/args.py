@@ -105,6 +105,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="the largest rank an adapter may have (default %(default)s)")
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept in host memory, least recently used out first (default: --max-loras)")
+    lora.add_argument("--dynamic-lora-loading-path", default=None, metavar="DIR",
+                      help="a folder of adapter folders: a request naming <name> not otherwise known loads "
+                           "DIR/<name> on first use (Ray Serve LLM's dynamic_lora_loading_path)")
     t = parser.add_argument_group("tenants")
     t.add_argument("--tenant-weight", action="append", type=_tenant_weight, default=None,
                    metavar="NAME=W", help="fair-share weight of a tenant (default 1); repeatable")

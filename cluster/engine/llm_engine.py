@@ -109,8 +109,10 @@ class LLMEngine:
             return self.tokenizer.encode(prompt)
         ids = list(prompt)
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}).")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:  # "out of vocabulary": vLLM's words for it, which its clients match on
+            raise ValueError(f"Token id {bad[0]!r} is out of vocabulary: prompt token ids must be integers in "
+                             f"[0, {vocab}).")
         return ids
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:

@@ -3,17 +3,20 @@ counts about the requests it serves.
 
 The replicas' info() (served name, max_model_len, tokenizer, logprob limit, ...) is asked
 once, on first need; a body that names another model is a 404 (OpenAI's words). Its LoRA
-adapters are models too (``resolve``): the replicas' --lora-modules, from that info, and those
-loaded at run time (serving_models.py). The front's
+adapters are models too (``resolve``): the replicas' --lora-modules, from that info, those
+loaded at run time (serving_models.py), and those found in --dynamic-lora-loading-path when a
+request first names one. The front's
 metrics (metrics.py) carry the served name as a label, so they are made with that info:
 until it has come there is nothing to count into, and every count here is skipped.
 """
 
 from __future__ import annotations
 
+import posixpath
+
 from fastapi.responses import JSONResponse
 
-from pagedserve.cluster.front.edge import error
+from pagedserve.cluster.front.edge import error, remote_error
 from pagedserve.cluster.front.metrics import ServeMetrics
 from pagedserve.scheduler.lora import LoRARequest
 
@@ -44,11 +47,33 @@ class ServedModel:
         base = info["served_model_name"]
         if model is None or model == base:
             return None, None
-        lora = self.loras.get(model[len(base) + 1:] if model.startswith(base + ":") else model)
+        name = model[len(base) + 1:] if model.startswith(base + ":") else model
+        lora = self.loras.get(name)
         if lora is not None:
             return lora, None
+        lora, refused = await self._dynamic(info, name)
+        if lora is not None or refused is not None:
+            return lora, refused
         available = ", ".join(f"`{n}`" for n in [base, *self.loras])
         return None, error(404, f"The model `{model}` does not exist. Available: {available}.")
+
+    async def _dynamic(self, info: dict, name: str) -> tuple[LoRARequest | None, JSONResponse | None]:
+        """The adapter ``name`` from --dynamic-lora-loading-path, checked by a replica (it
+        reads the folder, as the workers will) and known from then on: (its request, None);
+        (None, the replica's 400) for a bad one; (None, None) where there is none."""
+        root = info.get("dynamic_lora_loading_path")
+        # One folder name, never a path: a request must not reach outside the folder.
+        if not root or not name or name in (".", "..") or "/" in name or "\\" in name:
+            return None, None
+        lora = LoRARequest.named(name, posixpath.join(root, name))
+        try:
+            await self._engine.check_lora.remote(lora)
+        except Exception as e:  # arrives wrapped (RayTaskError)
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError) and "No adapter found" in str(cause):
+                return None, None  # no such folder: the unknown model's 404
+            return None, remote_error(e)
+        return self.loras.setdefault(name, lora), None
 
     @staticmethod
     def response_name(info: dict, lora: LoRARequest | None) -> str:

@@ -4,7 +4,8 @@
                                   path, parent = its base_model_name or the base model's id
     POST /v1/load_lora_adapter    {"lora_name", "lora_path"}: a replica checks the adapter
                                   against its model (cluster/engine/lora_adapters.py: a 400
-                                  naming the problem), then requests may name it
+                                  naming the problem, a 404 where there is no adapter at
+                                  that path, as vLLM), then requests may name it
     POST /v1/unload_lora_adapter  {"lora_name"}: new requests may no longer name it; those
                                   running finish with it (their plans carry its path)
 
@@ -52,6 +53,9 @@ class OpenAIServingModels:
         try:
             await self._engine.check_lora.remote(lora)
         except Exception as e:  # arrives wrapped (RayTaskError); a ValueError is the adapter's: 400
+            cause = getattr(e, "cause", None) or e
+            if isinstance(cause, ValueError) and "No adapter found" in str(cause):
+                return error(404, str(cause).splitlines()[-1])  # no such directory: vLLM's NotFoundError
             return remote_error(e)
         if name in self._model.loras:  # loaded by a concurrent call meanwhile
             return error(400, f"The lora adapter '{name}' has already been loaded.")

@@ -149,7 +149,8 @@ class AsyncEngine:
                     vocab_size=e.model_config.vocab_size, max_logprobs=e.config.max_logprobs,
                     chat_template_tools=renders_tools(e.tokenizer), eos_token_ids=list(e.eos_token_ids),
                     kv_events=self.kv_events_address, enable_lora=e.config.enable_lora,
-                    lora_modules=e.loras.describe())
+                    lora_modules=e.loras.describe(),
+                    dynamic_lora_loading_path=e.config.dynamic_lora_loading_path)
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)

@@ -47,6 +47,9 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|ml
 _UNSUPPORTED = (("use_dora", False), ("lora_bias", False), ("bias", "none"), ("modules_to_save", None),
                 ("trainable_token_indices", None), ("layer_replication", None),
                 ("alora_invocation_tokens", None), ("use_qalora", False), ("fan_in_fan_out", False))
+# The reasons vLLM gives for two of them, in its words (clients match on them).
+_UNSUPPORTED_WHY = {"use_dora": "pagedserve does not yet support DoRA",
+                    "modules_to_save": "pagedserve only supports modules_to_save being None"}
 
 
 class LoRAError(ValueError):
@@ -87,7 +90,8 @@ def read_adapter_config(lora_request: LoRARequest) -> dict:
     name, path = lora_request.lora_name, lora_request.lora_path
     where = os.path.join(path, CONFIG_FILE)
     if not os.path.isdir(path):
-        raise LoRAError(f"LoRA adapter {name!r}: no adapter directory at {path!r}.")
+        # vLLM's words ("No adapter found"): the front answers them with vLLM's 404.
+        raise LoRAError(f"LoRA adapter {name!r}: No adapter found for {path!r} (no adapter directory there).")
     try:
         with open(where, encoding="utf-8") as f:
             config = json.load(f)
@@ -104,8 +108,8 @@ def read_adapter_config(lora_request: LoRARequest) -> dict:
     for key, fine in _UNSUPPORTED:
         value = config.get(key, fine)
         if value not in (fine, None, [], {}):
-            raise LoRAError(f"LoRA adapter {name!r}: {key}={value!r} is not supported (only plain LoRA on "
-                            f"{', '.join(TARGET_MODULES)}).")
+            why = _UNSUPPORTED_WHY.get(key, f"only plain LoRA on {', '.join(TARGET_MODULES)}")
+            raise LoRAError(f"LoRA adapter {name!r}: {key}={value!r} is not supported ({why}).")
     return config
 
 
@@ -124,6 +128,12 @@ def check_target_modules(lora_request: LoRARequest, config: dict) -> None:
                             f"does not have (its adaptable modules: {', '.join(TARGET_MODULES)}).")
 
 
+def _rank_error(name: str, r: int, where: str, max_lora_rank: int) -> LoRAError:
+    # "is greater than max_lora_rank": vLLM's words, which its clients and tests match on.
+    return LoRAError(f"LoRA adapter {name!r} has rank {r} ({where}): LoRA rank {r} is greater than "
+                     f"max_lora_rank {max_lora_rank}; restart with --max-lora-rank {r} or more.")
+
+
 def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_lora_rank: int,
                       dtype: torch.dtype | None = None) -> LoRAAdapter:
     """Read and check the adapter at ``lora_request.lora_path``; its weights on the host, B
@@ -133,6 +143,12 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
     name = lora_request.lora_name
     config = read_adapter_config(lora_request)
     check_target_modules(lora_request, config)
+    # The config's r (and rank_pattern) first, as vLLM checks it: a rank over the slots' size
+    # is refused before any weight is read.
+    ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
+    ranks = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+    if ranks and max(ranks) > max_lora_rank:
+        raise _rank_error(name, max(ranks), CONFIG_FILE, max_lora_rank)
     rslora = bool(config.get("use_rslora", False))
     weights_path = os.path.join(lora_request.lora_path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
@@ -178,8 +194,7 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
                             f"model needs A [r, {fan_in}] and B [{fan_out}, r] (an adapter of another base "
                             "model?).")
         if r > max_lora_rank:
-            raise LoRAError(f"LoRA adapter {name!r} has rank {r} ({where}), over --max-lora-rank "
-                            f"{max_lora_rank}; restart with --max-lora-rank {r} or more.")
+            raise _rank_error(name, r, where, max_lora_rank)
         block = "self_attn" if module in ATTENTION_MODULES else "mlp"
         alpha = _alpha(config, f"model.layers.{layer}.{block}.{module}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r

@@ -99,6 +99,15 @@ class CompletionResponse(OpenAIBase):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
+    @model_serializer(mode="wrap")
+    def _keep_null_prompt_logprobs(self, handler):
+        # vLLM sends each choice's "prompt_logprobs": null when none were asked for, and its
+        # clients read choice.prompt_logprobs (the openai SDK has the attribute only if sent).
+        data = handler(self)
+        for choice in data.get("choices") or ():
+            choice.setdefault("prompt_logprobs", None)
+        return data
+
 
 class ChatLogprobTop(OpenAIBase):
     token: str
@@ -160,6 +169,13 @@ class ChatCompletionResponse(OpenAIBase):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsList | None = None  # vLLM: per response, not per choice
     prompt_token_ids: list[int] | None = None  # with return_token_ids, as vLLM
+
+    @model_serializer(mode="wrap")
+    def _keep_null_prompt_logprobs(self, handler):
+        # As CompletionResponse: vLLM's "prompt_logprobs": null, which its clients read.
+        data = handler(self)
+        data.setdefault("prompt_logprobs", None)
+        return data
 
 
 class DeltaFunctionCall(OpenAIBase):
