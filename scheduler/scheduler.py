@@ -475,6 +475,9 @@ class Scheduler:
                         spec_num_accepted_tokens=p.num_accepted_tokens,
                         spec_num_accepted_tokens_per_pos=list(p.num_accepted_tokens_per_pos),
                         spec_num_proposals=p.num_proposals, spec_propose_time_s=p.propose_time_s)
+        if self.max_loras is not None:
+            spec.update(max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.running),
+                        waiting_lora_adapters=_adapter_names(self.waiting))
         return SchedulerStats(**spec,
             tenants=tenants, queue_kv_demand_blocks=demand,
             running=len(self.running), waiting=len(self.waiting), waiting_by_reason=by_reason,
@@ -489,3 +492,8 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark runs); False while busy."""
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+
+def _adapter_names(requests) -> list[str]:
+    """The distinct LoRA adapters of ``requests``, by name, sorted."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

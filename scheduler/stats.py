@@ -47,6 +47,11 @@ class SchedulerStats:
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     spec_num_proposals: int = 0
     spec_propose_time_s: float = 0.0
+    # LoRA (vLLM's lora_requests_info): the adapters of running and of waiting requests,
+    # by name, and the most that may run at once (0: LoRA off).
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
+    max_lora: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -113,3 +113,34 @@ def test_lora_modules_parse():
         parse_lora_modules(["just-a-path"])
     with pytest.raises(ValueError, match="unknown key"):
         parse_lora_modules([{"name": "a", "path": "/a", "rank": 8}])
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters_as_vllm():
+    """vLLM's vllm:lora_requests_info gauge: the labels name the adapters of running and of
+    waiting requests (comma-joined, here a union over two replicas) and max_lora; with LoRA
+    off there is no such series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedserve.cluster.front.metrics import ServeMetrics, StatsAggregator
+    from pagedserve.cluster.wire.stats import stats_snapshot
+
+    sched = make(max_loras=2)
+    for rid, lora in (("a", A), ("b", B), ("c", C), ("base", None)):
+        add(sched, rid, [7] * 5, lora, max_tokens=6)
+    step(sched)
+    stats = sched.get_stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters, stats.max_lora) == (["a", "b"], ["c"], 2)
+    other = make(max_loras=2)
+    add(other, "d", [8] * 5, LoRARequest("d", 4, "/adapters/d"))
+    step(other)
+    agg = StatsAggregator()
+    agg.report("r0", stats_snapshot(stats))
+    agg.report("r1", stats_snapshot(other.get_stats()))
+    text = ServeMetrics("demo").render(agg.merged()).decode()
+    [info] = [s for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "vllm:lora_requests_info"]
+    assert info.labels == {"max_lora": "2", "running_lora_adapters": "a,b,d", "waiting_lora_adapters": "c"}
+    assert info.value > 1.7e9  # when they were seen, as vLLM's set_to_current_time()
+    off = StatsAggregator()
+    off.report("r0", stats_snapshot(make().get_stats()))
+    assert "lora_requests_info" not in ServeMetrics("demo").render(off.merged()).decode()

@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from pagedserve.cluster.front.router import route_counts
-from pagedserve.cluster.wire.stats import COUNTER_KEYS, GAUGE_KEYS, PER_POS_KEY, TENANT_KEYS
+from pagedserve.cluster.wire.stats import COUNTER_KEYS, GAUGE_KEYS, LORA_NAME_KEYS, PER_POS_KEY, TENANT_KEYS
 from pagedserve.scheduler.stats import WAITING_REASONS
 
 PREFIX = "pagedserve:"
@@ -89,6 +89,9 @@ class StatsAggregator:
             _add_per_pos(per_pos, s.get(PER_POS_KEY, ()))
         out[PER_POS_KEY] = per_pos
         out["queue_kv_demand_blocks"] = sum(s.get("queue_kv_demand_blocks", 0) for s in snaps)
+        for k in LORA_NAME_KEYS:
+            out[k] = sorted({name for s in snaps for name in s.get(k, ())})
+        out["max_lora"] = max((s.get("max_lora", 0) for s in snaps), default=0)  # per replica, as vLLM's
         tenants: dict[str, dict[str, float]] = {}
         for s in snaps:
             for t, v in s.get("tenants", {}).items():
@@ -215,6 +218,14 @@ class _EngineCollector:
             c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
             c.add_metric(labels, m[key])
             yield c
+        if m.get("max_lora"):  # LoRA is on (vLLM shows this only then)
+            # vLLM's info gauge: the labels carry the adapters (comma-joined names), the
+            # value is when they were last seen (seconds since the epoch).
+            g = GaugeMetricFamily(VLLM_PREFIX + "lora_requests_info", "Running stats on lora requests.",
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            g.add_metric([str(m["max_lora"]), ",".join(m.get("waiting_lora_adapters", ())),
+                          ",".join(m.get("running_lora_adapters", ()))], time.time())
+            yield g
         if m.get(PER_POS_KEY):  # speculative decoding is on (vLLM shows these only then)
             for name, doc, key in (
                     ("spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_num_drafts"),

@@ -15,6 +15,8 @@ COUNTER_KEYS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits",
 # Speculative decoding's accepted tokens per draft position: a list, summed by position
 # (empty: speculation off on that replica).
 PER_POS_KEY = "spec_num_accepted_tokens_per_pos"
+# LoRA adapter names (vLLM's lora_requests_info labels): a union over replicas.
+LORA_NAME_KEYS = ("running_lora_adapters", "waiting_lora_adapters")
 
 
 def stats_snapshot(stats: Any) -> dict[str, Any]:
@@ -31,4 +33,8 @@ def stats_snapshot(stats: Any) -> dict[str, Any]:
     # {tenant: {"running", "waiting", "tokens"}}; the VTC counter stays inside the scheduler.
     snap["tenants"] = {t: {k: v.get(k, 0) for k in TENANT_KEYS}
                        for t, v in (raw.get("tenants") or {}).items()}
+    # LoRA: adapter names of running and waiting requests, and max_loras (0: LoRA off).
+    for k in LORA_NAME_KEYS:
+        snap[k] = list(raw.get(k) or [])
+    snap["max_lora"] = int(raw.get("max_lora", 0) or 0)
     return snap
