@@ -58,9 +58,10 @@ class RequestResult:
 
 
 def completion_payload(spec: RequestSpec, model: str, extra: dict | None = None) -> dict:
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "n": spec.n,
-            "temperature": 0.0 if spec.n == 1 else 1.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": spec.ignore_eos}
+    # A spec may name its own model (bench_lora's LoRASpec: an adapter per request).
+    body = {"model": getattr(spec, "model", None) or model, "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens, "n": spec.n, "temperature": 0.0 if spec.n == 1 else 1.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": spec.ignore_eos}
     if spec.n > 1:
         body["seed"] = 0
     if spec.cache_salt is not None:

@@ -127,7 +127,8 @@ class ServerProcess:
 
 def pagedserve_command(model: str, port: int, python: str | None = None, **engine_args) -> list[str]:
     """``pagedserve serve`` with vLLM-style flags: ``enable_prefix_caching=False`` becomes
-    ``--no-enable-prefix-caching``, ``max_num_seqs=8`` becomes ``--max-num-seqs 8``."""
+    ``--no-enable-prefix-caching``, ``max_num_seqs=8`` becomes ``--max-num-seqs 8``, and a
+    list ``lora_modules=["a=/p", "b=/q"]`` becomes ``--lora-modules a=/p b=/q``."""
     cmd = [python or sys.executable, "-m", "pagedserve.cluster.cli.main", "serve", "--model", model,
            "--host", "127.0.0.1", "--port", str(port)]
     for key, value in engine_args.items():
@@ -136,6 +137,8 @@ def pagedserve_command(model: str, port: int, python: str | None = None, **engin
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             cmd.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            cmd += [flag, *map(str, value)]
         else:
             cmd += [flag, str(value)]
     return cmd
