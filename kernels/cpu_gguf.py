@@ -17,17 +17,20 @@ so one 8-byte load holds one weight position of 8 rows: widened to 8 int32 lanes
 fp32 and scaled, it is one 256-bit vector of 8 outputs' weights, and one FMA per row of x
 adds it times the broadcast x[m, k] into 8 outputs' sums. A group's bytes are one stream from
 memory; the groups are split over torch's intra-op threads. No byte is re-rounded: each row's
-block holds the file's scales and quants (the K-quants' 6-bit scales unpacked to a byte each;
-``packed_bytes`` has the sizes, within 3% of the file's).
+block holds the file's scales and quants (the K-quants' 6-bit scales unpacked to a byte each:
++2.8% for Q4_K, +2.3% for Q5_K; the other types keep the file's size). kernels/cpu_gguf.cpp
+lays the packed blocks out byte by byte.
 
-Summation: each weight is dequantized in fp32 as the gguf package's ``dequantize`` computes it
-(d q, (d sc) q) and multiplied in; a min (Q4_1 d q + m, the K-quants' dmin mn) multiplies the
-sum of x over its 32 weights instead, once per block. Results differ from ``F.linear`` on the
-dequantized weight in rounding only (~1e-6 of sum |w x|). Up to 4 rows of x take the weights
-dequantized in registers, each one vector of 8 rows' weights at one k, in one pass over the
-group; more rows (a batch, a prefill) dequantize each group once into an fp32 strip (L1/L2)
-and run fp32 tiles of 8 rows over it, 64 rows at a time, at about the speed of torch's own
-GEMM on the dequantized weight (where the FMAs, not the bytes, are the cost). The C++ is kernels/cpu_gguf.cpp; the repacked layout is described there byte by byte.
+Up to 4 rows of x take the weights dequantized in registers, in one pass over the group: one
+row (a decode step) sums q x unscaled per accumulator chain and multiplies by the scale once
+a sub-block, 2 to 4 rows scale each weight vector once and feed it to every row. More rows
+(a batch, a prefill) dequantize each group once into an fp32 strip (L1/L2), as the gguf
+package's ``dequantize`` computes each weight (d q, (d sc) q, then + m), and run fp32 tiles
+of 8 rows over it, 64 rows of x at a time, at about the speed of torch's own GEMM on the
+dequantized weight (there the FMAs, not the bytes, are the cost). In registers a min (Q4_1's
+m, the K-quants' dmin mn) multiplies the sum of x over its 32 weights, once a block, instead
+of every weight. Without AVX2 each row is dequantized (scalar C++) and dotted. Results differ
+from ``F.linear`` on the dequantized weight in rounding only (~1e-7 of sum |w x|).
 """
 
 from __future__ import annotations

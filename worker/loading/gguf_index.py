@@ -8,8 +8,8 @@ and, for every tensor, its name, GGML type, shape and where its bytes are.
 
 The ``gguf`` package's reader builds a numpy view of every metadata value, a second or more
 for a 49k-token vocabulary's strings and merges; this walks past arrays by their lengths, so
-a start that only needs the tensors (the native GGUF load, the type check, kv-size) does not
-pay for the vocabulary. Pure stdlib: kv-size (cluster/cli) imports it without torch.
+a start that only needs the tensors (the native GGUF load, the type check) does not pay for
+the vocabulary. Pure stdlib.
 """
 
 from __future__ import annotations
@@ -48,15 +48,6 @@ class GGUFIndex:
     path: str
     metadata: dict  # key -> scalar or string value (arrays: their length, as ("array", n))
     tensors: dict[str, TensorInfo]  # in file order
-
-    def type_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for t in self.tensors.values():
-            counts[t.qtype] = counts.get(t.qtype, 0) + 1
-        return counts
-
-    def weight_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
 
 class _Cursor:
