@@ -118,7 +118,8 @@ def test_max_num_seqs_and_the_waiting_reasons():
     assert plan.num_scheduled_tokens == {"r0": 5, "r1": 5}
     st = s.get_stats()
     assert (st.running, st.waiting) == (2, 2)
-    assert st.waiting_by_reason == {"no_blocks": 0, "no_budget": 0, "max_seqs": 2, "static_batch": 0, "reserved": 0}
+    assert st.waiting_by_reason == {"no_blocks": 0, "no_budget": 0, "max_seqs": 2, "static_batch": 0, "reserved": 0,
+                                    "lora_slots": 0}
     assert st.kv_cache_usage == 4 / 16 and st.num_free_blocks == 12 and st.num_blocks == 16
 
 
