@@ -8,6 +8,7 @@ that it does) without bringing the near-ties that would make a token-exact oracl
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -64,3 +65,17 @@ def build_app_allowing_runtime_updates(cfg, name_prefix: str):
             del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
         else:
             os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = before
+
+
+@contextlib.contextmanager
+def lora_app(serve_url: str, cfg, name: str):
+    """The app of ``cfg`` (runtime adapter loading allowed) on the suite's Serve as
+    ``{name}-test`` at ``/{name}``: yields its URL, deletes it after."""
+    from conftest import delete_app
+    from ray import serve
+
+    serve.run(build_app_allowing_runtime_updates(cfg, f"{name}-"), name=f"{name}-test", route_prefix=f"/{name}")
+    try:
+        yield f"{serve_url}/{name}"
+    finally:
+        delete_app(f"{name}-test")

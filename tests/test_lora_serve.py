@@ -14,8 +14,8 @@ import openai
 import pytest
 import torch
 
-from _lora_helpers import build_app_allowing_runtime_updates, hf_greedy, make_random_adapter, merged_model
-from conftest import SERVE_ENGINE, delete_app
+from _lora_helpers import hf_greedy, lora_app, make_random_adapter, merged_model
+from conftest import SERVE_ENGINE
 
 BASE = "base-model"
 PROMPT = [17, 230, 5, 99, 310, 42, 7, 128, 64, 255, 3, 411]
@@ -43,16 +43,13 @@ def _dynamic_folder(serve_model, folder) -> str:
 
 @pytest.fixture(scope="module")
 def url(serve_url, serve_model, adapters):
-    from ray import serve
-
     from pagedserve.config import EngineConfig
 
     cfg = EngineConfig(model=serve_model, served_model_name=BASE, enable_lora=True, max_loras=2,
                        lora_modules=[f"sql={adapters['sql']}"], dynamic_lora_loading_path=adapters["dynamic"],
                        **SERVE_ENGINE)
-    serve.run(build_app_allowing_runtime_updates(cfg, "lora-"), name="lora-test", route_prefix="/lora")
-    yield f"{serve_url}/lora"
-    delete_app("lora-test")
+    with lora_app(serve_url, cfg, "lora") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,7 @@ import httpx
 import openai
 import pytest
 
-from _lora_helpers import build_app_allowing_runtime_updates, make_random_adapter
-from conftest import delete_app
+from _lora_helpers import lora_app, make_random_adapter
 
 MODEL_NAME = "HuggingFaceH4/zephyr-7b-beta"  # the name served; the weights are the tiny random Llama
 # No queue-delay door (vLLM has none): test_multiple_lora_adapters sends 20 requests at once.
@@ -72,17 +71,14 @@ def zephyr_lora_files(serve_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(serve_url, serve_model, zephyr_lora_files):
-    from ray import serve
-
     from pagedserve.config import EngineConfig
 
     lora_module_1 = {"name": "zephyr-lora", "path": zephyr_lora_files, "base_model_name": MODEL_NAME}
     cfg = EngineConfig(model=serve_model, served_model_name=MODEL_NAME, enable_lora=True,
                        lora_modules=[json.dumps(lora_module_1), f"zephyr-lora2={zephyr_lora_files}"],
                        max_lora_rank=64, max_cpu_loras=2, **ENGINE)
-    serve.run(build_app_allowing_runtime_updates(cfg, "vllm-lora-"), name="vllm-lora-test", route_prefix="/vllm-lora")
-    yield f"{serve_url}/vllm-lora"
-    delete_app("vllm-lora-test")
+    with lora_app(serve_url, cfg, "vllm-lora") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
