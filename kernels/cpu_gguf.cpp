@@ -6,6 +6,7 @@
 #include "cpu_prelude.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cstdint>
@@ -606,6 +607,16 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
   });
 }
 
+// x [M, K] . W^T (+ bias) into a new [M, N] tensor: gemm with the output allocated here, one
+// call from Python a linear layer (a decode step makes ~120 of them; each Python-side
+// allocation and check costs about as much as a small layer's GEMM).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
+  torch::Tensor out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0)) gemm(out, x, packed, qtype, bias);
+  return out;
+}
+
 // out [n, K] fp32 = rows `ids` of W, dequantized (the embedding's gather).
 void dequantize_rows(torch::Tensor out, torch::Tensor packed, int64_t qtype, torch::Tensor ids) {
   const int64_t K = out.size(1), n = ids.size(0);
@@ -636,6 +647,7 @@ std::string isa() { return kIsa; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, py::call_guard<py::gil_scoped_release>());
   m.def("gemm", &gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("linear", &linear, py::call_guard<py::gil_scoped_release>());
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("format", &format);
   m.def("isa", &isa);

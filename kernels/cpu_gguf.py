@@ -138,6 +138,10 @@ def dequantize_rows(w: GGUFWeight,
 def linear(x: torch.Tensor,  # [..., K], any float dtype (computed in fp32)
            w: GGUFWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:  # [..., N], x's dtype
+    if x.dim() == 2 and x.dtype == torch.float32 and len(w.parts) == 1 and x.stride(-1) == 1 \
+            and (bias is None or bias.dtype == torch.float32):  # a layer of the fp32 engine: one call
+        p = w.parts[0]
+        return _EXT.get().linear(x, p.packed, p.qid, w.n, bias)
     lead, dtype = x.shape[:-1], x.dtype
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32:
@@ -147,12 +151,9 @@ def linear(x: torch.Tensor,  # [..., K], any float dtype (computed in fp32)
     m = x2.shape[0]
     out = torch.empty((m, w.n), dtype=torch.float32)
     b32 = bias.float() if bias is not None and bias.dtype != torch.float32 else bias
-    if len(w.parts) == 1 and m:  # one call (a decode step's common case)
-        p = w.parts[0]
-        _EXT.get().gemm(out, x2, p.packed, p.qid, b32)
-    elif m:
+    if m:
         mod, start = _EXT.get(), 0
-        for p in w.parts:
+        for p in w.parts:  # a part's columns of out: rows ldy apart, as the kernel takes them
             mod.gemm(out[:, start:start + p.n], x2, p.packed, p.qid, None if b32 is None else b32[start:start + p.n])
             start += p.n
     out = out.view(*lead, w.n)
