@@ -147,6 +147,12 @@ class ModelRunnerOutput:
     # Seconds rank 0's worker spent running the step (0: not measured): with the round
     # trip the engine sees, how long the worker sat idle between steps.
     execute_s: float = 0.0
+    # LoRA (worker/lora/host_cache.py): the lora_int_ids on the worker's host now, when they
+    # changed since the last result (None: unchanged), and the seconds each adapter read
+    # from disk since then took. The fronts' routers charge a replica without a request's
+    # adapter that read.
+    lora_resident: tuple[int, ...] | None = None
+    lora_load_s: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)

@@ -183,7 +183,7 @@ def test_the_header_carries_the_replicas_load_and_rates_and_refuses_what_is_not_
 
     stats = ReplicaStats(waiting_prefill_tokens=1234, running_prefill_tokens=567, num_waiting_reqs=3,
                          num_running_reqs=9, num_decoding_reqs=7, num_batched_tokens=2048, prefill_tok_s=3456.5,
-                         decode_step_s=0.0375)
+                         decode_step_s=0.0375, lora_load_s=0.125, lora_adapters=(2**62, 1, 77))
     batch = KVEventBatch(4, True, [(STORED, -5), (REMOVED, 2**62)])
     msg, got = decode(encode_batch(batch, stats))
     assert (msg.seq, msg.cleared, msg.events) == (4, True, [(STORED, -5), (REMOVED, 2**62)]) and got == stats
@@ -199,14 +199,17 @@ def test_the_header_carries_the_replicas_load_and_rates_and_refuses_what_is_not_
 
     def with_head(**fields):
         values = list(_HEAD.unpack_from(good))
-        names = ["version", "kind", "seq", "w", "r", "nw", "nr", "nd", "budget", "prefill", "decode"]
+        names = ["version", "kind", "seq", "w", "r", "nw", "nr", "nd", "budget", "prefill", "decode", "lora_s",
+                 "num_adapters"]
         for k, v in fields.items():
             values[names.index(k)] = v
-        return _HEAD.pack(*values)
+        return _HEAD.pack(*values) + good[_HEAD.size:]
 
     assert with_head(version=WIRE_VERSION)[:1] == bytes([WIRE_VERSION])
     for bad in (with_head(version=0), with_head(version=2),  # the old header's first byte is its kind
                 with_head(prefill=math.nan), with_head(decode=math.inf), with_head(prefill=-1.0),
+                with_head(lora_s=-0.5), with_head(lora_s=math.nan),
+                with_head(num_adapters=4),  # more adapters than the message holds
                 with_head(kind=7), with_head(kind=STATS) + b"\x00" * 9, good[:-1], b"",
                 struct.pack("<BqQ", 0, 1, 7)):  # a message of the old layout
         with pytest.raises(ValueError):

@@ -183,11 +183,64 @@ def test_stale_stats_fall_back_to_the_fleets_median_rates_and_the_in_flight_coun
     from pagedserve.cluster.front.router.kv_routing import fleet_rates
 
     loads = [stale, fresh(rate=1000, step=0.02), fresh(rate=3000, step=0.04)]
-    assert fleet_rates(policy, loads) == (2000.0, 0.03)
+    assert fleet_rates(policy, loads) == (2000.0, 0.03, policy.default_lora_load_s)
     # No stats at all (a replica never heard from) and nobody measured: the defaults
-    assert fleet_rates(policy, [ReplicaLoad(0, 3)]) == (policy.default_prefill_tok_s, policy.default_decode_step_s)
+    assert fleet_rates(policy, [ReplicaLoad(0, 3)]) == (policy.default_prefill_tok_s, policy.default_decode_step_s,
+                                                        policy.default_lora_load_s)
     # Never heard from: in-flight counts decide, as the stale fallback
     assert rank(policy, 512, {"a": ReplicaLoad(0, 3), "b": ReplicaLoad(0, 1)}) == (["b", "a"], BY_LOAD)
+
+
+def test_a_replica_without_the_prompts_adapter_pays_its_read_unless_one_is_on_its_way():
+    """Issue 56 item 4: a LoRA prompt. "a" has the adapter on its workers' host, "b" does not
+    (and reads one in 0.3 s): "a" wins though both are idle and equally fast; "a" busier by
+    more than the read loses to "b"; an adapter on its way to "b" (a request with it in
+    flight there) costs nothing; a base-model prompt pays no read anywhere."""
+    from pagedserve.cluster.front.router.kv_routing import replica_load
+    from pagedserve.cluster.wire.kv_events import ReplicaStats
+
+    policy = KVRoutingPolicy(block_size=16)
+    sql = 7
+
+    def load(adapters, waiting=0, on_way=False, adapter=sql, lora_load_s=0.3):
+        stats = ReplicaStats(waiting_prefill_tokens=waiting, num_waiting_reqs=int(waiting > 0), prefill_tok_s=RATE,
+                             decode_step_s=STEP, lora_load_s=lora_load_s, lora_adapters=adapters)
+        return replica_load(0, int(waiting > 0), 0, stats, 0.1, (), adapter, on_way)
+
+    assert rank(policy, 256, {"a": load((sql,)), "b": load(())})[0] == ["a", "b"]
+    assert predicted_ttft(policy, 256, load(()), (RATE, STEP, 1.0)) == pytest.approx(256 / RATE + 0.3)
+    # "a" holds 0.5 s of queued prefill, more than "b"'s read
+    assert rank(policy, 256, {"a": load((sql,), waiting=int(RATE) // 2), "b": load(())})[0] == ["b", "a"]
+    # 0.2 s of queue is cheaper than a 0.3 s read
+    assert rank(policy, 256, {"a": load((sql,), waiting=int(RATE) // 5), "b": load(())})[0] == ["a", "b"]
+    assert not load(()).has_adapter and load((), on_way=True).has_adapter
+    assert rank(policy, 256, {"a": load((sql,), waiting=int(RATE) // 5), "b": load((), on_way=True)})[0] == ["b", "a"]
+    # A replica that has read none yet: the fleet's median read time, else the default
+    unmeasured = load((), lora_load_s=0.0)
+    assert predicted_ttft(policy, 256, unmeasured, (RATE, STEP, 0.25)) == pytest.approx(256 / RATE + 0.25)
+    # The base model: nothing to read
+    assert load((), adapter=None).has_adapter
+
+
+def test_the_front_counts_adapters_in_flight_per_replica():
+    """routing._InFlight: an adapter is on its way to a replica while a request with it is
+    in flight there, and no longer once the last one completes or the replica is gone."""
+    from pagedserve.cluster.front.router.routing import _InFlight
+
+    flight = _InFlight()
+    flight.add("r1", "a", 100, adapter=7)
+    flight.add("r2", "a", 50, adapter=7)
+    flight.add("r3", "b", 10)
+    assert flight.has_adapter("a", 7) and not flight.has_adapter("b", 7) and not flight.has_adapter("a", 8)
+    flight.remove("r1")
+    assert flight.has_adapter("a", 7)
+    flight.remove("r2")
+    assert not flight.has_adapter("a", 7) and flight.fresh("b") == (10,)
+    flight.add("r4", "a", 1, adapter=7)
+    flight.add("r4", "b", 1, adapter=7)  # routed again elsewhere: moves
+    assert not flight.has_adapter("a", 7) and flight.has_adapter("b", 7)
+    flight.forget("b")
+    assert not flight.has_adapter("b", 7) and flight.fresh("b") == ()
 
 
 def test_no_shared_prefix_spreads_requests_evenly():

@@ -94,6 +94,14 @@ def test_one_slot_serves_two_adapters_in_turn(models, oracle):
     assert got == ref["plain"] + ref["rslora"] + ref[None]
     pool = llm.engine.executor.worker.runner.lora.pool
     assert pool.num_fills == 2  # plain, then rslora: each copied in once
+    # What the replica publishes to the fronts' routers: the adapters on the worker's host
+    # (max_cpu_loras defaults to max_loras, 1: the last one read) and a measured read time
+    # (cluster/wire/kv_events.py).
+    from pagedserve.cluster.replica.step_rates import StepRates
+    from pagedserve.cluster.wire.kv_events import replica_stats
+
+    stats = replica_stats(llm.engine.scheduler, StepRates(), llm.engine.loras)
+    assert stats.lora_adapters == (2,) and 0 < stats.lora_load_s < 10
     llm.shutdown()
 
 
@@ -109,11 +117,16 @@ def test_slots_and_host_cache_are_lru(models):
     mgr = _manager(base, max_cpu_loras=2)
     a, b = LoRARequest("plain", 1, adapters["plain"]), LoRARequest("rslora", 2, adapters["rslora"])
     c = LoRARequest("plain-again", 3, adapters["plain"])
-    for lora, fills, loads in ((a, 1, 1), (a, 1, 1), (b, 2, 2), (a, 3, 2), (c, 4, 3)):
+    # Each step's report: the adapters on the host when that changed (LRU first), one read
+    # time per read from disk.
+    for lora, fills, loads, resident in ((a, 1, 1, (1,)), (a, 1, 1, None), (b, 2, 2, (1, 2)), (a, 3, 2, None),
+                                         (c, 4, 3, (1, 3))):
         mgr.begin_step([(None, 2), (lora, 3)])
         assert mgr.ctx.step[0][1] == [(2, 5)]  # its run of rows
         mgr.end_step()
         assert (mgr.pool.num_fills, mgr.host.num_loads) == (fills, loads)
+        got, load_s = mgr.host.report()
+        assert got == resident and len(load_s) == (resident is not None) and all(s > 0 for s in load_s)
     assert 2 not in mgr.host and 1 in mgr.host  # b was least recently used
     mgr.begin_step([(None, 4)])
     assert mgr.ctx.step is None  # no adapter in the step: the layers' hooks return at once

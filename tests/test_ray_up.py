@@ -90,7 +90,7 @@ def _gpu_app_config() -> dict:
 def _watch(timeout_s: float) -> dict:
     """Poll the cluster until the engine deployment reports the workers' device failure:
     the GPU nodes seen, the nodes of every placement group's bundles, the nodes of every
-    worker actor and engine replica (dead ones stay in the actor table), Serve's message."""
+    worker actor and engine replica a process ran (dead ones stay in the actor table), Serve's message."""
     import ray
     from ray import serve
     from ray._private import state
@@ -108,10 +108,14 @@ def _watch(timeout_s: float) -> dict:
                 seen["groups"][pg_id] = dict(strategy=pg["strategy"], bundles=pg["bundles"],
                                              nodes=set(pg["bundles_to_node_id"].values()))
         for actor_id, a in state.actors().items():
+            # Only actors a process ran (Pid): one Serve kills while its lease is still being
+            # spilled from the head to the GPU node keeps the head's node id in its address.
             node = a["Address"]["NodeID"]
-            if a["ActorClassName"] == "RayWorkerWrapper" and node and node != "nil":
+            if not (a["Pid"] and node and node != "nil"):
+                continue
+            if a["ActorClassName"] == "RayWorkerWrapper":
                 seen["workers"][actor_id] = node
-            elif a["ActorClassName"].endswith(":EngineDeployment") and node and node != "nil":
+            elif a["ActorClassName"].endswith(":EngineDeployment"):
                 seen["replicas"][actor_id] = node
         app = serve.status().applications.get(APP)
         dep = app.deployments.get("EngineDeployment") if app else None

@@ -5,7 +5,7 @@ vLLM peer in CI: --no-vllm).
 
 They run two at a time, started together by the module's fixture: compare then the serve
 CLI in one lane, bench_frontend, gpu_check and bench_vs_vllm in the other; only the selected
-ones start. compare, bench_frontend and bench_vs_vllm (minutes) carry the ``benchmarks``
+ones start. compare, bench_frontend, gpu_check and bench_vs_vllm (minutes) carry the ``benchmarks``
 marker: left out of the default run, run by ``-m benchmarks`` and CI. A script that
 starts a server waits on it much of the time (Ray, Serve and the engine coming up), which
 the other lane fills. Each asserts structure and accounting, never the speed of this
@@ -135,6 +135,7 @@ def test_bench_frontend_prices_each_kind_by_process(runs):
     assert out["serving_ms_per_token"] > 0
 
 
+@pytest.mark.benchmarks
 @pytest.mark.timeout(900)
 def test_gpu_check_cpu_smoke(runs):
     """The one prepared GPU script (python -m pagedserve.loadtest.gpu_check) runs end to end

@@ -5,6 +5,8 @@
 - the front's /metrics counts the router's decisions and each replica's prefix hits;
 - with tenant isolation (the default), another tenant's identical prompt is not routed
   by the first tenant's blocks: the router matched none of its tokens;
+- a LoRA adapter's requests follow the replica that read it first (the other would pay
+  its read, as published in its KV events' header), whatever their prompts;
 - a replica killed mid-run leaves the router: every later request is answered by the
   other one (or by Serve's replacement), none is sent to the dead one.
 """
@@ -39,23 +41,29 @@ def _metrics(base: str) -> dict:
     return out
 
 
-def _complete(client: httpx.Client, base: str, prompt: str, tenant: str | None = None) -> httpx.Response:
+def _complete(client: httpx.Client, base: str, prompt: str, tenant: str | None = None,
+              model: str | None = None) -> httpx.Response:
     headers = {"x-tenant": tenant} if tenant else None
-    r = client.post(f"{base}/v1/completions", headers=headers,
-                    json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    r = client.post(f"{base}/v1/completions", headers=headers, json=body)
     assert r.status_code == 200, r.text
     return r
 
 
-def test_kv_router_keeps_prefixes_isolates_tenants_and_drops_a_killed_replica(serve_url, serve_model):
+def test_kv_router_keeps_prefixes_isolates_tenants_and_drops_a_killed_replica(serve_url, serve_model, tmp_path):
     import ray
     from ray import serve
 
+    from _lora_helpers import make_random_adapter
     from pagedserve.cluster.app import build_app
     from pagedserve.config import EngineConfig
 
+    sql = make_random_adapter(serve_model, tmp_path / "sql", r=8, alpha=16)
     cfg = EngineConfig(model=serve_model, **{**SERVE_ENGINE, "max_waiting_requests": None,
-                                             "max_queue_delay_s": None})
+                                             "max_queue_delay_s": None},
+                       enable_lora=True, max_lora_rank=8, lora_modules=[f"sql={sql}"])
     # Two replicas: the KV router is the default (cluster/app.py request_router).
     serve.run(build_app(cfg, min_replicas=2, max_replicas=2, engine_num_cpus=0.5, allow_tenant_header=True),
               name=APP, route_prefix=PREFIX)
@@ -99,6 +107,15 @@ def test_kv_router_keeps_prefixes_isolates_tenants_and_drops_a_killed_replica(se
             after = _metrics(base)
             assert after["pagedserve:router_matched_tokens_total"] == before["pagedserve:router_matched_tokens_total"]
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+            # An adapter's requests, each with a prompt of its own (no prefix to follow): the
+            # first reads it on one replica; the rest go there, where the other would read it
+            # first (its cost: the measured read time, kv_routing.py).
+            home = _complete(client, base, _text(rng, 12), model="sql").headers["x-pagedserve-replica"]
+            time.sleep(0.5)  # the replica's next stats header names the adapter
+            homes = [_complete(client, base, _text(rng, 12), model="sql").headers["x-pagedserve-replica"]
+                     for _ in range(6)]
+            assert set(homes) == {home}, (home, homes)
 
             # Kill one replica; once the front has noticed (its lifeline ended), every later
             # request is answered, none by the dead one.

@@ -172,9 +172,11 @@ def servers(request, tmp_path_factory) -> dict[str, ServerProcess]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-# The default run keeps the group signal (the one this module is about; a SIGTERM to the pid
-# is tests/test_script_smokes.py's); the other stops each cost a server more, under -m cluster.
-@pytest.mark.parametrize("how", [pytest.param(how, marks=[] if how == "group_sigterm" else [pytest.mark.cluster])
+# The group signal (the one this module is about) runs under -m scenarios (a SIGTERM to the
+# pid stays in the default run: tests/test_script_smokes.py's serve CLI test); the other
+# stops each cost a server more, under -m cluster.
+@pytest.mark.parametrize("how", [pytest.param(how, marks=[pytest.mark.scenarios if how == "group_sigterm"
+                                                          else pytest.mark.cluster])
                                  for how in sorted(STOPS)])
 def test_serve_stops_in_bound_and_leaves_nothing(servers, how):
     server = servers[how]

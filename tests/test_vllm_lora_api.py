@@ -51,6 +51,10 @@ import pytest
 
 from _lora_helpers import lora_app, make_random_adapter
 
+# ~50 s (its Serve app and 52 cases): under -m scenarios (pyproject.toml), not the default
+# run; tests/test_lora_serve.py keeps LoRA over HTTP in it.
+pytestmark = pytest.mark.scenarios
+
 MODEL_NAME = "HuggingFaceH4/zephyr-7b-beta"  # the name served; the weights are the tiny random Llama
 # No queue-delay door (vLLM has none): test_multiple_lora_adapters sends 20 requests at once.
 ENGINE = dict(max_model_len=1024, num_gpu_blocks_override=256, max_num_seqs=8, max_waiting_requests=64,
@@ -374,17 +378,25 @@ def test_parallel_streaming(client, model_name):
     n = 3
     max_tokens = 5
     stream = client.completions.create(model=model_name, prompt=prompt, max_tokens=max_tokens, n=n, stream=True,
-                                       extra_body={"ignore_eos": True})  # see the module doc
+                                       extra_body={"ignore_eos": True,  # see the module doc
+                                                   "return_token_ids": True})
     chunks: list[list[str]] = [[] for _ in range(n)]
+    tokens = [0] * n
     finish_reason_count = 0
     for chunk in stream:
         index = chunk.choices[0].index
         chunks[index].append(chunk.choices[0].text)
+        tokens[index] += len(chunk.choices[0].token_ids)
         if chunk.choices[0].finish_reason is not None:
             finish_reason_count += 1
     assert finish_reason_count == n
+    # vLLM's test wants one chunk per token. A stream the client reads slower than the steps
+    # come gets several tokens merged into one chunk (vLLM's output collector merges deltas
+    # alike); on a busy 2-core machine that happens, so: every token in some chunk, at most
+    # one chunk per token.
+    assert tokens == [max_tokens] * n
     for chunk in chunks:
-        assert len(chunk) == max_tokens
+        assert 1 <= len(chunk) <= max_tokens
 
 
 def _assert_usage_chunk(final_chunk):

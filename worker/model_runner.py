@@ -307,8 +307,9 @@ class ModelRunner:
         num_scheduled = {r: n for r, n in plan.num_scheduled_tokens.items() if r in self.requests}
         req_ids = list(plan.num_scheduled_tokens)
         if not num_scheduled:
-            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids],
-                                     step_id=plan.step_id, failed=failed or None)
+            return self._with_lora_report(ModelRunnerOutput(
+                req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], step_id=plan.step_id,
+                failed=failed or None))
         spec = plan.scheduled_spec_decode_tokens
         try:
             inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled, spec)
@@ -338,9 +339,15 @@ class ModelRunner:
         logprobs = None
         if logprobs_by_req:
             logprobs = [logprobs_by_req.get(r, []) for r in req_ids]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
-                                 step_id=plan.step_id, failed=failed or None,
-                                 prompt_logprobs=prompt_logprobs)
+        return self._with_lora_report(ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs, step_id=plan.step_id,
+            failed=failed or None, prompt_logprobs=prompt_logprobs))
+
+    def _with_lora_report(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """``out`` with what changed in the adapters' host cache since the last result."""
+        if self.lora is not None:
+            out.lora_resident, out.lora_load_s = self.lora.host.report()
+        return out
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequestState],
                      drafts: list[list[int] | None] | None):

@@ -375,6 +375,7 @@ class LLMEngine:
         # Requests that failed on their own in the worker leave before the scheduler
         # sees the result, so their (empty) rows are skipped like aborted ones.
         self.outputs.add_prompt_logprobs(result)
+        self.loras.observe(result.lora_resident, result.lora_load_s)
         failed: dict[str, RequestOutput] = {}
         for rid, message in (result.failed or {}).items():
             entry = self.outputs.samples.get(rid)

@@ -9,6 +9,10 @@
 The check reads the adapter as the worker will (worker/lora/peft_adapter.py): files,
 rank against ``max_lora_rank``, target modules and shapes against the model; and its
 ``base_model_name``, when given, against the model this engine serves.
+
+It also keeps what the workers report after each step (worker/lora/host_cache.py): the
+adapters on their host and how long a read from disk takes, which the replica publishes to
+the fronts' KV routers (cluster/wire/kv_events.py).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.worker.lora.peft_adapter import LoRAError, load_peft_adapter
 from pagedserve.worker.model_config import ModelConfig
 
+LOAD_EMA = 0.3  # weight of the newest read in load_s
+
 
 class LoRAAdapters:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, base_names: tuple[str, ...]) -> None:
@@ -30,6 +36,8 @@ class LoRAAdapters:
         self._model_config = model_config
         self._base_names = tuple(n for n in base_names if n)
         self._checked: set[int] = set()  # lora_int_ids that passed
+        self.resident: tuple[int, ...] = ()  # lora_int_ids on the workers' host (their last report)
+        self.load_s = 0.0  # one adapter's read from disk, averaged (EMA); 0.0: none read yet
         self._lock = threading.Lock()  # make_request runs on the tokenizer pool's threads
         self.static: dict[str, LoRARequest] = {}
         for m in config.lora_modules or ():
@@ -54,6 +62,13 @@ class LoRAAdapters:
         load_peft_adapter(lora_request, self._model_config, self.max_lora_rank)  # raises, naming the problem
         with self._lock:
             self._checked.add(lora_request.lora_int_id)
+
+    def observe(self, resident: tuple[int, ...] | None, load_s: tuple[float, ...]) -> None:
+        """A step result's report (ModelRunnerOutput.lora_resident, .lora_load_s)."""
+        if resident is not None:
+            self.resident = tuple(resident)
+        for s in load_s:
+            self.load_s = s if self.load_s == 0.0 else (1 - LOAD_EMA) * self.load_s + LOAD_EMA * s
 
     def describe(self) -> list[dict]:
         """The static adapters as the front lists them (/v1/models)."""

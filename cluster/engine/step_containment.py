@@ -126,7 +126,11 @@ def _merge(plan: SchedulerOutput, results: list[ModelRunnerOutput],
     logprobs: dict[str, list] = {}
     prompt_logprobs: dict = {}
     failed = dict(at_fault)
+    resident, load_s = None, []  # the adapters' host cache: its last report, every read
     for res in results:
+        if res.lora_resident is not None:
+            resident = res.lora_resident
+        load_s.extend(res.lora_load_s)
         for i, rid in enumerate(res.req_ids):
             sampled[rid] = res.sampled_token_ids[i]
             if res.logprobs is not None:
@@ -137,4 +141,5 @@ def _merge(plan: SchedulerOutput, results: list[ModelRunnerOutput],
     return ModelRunnerOutput(
         req_ids=req_ids, sampled_token_ids=[sampled.get(r, []) for r in req_ids],
         logprobs=[logprobs.get(r, []) for r in req_ids] if logprobs else None,
-        step_id=plan.step_id, failed=failed or None, prompt_logprobs=prompt_logprobs or None)
+        step_id=plan.step_id, failed=failed or None, prompt_logprobs=prompt_logprobs or None,
+        lora_resident=resident, lora_load_s=tuple(load_s))

@@ -218,7 +218,8 @@ class AsyncEngine:
             sched = engine.scheduler
             if outputs is not None:
                 self._kv_rates.observe(engine.last_plan, sched, now - t0)
-            self._kv_pub.pump(sched.kv_cache_manager.block_pool, lambda: replica_stats(sched, self._kv_rates))
+            self._kv_pub.pump(sched.kv_cache_manager.block_pool,
+                              lambda: replica_stats(sched, self._kv_rates, engine.loras))
         return outputs, self._with_view(stats_snapshot(engine.get_stats())), statuses
 
     def _with_token_text(self, out: RequestOutput):

@@ -14,10 +14,13 @@ at most every STATS_INTERVAL_S, so a quiet replica's figures do not go stale. A 
 is plain packed numbers, never a pickle: a peer that reaches the port can at worst make
 one router's view wrong, which costs cache hits and balance, not correctness.
 
-    header  <BBqQQIIIIdd  WIRE_VERSION, kind (BATCH | CLEARED_BATCH | SNAPSHOT | STATS), seq,
+    header  <BBqQQIIIIdddH WIRE_VERSION, kind (BATCH | CLEARED_BATCH | SNAPSHOT | STATS), seq,
                           waiting prefill tokens, running prefill tokens, waiting requests,
                           running requests, decoding requests, token budget per step,
-                          prefill tokens/s, decode step seconds (0.0: not measured yet)
+                          prefill tokens/s, decode step seconds (0.0: not measured yet),
+                          a LoRA adapter's read from disk in seconds (0.0: none read yet),
+                          A: the LoRA adapters on its workers' host
+    adapters  A x <q lora_int_id (scheduler/lora.adapter_id: the same on every process)
     body    BATCH: (<Bq kind, hash) per event; SNAPSHOT: <q per cached hash; STATS: none
 """
 
@@ -35,9 +38,10 @@ from pagedserve.scheduler.kv.kv_events import KVEventBatch, KVSnapshot, running_
 
 BATCH, CLEARED_BATCH, SNAPSHOT, STATS = 0, 1, 2, 3
 TOPIC = b"kv"
-WIRE_VERSION = 0xA2  # the first byte: a header of another layout (or none) is refused
+WIRE_VERSION = 0xA3  # the first byte: a header of another layout (or none) is refused
 STATS_INTERVAL_S = 0.1  # a header alone goes out at most this often
-_HEAD = struct.Struct("<BBqQQIIIIdd")
+_HEAD = struct.Struct("<BBqQQIIIIdddH")
+MAX_ADAPTERS = 0xFFFF
 _EVENT = struct.Struct("<Bq")
 _HASH = struct.Struct("<q")
 _U32 = 0xFFFFFFFF
@@ -55,22 +59,29 @@ class ReplicaStats:
     num_batched_tokens: int = 0  # its token budget per step (max_num_batched_tokens)
     prefill_tok_s: float = 0.0  # cluster/replica/step_rates.py; 0.0: not measured yet
     decode_step_s: float = 0.0
+    lora_load_s: float = 0.0  # a LoRA adapter's read from disk (cluster/engine/lora_adapters.py); 0.0: none yet
+    lora_adapters: tuple[int, ...] = ()  # the lora_int_ids on its workers' host
 
 
-def replica_stats(sched, rates) -> ReplicaStats:
-    """``sched``'s queues now, with ``rates`` (a StepRates: prefill_tok_s, decode_step_s)."""
+def replica_stats(sched, rates, loras=None) -> ReplicaStats:
+    """``sched``'s queues now, with ``rates`` (a StepRates: prefill_tok_s, decode_step_s)
+    and ``loras`` (the engine's LoRAAdapters: resident, load_s; None: LoRA off)."""
     tokens, decoding = running_prefill(sched)
+    adapters = tuple(loras.resident[-MAX_ADAPTERS:]) if loras is not None else ()
     return ReplicaStats(waiting_prefill(sched), tokens, len(sched.waiting), len(sched.running), decoding,
-                        sched.max_num_batched_tokens, rates.prefill_tok_s or 0.0, rates.decode_step_s or 0.0)
+                        sched.max_num_batched_tokens, rates.prefill_tok_s or 0.0, rates.decode_step_s or 0.0,
+                        loras.load_s if loras is not None else 0.0, adapters)
 
 
 def _head(kind: int, seq: int, s: ReplicaStats) -> bytes:
     def u32(n):
         return min(max(int(n), 0), _U32)
 
+    adapters = s.lora_adapters[-MAX_ADAPTERS:]
     return _HEAD.pack(WIRE_VERSION, kind, seq, max(0, s.waiting_prefill_tokens), max(0, s.running_prefill_tokens),
                       u32(s.num_waiting_reqs), u32(s.num_running_reqs), u32(s.num_decoding_reqs),
-                      u32(s.num_batched_tokens), float(s.prefill_tok_s), float(s.decode_step_s))
+                      u32(s.num_batched_tokens), float(s.prefill_tok_s), float(s.decode_step_s),
+                      float(s.lora_load_s), len(adapters)) + b"".join(_HASH.pack(a) for a in adapters)
 
 
 def encode_batch(batch: KVEventBatch, stats: ReplicaStats) -> bytes:
@@ -92,14 +103,18 @@ def decode(payload: bytes) -> tuple[KVEventBatch | KVSnapshot | None, ReplicaSta
     negative or not finite."""
     if len(payload) < _HEAD.size:
         raise ValueError("short KV event message")
-    version, kind, seq, *counts, prefill_tok_s, decode_step_s = _HEAD.unpack_from(payload)
+    version, kind, seq, *counts, prefill_tok_s, decode_step_s, lora_load_s, num_adapters = _HEAD.unpack_from(payload)
     if version != WIRE_VERSION:
         raise ValueError(f"KV event message of another version ({version})")
-    for rate in (prefill_tok_s, decode_step_s):
+    for rate in (prefill_tok_s, decode_step_s, lora_load_s):
         if not math.isfinite(rate) or rate < 0:
             raise ValueError("KV event message with a bad rate")
-    stats = ReplicaStats(*counts, prefill_tok_s, decode_step_s)
-    body = memoryview(payload)[_HEAD.size:]
+    end = _HEAD.size + num_adapters * _HASH.size
+    if len(payload) < end:
+        raise ValueError("short KV event message")
+    adapters = tuple(a for (a,) in _HASH.iter_unpack(payload[_HEAD.size:end]))
+    stats = ReplicaStats(*counts, prefill_tok_s, decode_step_s, lora_load_s, adapters)
+    body = memoryview(payload)[end:]
     if kind == STATS:
         if len(body):
             raise ValueError("KV stats message with a body")

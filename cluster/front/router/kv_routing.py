@@ -15,6 +15,8 @@ A cost model per replica, in seconds (Dynamo's KV router weighs the same two loa
     ttft     = (queued + fresh) / its prefill rate                 (tokens/s, measured)
              + decode_step_s x steps the prefill spans, if it has decoding requests
                steps = ceil((queued + fresh) / (its token budget - its decoding requests))
+             + its adapter read time, if the prompt names a LoRA adapter that is neither on
+               its workers' host nor on its way there (a request with it in flight there)
 
 The decode term is the inter-token latency the prefill competes with: every step that
 carries a chunk of it also carries one token of each decoding request, and the prefill
@@ -40,8 +42,13 @@ full.
 
 Block 0's salt is the replica's: the request's cache_salt, its LoRA adapter and, when
 tenants' caches are isolated, its tenant (scheduler/kv_cache_utils.hash_cache_salt), so a
-prompt never matches another tenant's or another adapter's blocks here either. (Where an
-adapter is loaded is not costed yet: the replicas do not publish their adapters.)
+prompt never matches another tenant's or another adapter's blocks here either.
+
+A replica publishes the adapters on its workers' host and its measured read time (the
+worker times each read from disk, worker/lora/host_cache.py); one that has not read any
+yet is costed at the fleet's median, or ``default_lora_load_s``. Not costed: a replica
+whose ``max_loras`` slots are all taken by other running adapters (the request waits for
+one there; the waiting and running tokens only partly show it).
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ class KVRoutingPolicy:
     # Until some replica has measured its rates (a fresh fleet): only their ratio matters.
     default_prefill_tok_s: float = 2000.0
     default_decode_step_s: float = 0.02
+    default_lora_load_s: float = 0.1  # an adapter's read, until some replica has measured one
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None, tenant: str | None,
                      lora: LoRARequest | None = None) -> list[int]:
@@ -109,6 +117,8 @@ class ReplicaLoad:
     # the fresh (uncached) prompt tokens of requests in flight there, newest first (as many
     # as are known, at most in_flight)
     fresh_in_flight: tuple[int, ...] = ()
+    has_adapter: bool = True  # the prompt's LoRA adapter is there or on its way (or it names none)
+    lora_load_s: float = 0.0  # its measured adapter read (0.0: none read yet)
 
 
 def matched_blocks(block_hashes: list[int], held, sent: Callable[[int], bool] | None = None) -> int:
@@ -123,14 +133,19 @@ def matched_blocks(block_hashes: list[int], held, sent: Callable[[int], bool] | 
 
 
 def replica_load(matched: int, in_flight: int, cached_blocks: int, stats, stats_age_s: float | None,
-                 fresh_in_flight: tuple[int, ...] = ()) -> ReplicaLoad:
-    """A ReplicaLoad from a replica's last stats message (``stats_age_s`` None: none yet)."""
+                 fresh_in_flight: tuple[int, ...] = (), adapter: int | None = None,
+                 adapter_on_way: bool = False) -> ReplicaLoad:
+    """A ReplicaLoad from a replica's last stats message (``stats_age_s`` None: none yet).
+    ``adapter``: the prompt's lora_int_id (None: the base model); ``adapter_on_way``: a
+    request with it is in flight there."""
     if stats is None or stats_age_s is None:
-        return ReplicaLoad(matched, in_flight, cached_blocks, fresh_in_flight=fresh_in_flight)
+        return ReplicaLoad(matched, in_flight, cached_blocks, fresh_in_flight=fresh_in_flight,
+                           has_adapter=adapter is None or adapter_on_way)
     return ReplicaLoad(matched, in_flight, cached_blocks, stats_age_s, stats.waiting_prefill_tokens,
                        stats.running_prefill_tokens, stats.num_waiting_reqs + stats.num_running_reqs,
                        stats.num_decoding_reqs, stats.num_batched_tokens, stats.prefill_tok_s, stats.decode_step_s,
-                       fresh_in_flight)
+                       fresh_in_flight, adapter is None or adapter_on_way or adapter in stats.lora_adapters,
+                       stats.lora_load_s)
 
 
 def _newest_fresh(x: ReplicaLoad, n: int, prompt_len: int) -> int:
@@ -144,17 +159,21 @@ def _trusted(policy: KVRoutingPolicy, x: ReplicaLoad) -> bool:
     return x.stats_age_s is not None and x.stats_age_s <= policy.stale_s
 
 
-def fleet_rates(policy: KVRoutingPolicy, loads) -> tuple[float, float]:
-    """(prefill tokens/s, decode step seconds): the median of the replicas that have
-    measured them and whose stats are trusted, else the policy's defaults."""
+def fleet_rates(policy: KVRoutingPolicy, loads) -> tuple[float, float, float]:
+    """(prefill tokens/s, decode step seconds, adapter read seconds): the median of the
+    replicas that have measured them and whose stats are trusted, else the policy's
+    defaults."""
     trusted = [x for x in loads if _trusted(policy, x)]
     prefill = [x.prefill_tok_s for x in trusted if x.prefill_tok_s > 0]
     decode = [x.decode_step_s for x in trusted if x.decode_step_s > 0]
+    lora = [x.lora_load_s for x in trusted if x.lora_load_s > 0]
     return (statistics.median(prefill) if prefill else policy.default_prefill_tok_s,
-            statistics.median(decode) if decode else policy.default_decode_step_s)
+            statistics.median(decode) if decode else policy.default_decode_step_s,
+            statistics.median(lora) if lora else policy.default_lora_load_s)
 
 
-def predicted_ttft(policy: KVRoutingPolicy, prompt_len: int, x: ReplicaLoad, fleet: tuple[float, float]) -> float:
+def predicted_ttft(policy: KVRoutingPolicy, prompt_len: int, x: ReplicaLoad,
+                   fleet: tuple[float, float, float]) -> float:
     """Seconds to this prompt's first token on the replica ``x`` describes (module doc)."""
     fresh = policy.miss_weight * max(0, prompt_len - x.matched_blocks * policy.block_size)
     if _trusted(policy, x):
@@ -165,7 +184,7 @@ def predicted_ttft(policy: KVRoutingPolicy, prompt_len: int, x: ReplicaLoad, fle
         decoding = x.num_decoding
     else:
         queued = _newest_fresh(x, x.in_flight, prompt_len)
-        rate, step_s = fleet
+        rate, step_s = fleet[:2]
         decoding = x.in_flight
     work = queued + fresh
     ttft = work / rate
@@ -173,6 +192,8 @@ def predicted_ttft(policy: KVRoutingPolicy, prompt_len: int, x: ReplicaLoad, fle
         per_step = x.num_batched_tokens - decoding if x.num_batched_tokens else 0
         steps = math.ceil(work / per_step) if per_step > 0 else 1
         ttft += step_s * max(1, steps)
+    if not x.has_adapter:
+        ttft += (x.lora_load_s if _trusted(policy, x) and x.lora_load_s > 0 else fleet[2])
     return ttft
 
 

@@ -155,37 +155,55 @@ class _SentBlocks:
 
 class _InFlight:
     """This front's requests in flight on each replica (routed, not completed), each with
-    its fresh prompt tokens: the part its replica did not hold when it was routed. The
-    cost model's in-flight count and the weight of the requests a replica's stats do not
-    show yet (kv_routing.py). Not Serve's count (``_replica_queue_len_cache``): its
-    entries expire unread after RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S unless a probe
-    renews them, and this router does not probe, so a replica busy with long requests
-    read as idle."""
+    its fresh prompt tokens (the part its replica did not hold when it was routed) and its
+    LoRA adapter. The cost model's in-flight count, the weight of the requests a replica's
+    stats do not show yet, and the adapters on their way there (kv_routing.py). Not
+    Serve's count (``_replica_queue_len_cache``): its entries expire unread after
+    RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S unless a probe renews them, and this router
+    does not probe, so a replica busy with long requests read as idle."""
 
     def __init__(self) -> None:
         self._by_replica: dict[str, dict[str, int]] = {}  # replica unique id -> request id -> fresh tokens
         self._replica_of: dict[str, str] = {}  # request id -> replica unique id
+        self._adapters: dict[str, Counter] = {}  # replica unique id -> lora_int_id -> requests in flight
+        self._adapter_of: dict[str, int] = {}  # request id -> its lora_int_id (those with one)
 
-    def add(self, request_id: str, uid: str, fresh: int) -> None:
+    def add(self, request_id: str, uid: str, fresh: int, adapter: int | None = None) -> None:
         self.remove(request_id)
         if len(self._replica_of) >= MAX_IN_FLIGHT:  # one cancelled before dispatch never completes
             for rid in list(self._replica_of)[: MAX_IN_FLIGHT // 2]:
                 self.remove(rid)
         self._replica_of[request_id] = uid
         self._by_replica.setdefault(uid, {})[request_id] = fresh
+        if adapter is not None:
+            self._adapter_of[request_id] = adapter
+            self._adapters.setdefault(uid, Counter())[adapter] += 1
 
     def remove(self, request_id: str) -> None:
         uid = self._replica_of.pop(request_id, None)
         if uid is not None:
             self._by_replica.get(uid, {}).pop(request_id, None)
+        adapter = self._adapter_of.pop(request_id, None)
+        if uid is not None and adapter is not None:
+            counts = self._adapters.get(uid)
+            if counts is not None:
+                counts[adapter] -= 1
+                if counts[adapter] <= 0:
+                    del counts[adapter]
 
     def fresh(self, uid: str) -> tuple[int, ...]:
         """The fresh tokens of its requests in flight, newest first (their number: the count)."""
         return tuple(reversed((self._by_replica.get(uid) or {}).values()))
 
+    def has_adapter(self, uid: str, adapter: int) -> bool:
+        """A request with this adapter is in flight there (it is loaded, or being loaded)."""
+        return (self._adapters.get(uid) or {}).get(adapter, 0) > 0
+
     def forget(self, uid: str) -> None:
         for rid in self._by_replica.pop(uid, {}):
             self._replica_of.pop(rid, None)
+            self._adapter_of.pop(rid, None)
+        self._adapters.pop(uid, None)
 
     def replicas(self) -> set[str]:
         return set(self._by_replica)
@@ -211,12 +229,13 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         # request_router_kwargs: the replicas' block size and isolation, and any of the
         # policy's fields (kv_routing.KVRoutingPolicy: miss_weight, stale_s, tie_rel, ...)
         tuning = {k: kwargs.pop(k) for k in ("miss_weight", "stale_s", "tie_rel", "default_prefill_tok_s",
-                                             "default_decode_step_s") if k in kwargs}
+                                             "default_decode_step_s", "default_lora_load_s") if k in kwargs}
         super().initialize_state(**kwargs)
         self._policy = KVRoutingPolicy(block_size, isolate_tenants, **tuning)
         self._subs: dict = {}  # replica unique id -> KVEventSubscriber
         self._sent = _SentBlocks()  # blocks on their way to each replica
-        self._scored: dict[str, tuple] = {}  # internal request id -> (first choice, decision, matched, when, prompt len)
+        # internal request id -> (first choice, decision, matched, when, prompt len, adapter)
+        self._scored: dict[str, tuple] = {}
         self._in_flight = _InFlight()
 
     def update_replicas(self, replicas) -> None:
@@ -258,26 +277,31 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if not ids or not candidate_replicas:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         hashes = self._policy.block_hashes(ids, req.cache_salt, req.tenant, req.lora_request)
+        adapter = req.lora_request.lora_int_id if req.lora_request is not None else None
         loads, seen, now = {}, False, time.monotonic()
         me = pending_request.metadata.internal_request_id  # scored before, when this is a retry
         # The requests scored and not routed yet (a burst is scored before any of it is
-        # routed), newest first, ahead of those in flight.
+        # routed), newest first, ahead of those in flight; the replicas their adapter goes to.
         on_way: dict[str, list[int]] = {}
-        for rid, (first, _, matched, when, n) in reversed(self._scored.items()):
+        adapter_on_way: set[str] = set()
+        for rid, (first, _, matched, when, n, lora) in reversed(self._scored.items()):
             if when > now - SCORED_TTL_S and rid != me:
                 on_way.setdefault(first, []).append(max(0, n - matched.get(first, 0) * self._policy.block_size))
+                if lora is not None and lora == adapter:
+                    adapter_on_way.add(first)
         for r in candidate_replicas:
             uid = r.replica_id.unique_id
             sub = self._subscriber(r)
             seen |= sub is not None
             fresh = (*on_way.get(uid, ()), *self._in_flight.fresh(uid))
+            coming = adapter is not None and (uid in adapter_on_way or self._in_flight.has_adapter(uid, adapter))
             if sub is None:
-                loads[r] = ReplicaLoad(0, len(fresh), fresh_in_flight=fresh)
+                loads[r] = ReplicaLoad(0, len(fresh), fresh_in_flight=fresh, has_adapter=adapter is None or coming)
                 continue
             held = sub.view.hashes  # leading blocks cached there, or on their way (sent)
             matched = matched_blocks(hashes, held, self._sent.view(uid, now))
             age = None if sub.heard_at is None else now - sub.heard_at
-            loads[r] = replica_load(matched, len(fresh), len(held), sub.stats, age, fresh)
+            loads[r] = replica_load(matched, len(fresh), len(held), sub.stats, age, fresh, adapter, coming)
         if not seen:
             return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         order, by = rank(self._policy, len(ids), loads)
@@ -290,7 +314,7 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         if len(self._scored) > MAX_SCORED:
             self._scored.clear()
         self._scored[pending_request.metadata.internal_request_id] = (
-            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()}, now, len(ids))
+            first, by, {r.replica_id.unique_id: x.matched_blocks for r, x in loads.items()}, now, len(ids), adapter)
         # Its blocks count as sent to the first choice now, not once Serve has routed it:
         # the other requests of a burst are scored before that, and would otherwise send
         # the same new prefix to both replicas. A request that lands elsewhere corrects it.
@@ -307,12 +331,13 @@ class KVPrefixRouter(_SkipsLostReplicas, LocalityMixin, MultiplexMixin, RequestR
         scored = self._scored.pop(rid, None)
         bs = self._policy.block_size
         held = 0 if scored is None else scored[2].get(replica_id.unique_id, 0) * bs
-        self._in_flight.add(rid, replica_id.unique_id, max(0, len(ids) - held))
+        adapter = req.lora_request.lora_int_id if req.lora_request is not None else None
+        self._in_flight.add(rid, replica_id.unique_id, max(0, len(ids) - held), adapter)
         if tracing():
             trace({"routed": rid, "to": replica_id.unique_id, "first": scored and scored[0],
                    "fresh": max(0, len(ids) - held)})
         if scored is not None:
-            first, by, matched, _, _ = scored
+            first, by, matched = scored[:3]
             route_counts.count(by if replica_id.unique_id == first else BY_LOAD, held, len(ids))
             if replica_id.unique_id == first:
                 return  # marked as sent there when it was scored
