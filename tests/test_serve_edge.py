@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -164,6 +165,51 @@ def test_oversized_body_is_413_before_it_is_read(url):
     under = json.dumps({"prompt": "a " * ((limit - 100) // 2)}).encode()
     assert len(under) <= limit
     assert "context length" in _error(_raw(f"{url}/v1/completions", under), 400)["message"]
+
+
+def _post_raw(url: str, body_len: int, chunk: int = 1 << 16) -> bytes:
+    """A POST with Content-Length ``body_len`` written to a plain socket in full, as a client
+    that sends its whole body before it reads (curl, requests, the openai SDK do); then
+    everything the server answered."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    head = (f"POST {u.path}/v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {body_len}\r\n\r\n").encode()
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+        sock.sendall(head)
+        block = b"a" * chunk
+        for _ in range(body_len // chunk):
+            sock.sendall(block)  # a reset here fails the test: the server must read it away
+        sock.sendall(b"a" * (body_len % chunk))
+        sock.shutdown(socket.SHUT_WR)
+        out = b""
+        while b"\r\n\r\n" not in out or len(out.partition(b"\r\n\r\n")[2]) < 10:
+            data = sock.recv(65536)
+            if not data:
+                break
+            out += data
+    return out
+
+
+def test_a_20_mb_body_gets_its_413_and_json_whole(url):
+    """Issue 60: a body far over the limit is refused from its Content-Length without being
+    parsed, and the client that writes it whole still reads the 413 and its JSON (the rest is
+    read and dropped by the HTTP server, not answered with a reset)."""
+    t0 = time.perf_counter()
+    out = _post_raw(url, 20 << 20)
+    took = time.perf_counter() - t0
+    status_line, _, rest = out.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 413"), out[:300]
+    body = rest.partition(b"\r\n\r\n")[2]
+    assert json.loads(body)["error"]["code"] == 413
+    assert took < 10, took
+    # httpx, the same body: the status and the error shape
+    resp = httpx.post(f"{url}/v1/completions", content=b"a" * (20 << 20),
+                      headers={"content-type": "application/json"}, timeout=60)
+    _error(resp, 413)
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 200
 
 
 def test_models_shows_the_model_as_given_and_no_other_path(url, serve_model):

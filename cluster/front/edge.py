@@ -45,6 +45,9 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's opt-in to loadin
 # is read, parsed or tokenized.
 BODY_BYTES_PER_TOKEN = 32
 BODY_HEADROOM_BYTES = 4 << 20
+# A body over the limit with a Content-Length up to this is read and dropped by the HTTP
+# server after its 413, so the client sees the answer; a longer one gets the connection closed.
+DRAIN_BOUND_BYTES = 256 << 20
 
 
 def default_max_request_body_bytes(max_model_len: int) -> int:
@@ -269,8 +272,12 @@ class EdgeMiddleware:
             declared = int(headers.get("content-length", "0"))
         except ValueError:
             declared = 0
-        if declared > limit:  # refused before a byte of it is read
-            await _send(send, too_big, scope, receive)
+        if declared > limit:  # refused before a byte of it is read (by this app)
+            # The HTTP server reads the rest and drops it (uvicorn discards a request's
+            # body once its response is complete), so a client that writes its whole body
+            # first still reads this 413; closing now would reset the connection under it.
+            # Past DRAIN_BOUND_BYTES the connection closes (a reset), not to read that much.
+            await _send(send, too_big, scope, receive, close=declared > DRAIN_BOUND_BYTES)
             return
         chunks, size = [], 0
         while True:
@@ -296,6 +303,9 @@ class EdgeMiddleware:
         await self.app(scope, replay, send)
 
 
-async def _send(send, response: JSONResponse, scope, receive) -> None:
-    response.headers["connection"] = "close"  # the unread rest of a body must not be parsed as a request
+async def _send(send, response: JSONResponse, scope, receive, close: bool = True) -> None:
+    """``close``: the connection ends with the response (a chunked body's unread rest, whose
+    length nobody knows, is not read away)."""
+    if close:
+        response.headers["connection"] = "close"
     await response(scope, receive, send)
