@@ -59,11 +59,11 @@ def _hf_greedy(hf, prompts) -> list[list[int]]:
     return refs
 
 
-def _greedy(model: str, tp: int = 1) -> list[list[int]]:
+def _greedy(model: str, tp: int = 1, quantization: str | None = None) -> list[list[int]]:
     from pagedserve.cluster.llm import LLM
 
     llm = LLM(model=model, tensor_parallel_size=tp, dtype="float32", max_model_len=256,
-              num_gpu_blocks_override=64, max_num_seqs=8)
+              num_gpu_blocks_override=64, max_num_seqs=8, quantization=quantization)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -88,16 +88,23 @@ def test_weights_and_greedy_equal_transformers_gguf_load(gguf_root, shape, qtype
 
 def test_tp2_over_gloo_equals_tp1_on_a_gguf(gguf_root, ray_session, tmp_path, monkeypatch):
     # SmolLM2-135M has 9 query / 3 KV heads, which 2 ranks cannot split; this file can.
-    # TP=1 loads the cached dequantized copy; TP=2's ranks each dequantize the GGUF itself.
+    # Dequantized (--quantization none): TP=2's ranks write the prepared directory's fp32
+    # copy on first need and load it; TP=1 then reads the copy, and without the cache
+    # (PAGEDSERVE_GGUF_WEIGHT_CACHE=0) dequantizes the GGUF itself. A native run (the CPU
+    # default; tests/test_gguf_native.py compares it) writes no copy.
     path = _gguf(gguf_root, "llama-gqa2-hd64", "Q4_1")
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "with-weights"))
-    tp1 = _greedy(path, tp=1)
-    assert os.path.isfile(os.path.join(resolve_model(path).path, "model.safetensors"))
+    copy = os.path.join(resolve_model(path).path, "dequantized", "model.safetensors")
+    _greedy(path, tp=1)
+    assert not os.path.exists(copy)
+    tp2 = _greedy(path, tp=2, quantization="none")
+    assert os.path.isfile(copy)
+    assert _greedy(path, tp=1, quantization="none") == tp2
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "gguf-only"))
     monkeypatch.setenv("PAGEDSERVE_GGUF_WEIGHT_CACHE", "0")
-    assert _greedy(path, tp=2) == tp1
-    assert not os.path.exists(os.path.join(resolve_model(path).path, "model.safetensors"))
-    assert tp1 == _hf_greedy(_hf_gguf(path), PROMPTS)
+    assert _greedy(path, tp=1, quantization="none") == tp2
+    assert not os.path.exists(os.path.join(resolve_model(path).path, "dequantized"))
+    assert tp2 == _hf_greedy(_hf_gguf(path), PROMPTS)
 
 
 def test_prepared_directory_is_keyed_by_the_file_hash(gguf_root, tmp_path, monkeypatch):
@@ -109,7 +116,8 @@ def test_prepared_directory_is_keyed_by_the_file_hash(gguf_root, tmp_path, monke
     assert (first.served_model_name, first.source) == ("llama-gqa2-hd64.Q8_0", path)
     cfg = json.load(open(os.path.join(first.path, "config.json")))
     assert (cfg["gguf_file"], cfg["gguf_sha256"]) == (path, digest)
-    assert {"tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(os.listdir(first.path))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(first.path))
+    assert "dequantized" not in os.listdir(first.path)  # written only when a load dequantizes
     stamp = os.stat(os.path.join(first.path, "tokenizer.json")).st_mtime_ns
     # The same bytes elsewhere (a directory holding one .gguf): the same entry, re-pointed.
     copy_dir = tmp_path / "copy"

@@ -3,7 +3,7 @@
     DIR/model.safetensors                          one file
     DIR/model.safetensors.index.json + shards      sharded ({"weight_map": {name: file}})
     FILE.gguf (or config.json's "gguf_file")       dequantized tensor by tensor (gguf_loader.py),
-                                                   unless DIR/model.safetensors caches them;
+                                                   unless DIR/dequantized/ caches them;
                                                    with --quantization gguf kept in their blocks
                                                    (iter_gguf_native), packed once loaded
 
@@ -77,9 +77,11 @@ def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None =
     model's config dict, for the q/k row permutation)."""
     if quantization == "gguf":
         weights = iter_gguf_native(gguf_file, hf_config or {})
-    # A prepared GGUF directory may hold the dequantized weights already (model_source.py).
-    elif gguf_file and not os.path.isfile(os.path.join(model_path, "model.safetensors")):
-        weights = iter_gguf_weights(gguf_file)
+    elif gguf_file:  # dequantized: from the prepared directory's fp32 copy (model_source.py)
+        from pagedserve.worker.loading.model_source import dequantized_copy
+
+        copy = dequantized_copy(model_path, gguf_file)
+        weights = iter_weight_slices(copy) if copy is not None else iter_gguf_weights(gguf_file)
     else:
         weights = iter_weight_slices(model_path)
     loaded = model.load_weights(weights)

@@ -18,13 +18,15 @@ directory, keyed by the file's content hash (a changed file gets a new one):
         tokenizer.json, tokenizer_config.json, chat_template.jinja
                              built by transformers from the metadata (vocab, merges, special
                              ids, chat template): slow once, quick to load afterwards
-        model.safetensors    the dequantized fp32 weights, if they come to <= 2 GiB
+        dequantized/         the fp32 weights (model.safetensors), written the first time a
+                             load dequantizes (--quantization none, CUDA), if <= 2 GiB
 
-so a warm start never parses the GGUF (the gguf reader is slow just to walk a 49k-token
-vocabulary, and dequantizing adds to it; the safetensors copy loads much faster, and TP
-ranks read only their slices of it). Bigger models, or
-PAGEDSERVE_GGUF_WEIGHT_CACHE=0 when the entry is built, keep only the GGUF: the workers
-dequantize it on every load (loader.py). Only a repo id or a URI is downloaded (model_fetch.py).
+so a warm start never parses the GGUF's vocabulary (the gguf reader is slow just to walk a
+49k-token one). A GGUF that runs natively (on CPU, by default) reads its blocks from the file
+and never needs the fp32 copy, so none is written for it (540 MB for the default model). A
+dequantizing load reads the copy (much faster than dequantizing again; TP ranks read only
+their slices of it); bigger models, or PAGEDSERVE_GGUF_WEIGHT_CACHE=0, dequantize the GGUF on
+every load (loader.py). Only a repo id or a URI is downloaded (model_fetch.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import shutil
 from dataclasses import dataclass
 
 from pagedserve.worker.loading.demo import DEMO_MODEL_NAME
@@ -126,14 +130,36 @@ def _write_prepared(out: str, gguf: str, digest: str) -> None:
     cfg = gguf_hf_config(reader, gguf)  # refuses other architectures before the slow part
     cfg.update(gguf_file=gguf, gguf_sha256=digest)
     _save_gguf_tokenizer(gguf, out)
-    fp32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
-    if os.environ.get("PAGEDSERVE_GGUF_WEIGHT_CACHE", "1") != "0" and fp32_bytes <= WEIGHT_CACHE_MAX_BYTES:
-        from safetensors.torch import save_file
-
-        # All in memory at once (bounded by the limit); the loader prefers this file.
-        save_file(dict(iter_gguf_weights(gguf, reader)), os.path.join(out, "model.safetensors"))
     del reader
     _write_json_atomic(os.path.join(out, "config.json"), cfg)
+
+
+def dequantized_copy(prepared: str, gguf: str) -> str | None:
+    """The directory holding ``gguf``'s weights dequantized to fp32 (model.safetensors), in
+    its prepared directory, written on first use; None where no copy is kept (over
+    WEIGHT_CACHE_MAX_BYTES, PAGEDSERVE_GGUF_WEIGHT_CACHE=0, or ``prepared`` is not one of
+    ours): the caller dequantizes the GGUF itself."""
+    from pagedserve.worker.loading.gguf_index import read_gguf_index
+
+    if os.environ.get("PAGEDSERVE_GGUF_WEIGHT_CACHE", "1") == "0" or \
+            not os.path.isfile(os.path.join(prepared, "config.json")):
+        return None
+    final = os.path.join(prepared, "dequantized")
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    index = read_gguf_index(gguf)
+    fp32_bytes = 4 * sum(math.prod(t.shape) for t in index.tensors.values())
+    if fp32_bytes > WEIGHT_CACHE_MAX_BYTES:
+        return None
+
+    def write(out: str) -> None:
+        from safetensors.torch import save_file
+
+        # All in memory at once (bounded by the limit); config.json last: build_once's mark.
+        save_file(dict(iter_gguf_weights(gguf)), os.path.join(out, "model.safetensors"))
+        shutil.copyfile(os.path.join(prepared, "config.json"), os.path.join(out, "config.json"))
+
+    return build_once(final, write)
 
 
 def _save_gguf_tokenizer(gguf: str, out: str) -> None:
