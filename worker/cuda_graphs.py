@@ -12,7 +12,9 @@ them with one call. What a graph needs, and where it comes from:
   by max_model_len and carries no host lists (StepBuffers.graph_metadata).
 
 Prefill and mixed steps, and decode batches above the largest size, run eagerly through
-the same buffers. Graphs are captured only on CUDA with the Triton attention backend (the
+the same buffers. On a CPU a decode step of a plain Llama runs as kernel calls bound once
+(cpu_decode_path.py: the Python between the kernels is what a graph removes on a GPU),
+built with the cache like the graphs. Graphs are captured only on CUDA with the Triton attention backend (the
 torch backend reads lengths on the host) and without ``enforce_eager``.
 With ``pad_eager`` the same padded shapes run eagerly: on a CPU that is how tests check
 the padding and buffer logic the graphs replay (padding only wastes compute there, so it
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 
 import torch
@@ -32,6 +35,8 @@ from pagedserve.worker.step_buffers import StepBuffers, StepInputs
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512  # vLLM's bound too: above it a step is long enough that launches do not matter
+# PAGEDSERVE_CPU_DECODE_PATH=0: every CPU step through the modules (to compare; tests)
+CPU_DECODE_PATH = os.environ.get("PAGEDSERVE_CPU_DECODE_PATH", "1") != "0"
 
 
 def capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -64,6 +69,7 @@ class CudaGraphRunner:
         self.use_graphs = use_graphs
         self.pad_eager = pad_eager
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, static hidden)
+        self.cpu_path = None  # cpu_decode_path.CPUDecodePath, once the cache exists (capture)
 
     def padded_size(self, num_rows: int) -> int | None:
         """The captured size a decode-only batch of ``num_rows`` runs as; None: eager, unpadded."""
@@ -76,7 +82,13 @@ class CudaGraphRunner:
     def capture(self, kv_caches: list) -> None:
         """Largest size first, all in one memory pool: smaller graphs reuse the largest's
         activations (only one graph runs at a time). Each size runs once before capture so
-        Triton compiles and cuBLAS picks its kernels outside the graph."""
+        Triton compiles and cuBLAS picks its kernels outside the graph. On a CPU: the bound
+        decode path instead, where the model fits it."""
+        if self.buffers.device.type == "cpu" and CPU_DECODE_PATH:
+            from pagedserve.worker.cpu_decode_path import CPUDecodePath
+
+            self.cpu_path, why = CPUDecodePath.build(self.model, kv_caches)
+            logger.info("CPU decode path: %s", "bound" if why is None else f"off ({why})")
         if not self.use_graphs:
             return
         t0 = time.perf_counter()
@@ -100,12 +112,17 @@ class CudaGraphRunner:
         """Drop the graphs and their pool (the memory profile captures them once to
         measure the pool, then again on the real cache)."""
         self.graphs.clear()
+        self.cpu_path = None  # bound to that cache
 
     def forward(self, inputs: StepInputs, kv_caches: list) -> torch.Tensor:
         """Hidden states of every row of ``inputs`` (padding included). A replayed graph
         returns its static output: read it before the next step overwrites it."""
         entry = self.graphs.get(inputs.num_rows) if inputs.padded else None
         if entry is None:
+            if self.cpu_path is not None:
+                hidden = self.cpu_path.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+                if hidden is not None:
+                    return hidden
             return self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
         graph, hidden = entry
         graph.replay()

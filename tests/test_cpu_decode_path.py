@@ -1,0 +1,71 @@
+"""The bound CPU decode path (worker/cpu_decode_path.py) against the modules it replaces: on
+the same engine, the same prompts give the same tokens and bit-identical logprobs with the
+path on and off (it calls the same kernels in the same order), it is what ran the decode
+steps, and it stays off where it does not fit (LoRA, a quantised KV cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _gguf_helpers import write_gguf_from_hf
+from pagedserve import LLM, SamplingParams
+from pagedserve.worker.loading.random_models import make_test_model
+
+PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 77], list(range(20, 57))]
+
+
+def _run(llm: LLM, n: int = 2) -> list:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS * n, params, use_tqdm=False)  # 6 at once: batched decode rows
+    return [(o.outputs[0].token_ids, [(lp.token_ids, lp.logprobs) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def _graph_runner(llm: LLM):
+    return llm.engine.executor.worker.runner.graph_runner
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "decode-path-models"
+    llama = make_test_model("llama-gqa2-hd64", root)
+    qwen2 = make_test_model("qwen2-tied", root)  # q/k/v biases, tied head
+    gguf = write_gguf_from_hf(str(llama), str(tmp_path_factory.mktemp("gguf") / "llama.Q4_1.gguf"), "Q4_1")
+    return {"llama": str(llama), "qwen2": str(qwen2), "gguf-q4_1": gguf}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gguf-q4_1"])
+def test_the_bound_path_runs_the_decode_steps_and_changes_no_bit(models, name):
+    llm = LLM(model=models[name], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
+    try:
+        runner = _graph_runner(llm)
+        path = runner.cpu_path
+        assert path is not None
+        taken = []
+        forward = path.forward
+
+        def counted(*args):
+            out = forward(*args)
+            taken.append(out is not None)
+            return out
+
+        path.forward = counted
+        on = _run(llm)
+        assert sum(taken) >= 10 and not all(taken)  # the decode steps; prefill ran the modules
+        runner.cpu_path = None
+        assert _run(llm) == on  # tokens and logprobs, to the bit
+    finally:
+        llm.shutdown()
+
+
+def test_it_stays_off_for_lora_and_a_quantised_cache(models, tmp_path):
+    from _lora_helpers import make_random_adapter
+
+    adapter = make_random_adapter(models["llama"], tmp_path / "a", r=4, alpha=8)
+    for kw in (dict(enable_lora=True, max_lora_rank=8, lora_modules=[f"a={adapter}"]),
+               dict(kv_cache_dtype="int8")):
+        llm = LLM(model=models["llama"], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, **kw)
+        try:
+            assert _graph_runner(llm).cpu_path is None, kw
+            assert len(_run(llm, 1)) == len(PROMPTS)
+        finally:
+            llm.shutdown()
