@@ -1,7 +1,7 @@
 """The bound CPU decode path (worker/cpu_decode_path.py) against the modules it replaces: on
 the same engine, the same prompts give the same tokens and bit-identical logprobs with the
-path on and off (it calls the same kernels in the same order), it is what ran the decode
-steps, and it stays off where it does not fit (LoRA, a quantised KV cache)."""
+path on and off (it calls the same kernels in the same order, LoRA's hooks included), it is
+what ran the decode steps, and it stays off where it does not fit (a quantised KV cache)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pagedserve.worker.loading.random_models import make_test_model
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 77], list(range(20, 57))]
 
 
-def _run(llm: LLM, n: int = 2) -> list:
+def _run(llm: LLM, n: int = 2, **generate_kw) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
-    outs = llm.generate(PROMPTS * n, params, use_tqdm=False)  # 6 at once: batched decode rows
+    outs = llm.generate(PROMPTS * n, params, use_tqdm=False, **generate_kw)  # 6 at once: batched decode rows
     return [(o.outputs[0].token_ids, [(lp.token_ids, lp.logprobs) for lp in o.outputs[0].logprobs]) for o in outs]
 
 
@@ -33,39 +33,57 @@ def models(tmp_path_factory):
     return {"llama": str(llama), "qwen2": str(qwen2), "gguf-q4_1": gguf}
 
 
+def _check_on_against_off(llm: LLM, **generate_kw) -> None:
+    runner = _graph_runner(llm)
+    path = runner.cpu_path
+    assert path is not None
+    taken = []
+    forward = path.forward
+
+    def counted(*args):
+        out = forward(*args)
+        taken.append(out is not None)
+        return out
+
+    path.forward = counted
+    on = _run(llm, **generate_kw)
+    assert sum(taken) >= 10 and not all(taken)  # the decode steps; prefill ran the modules
+    runner.cpu_path = None
+    assert _run(llm, **generate_kw) == on  # tokens and logprobs, to the bit
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gguf-q4_1"])
 def test_the_bound_path_runs_the_decode_steps_and_changes_no_bit(models, name):
     llm = LLM(model=models[name], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
     try:
-        runner = _graph_runner(llm)
-        path = runner.cpu_path
-        assert path is not None
-        taken = []
-        forward = path.forward
-
-        def counted(*args):
-            out = forward(*args)
-            taken.append(out is not None)
-            return out
-
-        path.forward = counted
-        on = _run(llm)
-        assert sum(taken) >= 10 and not all(taken)  # the decode steps; prefill ran the modules
-        runner.cpu_path = None
-        assert _run(llm) == on  # tokens and logprobs, to the bit
+        _check_on_against_off(llm)
     finally:
         llm.shutdown()
 
 
-def test_it_stays_off_for_lora_and_a_quantised_cache(models, tmp_path):
+def test_with_lora_adapters_mixed_in_the_batch(models, tmp_path):
+    """Two adapters and the base model decode together: the layers' LoRA hooks run on the
+    path too, in the modules' order (tests/test_lora.py holds both against peft)."""
     from _lora_helpers import make_random_adapter
+    from pagedserve import LoRARequest
 
-    adapter = make_random_adapter(models["llama"], tmp_path / "a", r=4, alpha=8)
-    for kw in (dict(enable_lora=True, max_lora_rank=8, lora_modules=[f"a={adapter}"]),
-               dict(kv_cache_dtype="int8")):
-        llm = LLM(model=models["llama"], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, **kw)
-        try:
-            assert _graph_runner(llm).cpu_path is None, kw
-            assert len(_run(llm, 1)) == len(PROMPTS)
-        finally:
-            llm.shutdown()
+    a = make_random_adapter(models["llama"], tmp_path / "a", r=4, alpha=8, seed=1)
+    b = make_random_adapter(models["llama"], tmp_path / "b", r=8, alpha=16, seed=2,
+                            targets=["q_proj", "v_proj", "down_proj", "gate_proj"])
+    llm = LLM(model=models["llama"], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        loras = [LoRARequest("a", 1, a), LoRARequest("b", 2, b), None] * 2
+        _check_on_against_off(llm, lora_request=loras)
+    finally:
+        llm.shutdown()
+
+
+def test_it_stays_off_for_a_quantised_cache(models):
+    llm = LLM(model=models["llama"], dtype="float32", max_model_len=256, num_gpu_blocks_override=64,
+              kv_cache_dtype="int8")
+    try:
+        assert _graph_runner(llm).cpu_path is None
+        assert len(_run(llm, 1)) == len(PROMPTS)
+    finally:
+        llm.shutdown()

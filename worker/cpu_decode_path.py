@@ -11,11 +11,13 @@ module path's (tests/test_cpu_decode_path.py):
 
     per layer  add_rms_norm ─▶ qkv GEMM ─▶ rotary(q ‖ k) ─▶ write_kv ─▶ decode_attention
                ─▶ o GEMM ─▶ add_rms_norm ─▶ gate‖up GEMM ─▶ silu_and_mul ─▶ down GEMM
+               (with LoRA on, each GEMM followed by the layer's hook: its adapters' deltas,
+               worker/lora/lora_ops.py, called as the modules call it)
 
 It is built where everything fits (``build`` says why not otherwise): Llama, Mistral or
-Qwen2 exactly, fp32 on CPU, tensor parallel size 1, no LoRA hooks, the torch attention
-backend with its C++ kernels loaded, an fp32 KV cache, each linear a single-part GGUF
-weight, a packed panel weight or a plain fp32 one. A step it cannot take (prefill, a mixed
+Qwen2 exactly, fp32 on CPU, tensor parallel size 1, the torch attention backend with its
+C++ kernels loaded, an fp32 KV cache, each linear a single-part GGUF weight, a packed panel
+weight or a plain fp32 one. A step it cannot take (prefill, a mixed
 batch, speculative rows, tensors of another shape) returns None and runs the modules.
 """
 
@@ -53,10 +55,11 @@ def _bind_linear(layer):
 
 
 class _Layer:
-    __slots__ = ("w_in", "w_post", "qkv", "o", "gate_up", "down", "kv")
+    __slots__ = ("w_in", "w_post", "qkv", "o", "gate_up", "down", "kv", "lora")
 
     def __init__(self, layer, kv) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        self.lora = attn.lora  # worker/lora's hook (the MLP's is the same object); None: LoRA off
         self.w_in, self.w_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.qkv, self.o = _bind_linear(attn.qkv_proj), _bind_linear(attn.o_proj)
         self.gate_up, self.down = _bind_linear(mlp.gate_up_proj), _bind_linear(mlp.down_proj)
@@ -96,8 +99,8 @@ class CPUDecodePath:
             return None, "no KV cache"
         layers = []
         for layer, kv in zip(model.model.layers, kv_caches):
-            if layer.self_attn.lora is not None or layer.mlp.lora is not None:
-                return None, "LoRA"
+            if layer.self_attn.lora is not layer.mlp.lora:
+                return None, "LoRA hooks of another kind"
             if len(kv) != 2 or kv[0].dtype != torch.float32 or not kv[0].is_contiguous() or not kv[1].is_contiguous():
                 return None, "a quantised KV cache"
             # Exactly Llama's layer, attention and MLP: a family that overrides one of them
@@ -146,15 +149,26 @@ class CPUDecodePath:
             else:
                 fused.add_rms_norm(x, h, residual, layer.w_in, eps)  # h += residual: the stream
                 residual = h
+            lora = layer.lora
             qkv = layer.qkv(x)
+            if lora is not None:
+                lora.apply("qkv", x, qkv)
             fused.rotary(qk, qkv[:, :qk_size].view(n, -1, hd), cos, sin)
             k_cache, v_cache = layer.kv
             attn.write_kv(qk[:, nh:], qkv[:, qk_size:].view(n, -1, hd), k_cache, v_cache, slots)
             attn.decode_attention(qk[:, :nh], k_cache, v_cache, bt, lens, scale, o, groups)
-            h = layer.o(o.view(n, q_size))
+            o_in = o.view(n, q_size)
+            h = layer.o(o_in)
+            if lora is not None:
+                lora.apply("o", o_in, h)
             fused.add_rms_norm(x, h, residual, layer.w_post, eps)
             residual = h
-            fused.silu_and_mul(act, layer.gate_up(x))
+            gate_up = layer.gate_up(x)
+            if lora is not None:
+                lora.apply("gate_up", x, gate_up)
+            fused.silu_and_mul(act, gate_up)
             h = layer.down(act)
+            if lora is not None:
+                lora.apply("down", act, h)
         out, _ = model.model.norm(h, residual)
         return out
