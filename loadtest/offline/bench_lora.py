@@ -9,7 +9,9 @@ One run, the same requests in each part (fixed-length token-id prompts, ``ignore
                 --lora-modules, the same requests at concurrency 8 (this project's load tester)
     cold TTFT   a request naming an adapter no request has used yet (its weights read from
                 disk and put in a slot on the way), against the same adapter again and the
-                base model; offline (engine metrics) and over HTTP (the client's first token)
+                base model, each with a prompt of its own that nothing before it used (no
+                prefix-cache hit for any of the three); offline (engine metrics) and over
+                HTTP (the client's first token)
 
 Each adapter set runs once untimed first, so the timed run has every adapter in host memory
 (--max-cpu-loras) and measures what serving N adapters costs in steady state: the slot
@@ -127,7 +129,7 @@ def _ttft(llm, prompt, lora) -> float:
 
 
 def offline(model: str, prompts, output_len: int, adapters: dict, counts, cold: tuple[str, str], engine: dict,
-            lora_engine: dict) -> tuple[dict, dict]:
+            lora_engine: dict, probes) -> tuple[dict, dict]:
     from pagedserve import LLM, LoRARequest, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -151,8 +153,8 @@ def offline(model: str, prompts, output_len: int, adapters: dict, counts, cold: 
         runs[n] = _tok_s(llm, prompts, params, loras)
         print(f"offline  {n:2d} adapters        {runs[n]:8.1f} tok/s  ({runs[n] / base:.2f}x base)", flush=True)
     cold_req = LoRARequest(cold[0], len(reqs) + 1, cold[1])
-    ttft = {"cold_s": _ttft(llm, prompts[0], cold_req), "warm_s": _ttft(llm, prompts[1], cold_req),
-            "base_s": _ttft(llm, prompts[2 % len(prompts)], None)}
+    ttft = {"cold_s": _ttft(llm, probes[0], cold_req), "warm_s": _ttft(llm, probes[1], cold_req),
+            "base_s": _ttft(llm, probes[2], None)}
     print("offline  TTFT  cold adapter {cold_s:.3f} s  same adapter again {warm_s:.3f} s  base {base_s:.3f} s"
           .format(**ttft), flush=True)
     llm.shutdown()
@@ -190,7 +192,7 @@ def _run(url: str, specs, concurrency: int, label: str) -> dict:
 
 
 def http(model: str, prompts, output_len: int, adapters: dict, counts, cold: tuple[str, str], concurrency: int,
-         engine: dict, lora_engine: dict, log_dir: str) -> tuple[dict, dict]:
+         engine: dict, lora_engine: dict, log_dir: str, probes) -> tuple[dict, dict]:
     with pagedserve_server(model, log_dir=log_dir, **engine) as server:
         _run(server.base_url, _specs(prompts[:2], 2, [None], "warm"), concurrency, "warm-up")
         m = _run(server.base_url, _specs(prompts, output_len, [None], "base"), concurrency, "base")
@@ -213,10 +215,11 @@ def http(model: str, prompts, output_len: int, adapters: dict, counts, cold: tup
             runs[n], retries[str(n)] = m["output_throughput"], m["retries_429"]
             print(f"http c={concurrency} {n:2d} adapters        {runs[n]:8.1f} tok/s  ({runs[n] / base:.2f}x base)",
                   flush=True)
-        def one(tag: str, name: str | None) -> float:  # one request alone: its TTFT, s
-            return _run(url, _specs(prompts[:1], 2, [name], tag), 1, tag)["mean_ttft_ms"] / 1e3
+        def one(tag: str, name: str | None, prompt) -> float:  # one request alone: its TTFT, s
+            return _run(url, _specs([prompt], 2, [name], tag), 1, tag)["mean_ttft_ms"] / 1e3
 
-        ttft = {"cold_s": one("cold", cold[0]), "warm_s": one("cold-again", cold[0]), "base_s": one("tbase", None)}
+        ttft = {"cold_s": one("cold", cold[0], probes[0]), "warm_s": one("cold-again", cold[0], probes[1]),
+                "base_s": one("tbase", None, probes[2])}
     print(f"http     TTFT  cold adapter {ttft['cold_s']:.3f} s  same adapter again {ttft['warm_s']:.3f} s  "
           f"base {ttft['base_s']:.3f} s", flush=True)
     return {"base_tok_s": round(base, 2), "lora_on_base_tok_s": round(lora_on_base, 2),
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     targets = tuple(t.strip() for t in args.targets.split(",") if t.strip())
     vocab = int(cfg["vocab_size"])
     prompts = fixed_length_prompts(args.num_prompts, args.input_len, vocab, seed=0)
+    probes = fixed_length_prompts(3, args.input_len, vocab, seed=1)  # the cold-TTFT requests' own prompts
     root = tempfile.mkdtemp(prefix="bench-lora-")
     adapters = {f"lora-{i}": make_adapter(cfg, os.path.join(root, f"lora-{i}"), rank=args.rank, targets=targets,
                                           seed=i) for i in range(max(counts))}
@@ -264,10 +268,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{counts}, rank {args.rank} on {', '.join(targets)}; max_loras {args.max_loras}", flush=True)
     if not args.no_offline:
         out["offline"], out["cold_ttft"]["offline"] = offline(model, prompts, args.output_len, adapters, counts,
-                                                              cold, engine, lora_engine)
+                                                              cold, engine, lora_engine, probes)
     if not args.no_http:
         out["http"], out["cold_ttft"]["http"] = http(model, prompts, args.output_len, adapters, counts, cold,
-                                                     args.concurrency, engine, lora_engine, args.log_dir)
+                                                     args.concurrency, engine, lora_engine, args.log_dir, probes)
     eight = str(8)
     out["goal_8_adapters"] = {part: out[part]["adapters"][eight]["ratio"] >= GOAL_RATIO
                               for part in ("offline", "http") if part in out and eight in out[part]["adapters"]}
