@@ -15,8 +15,9 @@ from pagedserve.scheduler.lora import parse_lora_modules
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # --cpu-linear: the probe, or one of kernels/cpu_linear.BACKENDS (this module imports no torch).
 CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "aten")
-# --quantization (worker/model_config.py resolves it; unset: implied by the checkpoint).
-QUANTIZATION_CHOICES = ("gguf", "none")
+# --quantization (worker/model_config.py resolves it; unset: implied by the checkpoint). vLLM's
+# names: compressed-tensors and modelopt are fp8 checkpoints here (worker/loading/quant_config.py).
+QUANTIZATION_CHOICES = ("gguf", "awq", "gptq", "fp8", "compressed-tensors", "modelopt", "none")
 
 
 def check_quantization(value: str | None) -> None:
@@ -37,8 +38,10 @@ class EngineConfig:
     model_root: str | None = None
     dtype: str = "auto"
     # vLLM's --quantization: "gguf" runs a GGUF's weights in their blocks (CPU,
-    # kernels/cpu_gguf.py); "none" dequantizes them to ``dtype`` at load; None: implied by
-    # the checkpoint (a GGUF on CPU runs natively). worker/model_config.resolve_quantization.
+    # kernels/cpu_gguf.py); "awq", "gptq", "fp8" run a checkpoint's quantization_config packed
+    # (kernels/quant/); "none" dequantizes them to ``dtype`` at load; None: implied by the
+    # checkpoint (a GGUF on CPU runs natively, a quantization_config as its method).
+    # worker/model_config.resolve_quantization.
     quantization: str | None = None
     tensor_parallel_size: int = 1
     block_size: int = 16

@@ -14,7 +14,8 @@ choice is made by a probe at load time, not hard-coded:
 
 A GGUF weight kept in its blocks (``--quantization gguf``) is a cpu_gguf.GGUFWeight, packed
 at load, not by a backend; ``cpu_linear`` runs it with kernels/cpu_gguf.py whatever the probe
-chose for the plain weights.
+chose for the plain weights. AWQ / GPTQ int4 and fp8 weights (kernels/quant/) likewise run their
+own GEMM, on CPU and CUDA.
 
 All compute x W^T + b with fp32 accumulation (bf16 inputs included), so fp32 results
 differ from each other only in summation order (~1e-6 relative). Each replaces the plain
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_gemm, cpu_gguf
+from .quant import QUANT_WEIGHTS
 
 BACKENDS = ("aten", "onednn", "panel")
 
@@ -104,12 +106,14 @@ def cpu_linear(x: torch.Tensor, packed, bias: torch.Tensor | None = None) -> tor
         return cpu_gemm.gemm(x, packed.panels, packed.n, bias)
     if type(packed) is cpu_gguf.GGUFWeight:
         return cpu_gguf.linear(x, packed, bias)
+    if type(packed) in QUANT_WEIGHTS:  # AWQ / GPTQ int4, fp8 (kernels/quant/; CUDA as well)
+        return packed.linear(x, bias)
     return linear_onednn(x, packed, bias)
 
 
 def packed_nbytes(packed) -> int:
     """Bytes of a weight packed by :func:`pack_cpu_weight` (what a step reads of it)."""
-    if type(packed) in (PanelWeight, cpu_gguf.GGUFWeight):
+    if type(packed) in (PanelWeight, cpu_gguf.GGUFWeight, *QUANT_WEIGHTS):
         return packed.nbytes()
     return packed.numel() * packed.element_size()
 

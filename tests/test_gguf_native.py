@@ -219,8 +219,12 @@ def test_a_type_the_kernel_lacks_is_a_startup_error_naming_it(gguf_root):
 def test_quantization_flag_is_checked():
     from pagedserve.worker.model_config import resolve_quantization
 
-    with pytest.raises(ValueError, match="quantization must be one of gguf, none"):
-        resolve_quantization("awq", None, "cpu")
+    with pytest.raises(ValueError, match="quantization must be one of gguf, awq, gptq, fp8, compressed-tensors, "
+                                         "modelopt, none"):
+        resolve_quantization("bitsandbytes", None, "cpu")
+    with pytest.raises(ValueError, match="--quantization awq needs a checkpoint whose config.json has a "
+                                         "quantization_config"):  # tests/test_hf_quant.py runs those
+        resolve_quantization("awq", "x.gguf", "cpu")
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
         resolve_quantization("gguf", None, "cpu")
     with pytest.raises(ValueError, match="runs on CPU only"):

@@ -19,6 +19,8 @@ import torch
 from pagedserve.config import check_quantization
 from pagedserve.platforms import auto_dtype
 from pagedserve.worker.loading.gguf_loader import check_native_types, find_gguf_file, gguf_hf_config, open_gguf
+from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantConfig, parse_quant_config,
+                                                    read_quantization_config)
 
 # Architecture name in config.json -> the family members we implement (worker/models).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -67,9 +69,13 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # The GGUF file the weights come from (a .gguf model_path, or config.json's "gguf_file").
     gguf_file: str | None = None
-    # "gguf": the GGUF's weights stay in their blocks (kernels/cpu_gguf.py); None: every
-    # weight in ``dtype`` (a GGUF dequantized at load). See resolve_quantization.
+    # "gguf": the GGUF's weights stay in their blocks (kernels/cpu_gguf.py); "awq", "gptq",
+    # "fp8": the checkpoint's quantization_config, packed (kernels/quant/); None: every weight
+    # in ``dtype`` (a quantized checkpoint dequantized at load). See resolve_quantization.
     quantization: str | None = None
+    # What config.json's quantization_config says (None: an unquantized checkpoint); set
+    # even when --quantization none dequantizes it at load.
+    quant_config: HFQuantConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -104,7 +110,8 @@ class ModelConfig:
             for e in gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos]:
                 if int(e) not in cfg.eos_token_ids:
                     cfg.eos_token_ids.append(int(e))
-        cfg.quantization = resolve_quantization(quantization, cfg.gguf_file, device)
+        cfg.quant_config = parse_quant_config(read_quantization_config(hf, path))
+        cfg.quantization = resolve_quantization(quantization, cfg.gguf_file, device, cfg.quant_config)
         return cfg
 
     @classmethod
@@ -199,20 +206,35 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.get_num_kv_heads(tp_size) * self.head_dim * elem
 
 
-def resolve_quantization(requested: str | None, gguf_file: str | None, device: str) -> str | None:
+def resolve_quantization(requested: str | None, gguf_file: str | None, device: str,
+                         quant_config: HFQuantConfig | None = None) -> str | None:
     """What ``--quantization`` means for this checkpoint on ``device`` ("cpu", "cuda", or
-    "auto" where it is not decided yet): "gguf" (the blocks run natively) or None.
+    "auto" where it is not decided yet): "gguf" (the blocks run natively), "awq" / "gptq" /
+    "fp8" (``quant_config``, the checkpoint's quantization_config, runs packed) or None.
 
         None (implied)  "gguf" for a GGUF on CPU; on CUDA (no GPU kernel yet) the weights
-                        are dequantized to --dtype at load, as with "none"
+                        are dequantized to --dtype at load, as with "none"; a checkpoint
+                        with a quantization_config runs as its method, on any device
         "gguf"          a GGUF on CPU, else a ValueError saying why not
+        "awq" | "gptq" | "fp8"   the checkpoint's quantization_config must say so
+                        ("compressed-tensors" and "modelopt" name its fp8 as vLLM does)
         "none"          every weight dequantized at load (the comparison baseline)
 
     A GGUF that will run natively has its tensor types checked here, so a type the kernel
-    lacks is a startup error that names it (gguf_loader.check_native_types)."""
+    lacks is a startup error that names it (gguf_loader.check_native_types); an unsupported
+    quantization_config was refused when it was parsed (worker/loading/quant_config.py)."""
     check_quantization(requested)
     if requested == "none":
         return None
+    if quant_config is not None:
+        if requested in (None, quant_config.method, quant_config.quant_method):
+            return quant_config.method
+        raise ValueError(f"--quantization {requested} does not match the checkpoint's quantization_config "
+                         f"(quant_method {quant_config.quant_method!r}): leave it unset, or pass "
+                         f"{quant_config.method} (none dequantizes the weights at load).")
+    if requested in HF_QUANT_METHODS:
+        raise ValueError(f"--quantization {requested} needs a checkpoint whose config.json has a quantization_config "
+                         f"of quant_method {requested!r}; this one has none.")
     if gguf_file is None:
         if requested == "gguf":
             raise ValueError("--quantization gguf needs a GGUF checkpoint (a .gguf file, or a directory "

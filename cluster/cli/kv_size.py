@@ -11,7 +11,11 @@ KiB per token, GiB per sequence (binary units, 1 GiB = 2**30 bytes).
 
 With tensor parallelism each GPU holds ``ceil(num_kv_heads / tp)`` KV heads (KV heads
 are replicated, not split, when there are fewer of them than GPUs) and ``1/tp`` of the
-weights. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly. The
+weights. A quantized checkpoint (config.json's quantization_config, or ModelOpt's
+hf_quant_config.json) counts its linear layers at their packed size (AWQ / GPTQ int4 with
+their group scales and zeros, fp8 with row scales: worker/loading/quant_config.py), the
+embeddings, LM head and norms at the weight dtype, so the KV budget grows by what the
+weights no longer take. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly. The
 quantised formats and their scale layout are scheduler/kv/kv_cache_dtype.py's, the same the
 workers size their pool with.
 """
@@ -26,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedserve.platforms import auto_dtype
+from pagedserve.worker.loading.quant_config import (HFQuantConfig, linear_weight_bytes, parse_quant_config,
+                                                    read_quantization_config)
 from pagedserve.scheduler.kv.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
 
 GiB = 1 << 30
@@ -53,12 +59,13 @@ class KVSizeReport:
     tensor_parallel_size: int
     gpu_memory_gib: float
     gpu_memory_utilization: float
-    weight_bytes: int  # whole model
+    weight_bytes: int  # whole model (quantized linear layers at their packed size)
     weight_bytes_per_gpu: int
     kv_budget_bytes_per_gpu: int  # after weights, at the utilisation cap (0 if weights don't fit)
     num_replicas: int  # num_gpus // tensor_parallel_size engine copies
     max_num_seqs_per_replica: int
     max_num_seqs: int  # across every replica
+    quantization: str = "none"  # the checkpoint's quantization_config, described
 
     @property
     def kib_per_token(self) -> float:
@@ -77,6 +84,9 @@ def load_hf_config(model: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path} (give a model directory or a config file)")
     cfg = json.loads(path.read_text())
+    qc = read_quantization_config(cfg, str(path.parent))  # ModelOpt's may sit in hf_quant_config.json
+    if qc is not None:
+        cfg["quantization_config"] = qc
     # Multimodal wrappers keep the language model's shape under text_config.
     if "text_config" in cfg and "num_hidden_layers" not in cfg:
         cfg = {**cfg, **cfg["text_config"]}
@@ -114,6 +124,29 @@ def count_params(cfg: dict) -> int:
     return embed + layers * per_layer + hidden + lm_head
 
 
+def _linear_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(out, in) of every linear layer of one decoder layer (what AWQ / GPTQ / fp8 quantize)."""
+    hidden, _, heads, kv_heads, head_dim = _dims(cfg)
+    inter = int(cfg.get("intermediate_size") or 4 * hidden)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    moe_inter = int(cfg.get("moe_intermediate_size") or inter)
+    mlp = [(moe_inter, hidden), (moe_inter, hidden), (hidden, moe_inter)] * num_experts if num_experts \
+        else [(inter, hidden), (inter, hidden), (hidden, inter)]
+    return [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), *mlp]
+
+
+def weight_bytes(cfg: dict, w_elt: int, qcfg: HFQuantConfig | None) -> int:
+    """The whole model's weight bytes: every parameter at ``w_elt`` bytes, except the linear
+    layers of a quantized checkpoint, at their packed size."""
+    total = count_params(cfg) * w_elt
+    if qcfg is not None:
+        layers = int(cfg["num_hidden_layers"])
+        for n, k in _linear_shapes(cfg):
+            total += layers * (linear_weight_bytes(qcfg, n, k, w_elt) - n * k * w_elt)
+    return total
+
+
 def _config_dtype(cfg: dict) -> str:
     name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").replace("torch.", "")
     return name if name in DTYPE_BYTES else "bfloat16"
@@ -149,8 +182,9 @@ def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_
     kv_heads_per_gpu = math.ceil(kv_heads / tp)  # replicated when kv_heads < tp
     per_token_per_gpu = 2 * layers * kv_heads_per_gpu * (head_dim * kv_elt + row_scale)
     num_params = count_params(cfg)
-    weight_bytes = num_params * w_elt
-    weight_per_gpu = math.ceil(weight_bytes / tp)
+    qcfg = parse_quant_config(cfg.get("quantization_config"))
+    weights = weight_bytes(cfg, w_elt, qcfg)
+    weight_per_gpu = math.ceil(weights / tp)
     usable = int(gpu_memory_gib * GiB * gpu_memory_utilization)
     budget = max(0, usable - weight_per_gpu)
     seqs_per_replica = budget // (per_token_per_gpu * max_model_len)
@@ -162,9 +196,10 @@ def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_
         kv_bytes_per_token=per_token, kv_scale_bytes_per_token=scale_per_token, kv_bytes_per_seq=per_token * max_model_len,
         max_model_len=max_model_len, num_gpus=num_gpus, tensor_parallel_size=tp,
         gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
-        weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_per_gpu,
+        weight_bytes=weights, weight_bytes_per_gpu=weight_per_gpu,
         kv_budget_bytes_per_gpu=budget, num_replicas=replicas,
-        max_num_seqs_per_replica=seqs_per_replica, max_num_seqs=seqs_per_replica * replicas)
+        max_num_seqs_per_replica=seqs_per_replica, max_num_seqs=seqs_per_replica * replicas,
+        quantization=qcfg.describe() if qcfg else "none")
 
 
 def _num(x: float) -> str:
@@ -184,7 +219,8 @@ def format_report(r: KVSizeReport) -> str:
         f"KV cache per sequence: {_num(r.gib_per_seq)} GiB per {r.max_model_len:,}-token sequence",
         f"GPUs: {r.num_gpus} x {_num(r.gpu_memory_gib)} GiB, tensor parallel {r.tensor_parallel_size}, "
         f"{r.num_replicas} replica(s), gpu_memory_utilization {r.gpu_memory_utilization:g}",
-        f"weights: {_num(r.weight_bytes / GiB)} GiB total, {_num(r.weight_bytes_per_gpu / GiB)} GiB per GPU",
+        f"weights: {_num(r.weight_bytes / GiB)} GiB total, {_num(r.weight_bytes_per_gpu / GiB)} GiB per GPU"
+        + (f" (linear layers {r.quantization})" if r.quantization != "none" else ""),
     ]
     if r.kv_budget_bytes_per_gpu == 0:
         lines.append("does not fit: the weights alone exceed the usable GPU memory "

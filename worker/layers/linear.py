@@ -16,7 +16,8 @@ chosen by a load-time probe in worker/layers/cpu_backend.py). The plain weight i
 dropped, so memory stays the same. With ``--quantization gguf`` a loader receives a
 QuantTensor (GGUF blocks, worker/layers/quantized.py) instead of a tensor: it keeps this
 rank's rows (or whole-block columns) of it, and ``finish_quantized`` packs them for
-kernels/cpu_gguf.py; the fp32 parameter is never written.
+kernels/cpu_gguf.py; the fp32 parameter is never written. AWQ / GPTQ int4 and fp8 weights
+arrive the same way (worker/layers/hf_quantized.py: whole groups) and run on kernels/quant/.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.kernels.cpu_linear import Alloc, cpu_linear, pack_cpu_weight
-from pagedserve.worker.layers.quantized import QuantTensor, take_quant
+from pagedserve.worker.layers.quantized import QuantizedTensor, take_quant
 from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 
 
@@ -37,8 +38,8 @@ def loaded_shape(loaded: Any) -> tuple[int, ...]:
 
 
 def read_shard(loaded: Any, dim: int, start: int, size: int) -> Any:
-    """``loaded[..., start:start+size, ...]`` along ``dim`` (tensor, QuantTensor or safetensors slice)."""
-    if isinstance(loaded, (torch.Tensor, QuantTensor)):
+    """``loaded[..., start:start+size, ...]`` along ``dim`` (tensor, QuantizedTensor or safetensors slice)."""
+    if isinstance(loaded, (torch.Tensor, QuantizedTensor)):
         return loaded.narrow(dim, start, size)
     index = [slice(None)] * len(loaded.get_shape())
     index[dim] = slice(start, start + size)

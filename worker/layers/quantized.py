@@ -24,7 +24,16 @@ from torch import nn
 from pagedserve.kernels.cpu_gguf import BLOCKS, GGUFWeight, pack
 
 
-class QuantTensor:
+class QuantizedTensor:
+    """A weight a loader receives still quantized: ``shape`` (out, in), ``narrow`` takes a
+    tensor-parallel slice, and the class's ``collector`` gathers one layer's slices and
+    packs them (QuantShards here; worker/layers/hf_quantized.py for AWQ, GPTQ and fp8)."""
+
+    __slots__ = ()
+    collector: type
+
+
+class QuantTensor(QuantizedTensor):
     """A 2-D GGUF weight, [rows, row bytes] uint8 (a numpy view of the file or a torch tensor)."""
 
     __slots__ = ("qtype", "shape", "data")
@@ -94,14 +103,19 @@ class QuantShards:
         return GGUFWeight(parts)
 
 
+QuantTensor.collector = QuantShards
+
+
 def take_quant(module: nn.Module, param: nn.Parameter, row: int, loaded: Any, name: str) -> bool:
-    """If ``loaded`` is a QuantTensor, keep it on ``module`` (rows from ``row`` of ``param``) and
-    say so; the weight loaders then leave the plain parameter untouched."""
-    if not isinstance(loaded, QuantTensor):
+    """If ``loaded`` is a QuantizedTensor, keep it on ``module`` (rows from ``row`` of ``param``)
+    and say so; the weight loaders then leave the plain parameter untouched."""
+    if not isinstance(loaded, QuantizedTensor):
         return False
     shards = module.__dict__.get("_quant_shards")
     if shards is None:
-        shards = module._quant_shards = QuantShards(param.shape[0], param.shape[1])
+        shards = module._quant_shards = loaded.collector(param.shape[0], param.shape[1])
+    elif not isinstance(shards, loaded.collector):
+        raise ValueError(f"loading {name}: one layer's weights come in two quantized formats.")
     shards.add(row, loaded, name)
     return True
 
@@ -109,7 +123,7 @@ def take_quant(module: nn.Module, param: nn.Parameter, row: int, loaded: Any, na
 def finish_quantized(model: nn.Module, alloc=None) -> dict[str, int]:
     """Pack every layer's QuantShards (its GEMM and, for an embedding, its row gather then use
     the blocks) and drop the plain weights they replace. A tied LM head shares its embedding's
-    packed weight. Returns {GGML type: bytes} of what was packed."""
+    packed weight. Returns {type: bytes} of what was packed (GGML types; "int4", "fp8")."""
     packed: dict[int, GGUFWeight] = {}  # id(the plain parameter) -> its packed blocks
     sizes: dict[str, int] = {}
     done: set[int] = set()
@@ -118,7 +132,9 @@ def finish_quantized(model: nn.Module, alloc=None) -> dict[str, int]:
         if shards is None:
             continue
         w = shards.pack(alloc)
-        for p in w.parts:
+        if hasattr(w, "to"):  # int4 / fp8 (kernels/quant/): to the layer's device; GGUF runs on CPU
+            w = w.to(module.weight.device)
+        for p in getattr(w, "parts", (w,)):
             sizes[p.qtype] = sizes.get(p.qtype, 0) + p.nbytes()
         packed[id(module.weight)] = w
         module.quantize_with(w)
@@ -130,5 +146,5 @@ def finish_quantized(model: nn.Module, alloc=None) -> dict[str, int]:
     for module in model.modules():  # the fp32 parameters are no longer read
         if id(module) in done and module.weight.numel():
             # 0 elements keep .dtype and .device answering; untouched pages never became memory
-            module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+            module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
     return sizes

@@ -6,6 +6,8 @@
                                                    unless DIR/dequantized/ caches them;
                                                    with --quantization gguf kept in their blocks
                                                    (iter_gguf_native), packed once loaded
+    DIR with quantization_config (AWQ, GPTQ, fp8)  each layer's quantized tensors gathered into
+                                                   one packed weight (hf_quant_loader.py)
 
 Every tensor is handed to the model as a lazy ``safe_open(...).get_slice(name)``; each
 parameter's weight loader reads only this rank's rows/columns, so a TP rank never reads
@@ -30,6 +32,8 @@ from torch import nn
 from pagedserve.kernels import resolve_attention_backend
 
 from pagedserve.worker.loading.gguf_loader import iter_gguf_native, iter_gguf_weights
+from pagedserve.worker.loading.hf_quant_loader import iter_hf_quantized
+from pagedserve.worker.loading.quant_config import HF_QUANT_METHODS, HFQuantConfig
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.models import get_model_class
 
@@ -72,9 +76,12 @@ def iter_weight_slices(model_path: str) -> Iterator[tuple[str, Any]]:
 
 
 def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None = None,
-                      quantization: str | None = None, hf_config: dict | None = None) -> None:
+                      quantization: str | None = None, hf_config: dict | None = None,
+                      quant_config: HFQuantConfig | None = None) -> None:
     """``quantization="gguf"``: the GGUF's block weights stay quantized (``hf_config``: the
-    model's config dict, for the q/k row permutation)."""
+    model's config dict, for the q/k row permutation). ``quant_config`` (a checkpoint's
+    quantization_config): its weights stay packed for ``quantization`` "awq" / "gptq" /
+    "fp8", and are dequantized at load when ``quantization`` is None."""
     if quantization == "gguf":
         weights = iter_gguf_native(gguf_file, hf_config or {})
     elif gguf_file:  # dequantized: from the prepared directory's fp32 copy (model_source.py)
@@ -84,6 +91,8 @@ def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None =
         weights = iter_weight_slices(copy) if copy is not None else iter_gguf_weights(gguf_file)
     else:
         weights = iter_weight_slices(model_path)
+        if quant_config is not None:
+            weights = iter_hf_quantized(weights, quant_config, dequantize=quantization is None)
     loaded = model.load_weights(weights)
     missing = model.expected_weight_keys() - loaded
     if missing:
@@ -96,6 +105,21 @@ def load_weights_into(model: nn.Module, model_path: str, gguf_file: str | None =
                          f"{', '.join(shown[:8])}{' ...' if len(shown) > 8 else ''}.")
     if quantization == "gguf":
         _pack_quantized(model)
+    elif quantization in HF_QUANT_METHODS.values():
+        _pack_hf_quantized(model, quant_config)
+
+
+def _pack_hf_quantized(model: nn.Module, quant_config: HFQuantConfig) -> None:
+    """Every layer's int4 / fp8 shards into one packed weight on its device, and the start-up
+    line that counts the bytes they hold."""
+    from pagedserve.worker.layers.quantized import finish_quantized
+
+    sizes = finish_quantized(model)
+    plain = sum(p.numel() * p.element_size() for p in model.parameters())
+    mib = 1 << 20
+    logger.info("Weights: %.1f MiB quantized (%s: %s) + %.1f MiB plain (embeddings, LM head, norms, biases)",
+                sum(sizes.values()) / mib, quant_config.describe(),
+                ", ".join(f"{q} {b / mib:.1f} MiB" for q, b in sorted(sizes.items())), plain / mib)
 
 
 def _pack_quantized(model: nn.Module) -> None:
@@ -123,5 +147,5 @@ def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
     with torch.device(device):
         model = cls(model_config, attention_backend=attention_backend)
     load_weights_into(model, model_config.model_path, model_config.gguf_file, model_config.quantization,
-                      model_config.hf_config)
+                      model_config.hf_config, model_config.quant_config)
     return model.eval()
