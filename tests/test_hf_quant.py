@@ -152,6 +152,25 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_model(name, quantiz
     assert matched == PROMPTS
 
 
+def test_engine_serves_a_quantized_checkpoint_token_for_token(quantized_models):
+    """The whole serving path (scheduler, paged KV cache, chunked prefill, sampler) on the
+    act-order GPTQ checkpoint: LLM.generate's greedy tokens are transformers' on the
+    dequantized weights."""
+    from pagedserve import SamplingParams
+    from pagedserve.cluster.llm import LLM
+
+    qdir, ddir = quantized_models["gptq-v2-asym-actorder-g32"]
+    prompts = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 57))]
+    llm = LLM(model=qdir, dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    try:
+        assert llm.engine.model_config.quantization == "gptq"
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [f[len(p):] for p, f in zip(prompts, _hf_greedy(ddir, prompts))]
+
+
 def test_quantization_none_dequantizes_at_load(quantized_models):
     qdir, _ = quantized_models["awq-g128"]
     cfg = ModelConfig.from_pretrained(qdir, dtype="float32", quantization="none")
