@@ -24,10 +24,11 @@ import transformers
 
 from _hf_quant_helpers import pack_along_inputs, quantize_fp8, quantize_int4, quantize_linear, write_quantized
 from _triton_interp import emit, interpreter_results
+from pagedserve.kernels import cpu_gguf
 from pagedserve.kernels.metadata import AttentionMetadata
 from pagedserve.kernels.quant import Fp8Weight, Int4Weight
 from pagedserve.kernels.quant.fp8 import dequantize_fp8
-from pagedserve.kernels.quant.int4 import dequantize_int4
+from pagedserve.kernels.quant.int4 import as_q4_1, dequantize_int4
 from pagedserve.worker.layers.hf_quantized import Fp8Shards, Fp8Tensor, Int4Shards, Int4Tensor
 from pagedserve.worker.loading.hf_quant_loader import iter_hf_quantized
 from pagedserve.worker.loading.loader import load_model
@@ -113,6 +114,37 @@ def test_cpu_linear_matches_f_linear_on_the_dequantized_weight(fmt, opts):
     assert weight.nbytes() < w.numel() * 4 / (3.5 if fmt == "fp8" else 6)
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_int4_runs_on_the_cpu_gguf_kernel_as_q4_1(sym):
+    """d = scale, m = -scale x zero: a symmetric zero (8) gives m exactly, an asymmetric one
+    rounds m to fp16 (at most 2^-11 of scale x zero a weight); act-order stays Int4Weight."""
+    if not cpu_gguf.available():
+        pytest.skip("the CPU GGUF kernel is not built here")
+    t, deq = _int4(64, False) if not sym else _int4_sym()
+    q4 = as_q4_1(Int4Shards.pack(_one(t)))
+    rows = cpu_gguf.dequantize_rows(q4, torch.arange(t.shape[0]))
+    w = t.w
+    bound = 0.0 if sym else float((w.scales.float() * w.zeros.float()).max()) * 2 ** -11
+    assert (rows - deq).abs().max().item() <= bound
+    x = torch.randn(3, t.shape[1], generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(cpu_gguf.linear(x, q4), x @ rows.t(), rtol=1e-4, atol=1e-4)  # summation order
+    assert as_q4_1(Int4Shards.pack(_one(_int4(32, True)[0]))) is None
+
+
+def _int4_sym() -> tuple[Int4Tensor, torch.Tensor]:
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    parts, deq = quantize_linear("gptq", w, "x", dict(group_size=64, sym=True))
+    qcfg = parse_quant_config({"quant_method": "gptq", "bits": 4, "group_size": 64, "sym": True})
+    [(_, t)] = list(iter_hf_quantized(parts.items(), qcfg))
+    return t, deq
+
+
+def _one(t: Int4Tensor) -> Int4Shards:
+    shards = Int4Shards(*t.shape)
+    shards.add(0, t, "x")
+    return shards
+
+
 # ---------------------------------------------------------------- whole model, greedy
 def _hf_greedy(ddir: str, prompts: list[list[int]]) -> list[list[int]]:
     hf = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
@@ -142,7 +174,9 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_model(name, quantiz
     cfg = ModelConfig.from_pretrained(qdir, dtype="float32")
     model = load_model(cfg, "cpu")
     kinds = {type(m._packed).__name__ for m in model.modules() if getattr(m, "_packed", None) is not None}
-    assert kinds == {"Fp8Weight" if cfg.quantization == "fp8" else "Int4Weight"}
+    # int4 without act-order runs on the CPU GGUF kernel as Q4_1 (kernels/quant/int4.as_q4_1)
+    on_gguf = cfg.quantization != "fp8" and not cfg.quant_config.desc_act and cpu_gguf.available()
+    assert kinds == {"Fp8Weight" if cfg.quantization == "fp8" else "GGUFWeight" if on_gguf else "Int4Weight"}
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 5, 8, 11, 4, 16, 6, 9)]
     full = _hf_greedy(ddir, prompts)

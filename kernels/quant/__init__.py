@@ -9,9 +9,10 @@ packed in memory and are dequantized where they are multiplied.
     triton_fp8_gemm.py    its CUDA kernel
     triton_tiles.py       the tile steps and host checks both kernels share
 
-On CPU the GEMM dequantizes the whole weight on each call and runs F.linear (correct, memory
-as packed, no faster than the plain weight); the Triton kernels are tested on CPU under the
-interpreter. GGUF blocks have their own CPU kernel (kernels/cpu_gguf.py).
+On CPU, int4 without act-order (fp16 scales, groups a multiple of 32) is repacked at load into
+GGUF's Q4_1 blocks and runs on kernels/cpu_gguf.py's vector GEMM (int4.as_q4_1); act-order int4
+and fp8 dequantize the whole weight on each call and run F.linear (correct, memory as packed,
+slower than the plain weight). The Triton kernels are tested on CPU under the interpreter.
 """
 
 from pagedserve.kernels.quant.fp8 import Fp8Weight

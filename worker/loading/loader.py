@@ -114,12 +114,22 @@ def _pack_hf_quantized(model: nn.Module, quant_config: HFQuantConfig) -> None:
     line that counts the bytes they hold."""
     from pagedserve.worker.layers.quantized import finish_quantized
 
+    from pagedserve.kernels.quant.int4 import Int4Weight, as_q4_1
+    from pagedserve.worker import cpu_memory
+
     sizes = finish_quantized(model)
+    on_gguf = 0
+    for m in model.modules():  # CPU: int4 layers the GGUF kernel can run as Q4_1 (kernels/quant/int4.py)
+        if isinstance(getattr(m, "_packed", None), Int4Weight):
+            q4 = as_q4_1(m._packed, lambda shape, dtype: cpu_memory.zeros(shape, dtype, torch.device("cpu")))
+            if q4 is not None:
+                m._packed, on_gguf = q4, on_gguf + 1
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
     mib = 1 << 20
-    logger.info("Weights: %.1f MiB quantized (%s: %s) + %.1f MiB plain (embeddings, LM head, norms, biases)",
+    logger.info("Weights: %.1f MiB quantized (%s: %s%s) + %.1f MiB plain (embeddings, LM head, norms, biases)",
                 sum(sizes.values()) / mib, quant_config.describe(),
-                ", ".join(f"{q} {b / mib:.1f} MiB" for q, b in sorted(sizes.items())), plain / mib)
+                ", ".join(f"{q} {b / mib:.1f} MiB" for q, b in sorted(sizes.items())),
+                f"; {on_gguf} int4 GEMMs on the CPU GGUF kernel as Q4_1" if on_gguf else "", plain / mib)
 
 
 def _pack_quantized(model: nn.Module) -> None:
