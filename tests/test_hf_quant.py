@@ -362,6 +362,20 @@ def test_kv_size_counts_the_packed_linear_bytes():
     assert "(linear layers awq int4 group 128, asymmetric)" in format_report(awq)
 
 
+def test_kv_size_reads_a_modelopt_hf_quant_config(quantized_models):
+    from pagedserve.cluster.cli.kv_size import DTYPE_BYTES, kv_size, load_hf_config
+
+    cfg = load_hf_config(quantized_models["fp8-modelopt"][0])
+    assert cfg["quantization_config"]["quant_method"] == "modelopt"
+    r = kv_size(cfg, max_model_len=64, gpu_memory_gib=1)
+    assert r.quantization == "modelopt fp8 e4m3 per-tensor scales"
+    plain = kv_size({k: v for k, v in cfg.items() if k != "quantization_config"}, max_model_len=64, gpu_memory_gib=1)
+    # 2 layers of (q, k, v, o: 128 x 128; gate, up, down: 256 x 128) at 1 byte + a 4-byte scale per row
+    linear = 2 * (4 * 128 * 128 + 3 * 256 * 128)
+    scales = 2 * 4 * (4 * 128 + 256 + 256 + 128)
+    assert plain.weight_bytes - r.weight_bytes == linear * (DTYPE_BYTES[plain.weight_dtype] - 1) - scales
+
+
 # ---------------------------------------------------------------- Triton, under the interpreter
 def _triton_case(kind: str, m: int, dtype: str, **kw) -> dict:
     from pagedserve.kernels.quant.triton_fp8_gemm import fp8_gemm_triton
