@@ -42,6 +42,7 @@ FORMATS = {
     "gptq-v1-sym-g128": ("gptq", dict(group_size=128, sym=True, zero_bias=True)),
     "gptq-v1-asym-g64": ("gptq", dict(group_size=64, sym=False)),
     "gptq-v2-asym-actorder-g32": ("gptq", dict(group_size=32, sym=False, desc_act=True, checkpoint_format="gptq_v2")),
+    "gptq-v1-sym-actorder-g32": ("gptq", dict(group_size=32, sym=True, desc_act=True)),
     "fp8-ct-tensor": ("fp8", dict(per_channel=False)),
     "fp8-ct-channel": ("fp8", dict(per_channel=True)),
     "fp8-modelopt": ("fp8", dict(modelopt=True)),
@@ -117,7 +118,7 @@ def test_cpu_linear_matches_f_linear_on_the_dequantized_weight(fmt, opts):
 @pytest.mark.parametrize("sym", [True, False])
 def test_int4_runs_on_the_cpu_gguf_kernel_as_q4_1(sym):
     """d = scale, m = -scale x zero: a symmetric zero (8) gives m exactly, an asymmetric one
-    rounds m to fp16 (at most 2^-11 of scale x zero a weight); act-order stays Int4Weight."""
+    rounds m to fp16 (at most 2^-11 of scale x zero a weight); act-order sorts its inputs."""
     if not cpu_gguf.available():
         pytest.skip("the CPU GGUF kernel is not built here")
     t, deq = _int4(64, False) if not sym else _int4_sym()
@@ -128,7 +129,15 @@ def test_int4_runs_on_the_cpu_gguf_kernel_as_q4_1(sym):
     assert (rows - deq).abs().max().item() <= bound
     x = torch.randn(3, t.shape[1], generator=torch.Generator().manual_seed(4))
     torch.testing.assert_close(cpu_gguf.linear(x, q4), x @ rows.t(), rtol=1e-4, atol=1e-4)  # summation order
-    assert as_q4_1(Int4Shards.pack(_one(_int4(32, True)[0]))) is None
+    # act-order: the inputs sorted by group, x gathered in that order
+    t, deq = _int4(32, True)
+    q4 = as_q4_1(Int4Shards.pack(_one(t)))
+    assert type(q4).__name__ == "PermutedInputs"
+    rows = torch.empty_like(deq)
+    rows[:, q4.perm] = cpu_gguf.dequantize_rows(q4.inner, torch.arange(t.shape[0]))  # back to input order
+    assert (rows - deq).abs().max().item() <= float((t.w.scales.float() * t.w.zeros.float()).max()) * 2 ** -11
+    x = torch.randn(3, t.shape[1], generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(q4.linear(x), x @ rows.t(), rtol=1e-4, atol=1e-4)
 
 
 def _int4_sym() -> tuple[Int4Tensor, torch.Tensor]:
@@ -174,9 +183,9 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_model(name, quantiz
     cfg = ModelConfig.from_pretrained(qdir, dtype="float32")
     model = load_model(cfg, "cpu")
     kinds = {type(m._packed).__name__ for m in model.modules() if getattr(m, "_packed", None) is not None}
-    # int4 without act-order runs on the CPU GGUF kernel as Q4_1 (kernels/quant/int4.as_q4_1)
-    on_gguf = cfg.quantization != "fp8" and not cfg.quant_config.desc_act and cpu_gguf.available()
-    assert kinds == {"Fp8Weight" if cfg.quantization == "fp8" else "GGUFWeight" if on_gguf else "Int4Weight"}
+    # int4 runs on the CPU GGUF kernel as Q4_1 (kernels/quant/int4.as_q4_1), act-order with its inputs sorted
+    on_gguf = "PermutedInputs" if cfg.quant_config.desc_act else "GGUFWeight"
+    assert kinds == {"Fp8Weight" if cfg.quantization == "fp8" else on_gguf if cpu_gguf.available() else "Int4Weight"}
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 5, 8, 11, 4, 16, 6, 9)]
     full = _hf_greedy(ddir, prompts)
@@ -286,10 +295,12 @@ def _tp_rank_main(rank: int, world_size: int, init_file: str, paths: list[str], 
 
 def test_tp2_over_gloo_gives_the_tp1_logits(quantized_models, tmp_path):
     """Act-order int4 in groups of 32 (o_proj's 128 inputs split 64 + 64, down_proj's 256
-    as 128 + 128) and per-channel fp8, each rank holding its slices packed."""
+    as 128 + 128) and per-channel fp8, each rank holding its slices packed. Symmetric int4:
+    on CPU a rank's slice may or may not form whole Q4_1 blocks once sorted, and only a
+    symmetric zero makes both paths exact (an asymmetric one rounds m to fp16 on one)."""
     import torch.multiprocessing as mp
 
-    paths = [quantized_models["gptq-v2-asym-actorder-g32"][0], quantized_models["fp8-ct-channel"][0]]
+    paths = [quantized_models["gptq-v1-sym-actorder-g32"][0], quantized_models["fp8-ct-channel"][0]]
     mp.spawn(_tp_rank_main, args=(2, str(tmp_path / "init"), paths, str(tmp_path)), nprocs=2, join=True)
     for i, path in enumerate(paths):
         want = _logits(path)

@@ -19,11 +19,12 @@ each tile dequantized in registers, the packed words read once per tile); elsewh
 whole weight is dequantized on every call and multiplied with F.linear, so the weight stays
 4-bit in memory but a step costs the dequantization on top of the plain GEMM.
 
-On CPU most checkpoints run on the GGUF kernel instead (``as_q4_1``, at load): without
-act-order, with fp16 scales and groups a multiple of 32, each 32 inputs of a row are one
-Q4_1 block, w = d q + m with d = scale and m = -scale x zero, so kernels/cpu_gguf.py's
-vector GEMM reads the same 5 bits a weight. m is rounded to fp16 (exact for a symmetric
-zero of 8): each weight may move by up to 2^-11 of scale x zero from the reference.
+On CPU the checkpoints run on the GGUF kernel instead (``as_q4_1``, at load): with fp16
+scales and groups a multiple of 32, each 32 inputs of a row are one Q4_1 block, w = d q + m
+with d = scale and m = -scale x zero, so kernels/cpu_gguf.py's vector GEMM reads the same 5
+bits a weight. Act-order weights have their inputs sorted by group first (PermutedInputs:
+x's columns are gathered in that order on each call). m is rounded to fp16 (exact for a
+symmetric zero of 8): each weight may move by up to 2^-11 of scale x zero from the reference.
 """
 
 from __future__ import annotations
@@ -111,21 +112,51 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     return ((codes - w.zeros[g].float()) * w.scales[g].float()).t().contiguous()
 
 
+class PermutedInputs:
+    """A GEMM on W with its inputs reordered: ``x W^T = x[:, perm] W'^T``, W' = W[:, perm].
+    Act-order int4 sorted by group (``as_q4_1``) so that each group's inputs are adjacent."""
+
+    __slots__ = ("inner", "perm")
+    qtype = "Q4_1"
+
+    def __init__(self, inner, perm: torch.Tensor) -> None:
+        self.inner, self.perm = inner, perm
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes() + self.perm.numel() * self.perm.element_size()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from pagedserve.kernels import cpu_gguf
+
+        return cpu_gguf.linear(x.index_select(-1, self.perm), self.inner, bias)
+
+
 def as_q4_1(w: Int4Weight, alloc=None):
-    """W as one Q4_1 GGUFWeight for kernels/cpu_gguf.py, or None where that would change more
-    than m's fp16 rounding (act-order, non-fp16 scales, groups not whole Q4_1 blocks) or the
-    kernel is not built here."""
+    """W as Q4_1 blocks for kernels/cpu_gguf.py (a GGUFWeight; act-order: its inputs sorted by
+    group, a PermutedInputs), or None where that would change more than m's fp16 rounding
+    (non-fp16 scales, groups not whole Q4_1 blocks) or the kernel is not built here."""
     from pagedserve.kernels import cpu_gguf
 
-    if (w.g_idx is not None or w.group_size % 32 or w.k % 32 or w.scales.dtype != torch.float16
-            or w.qweight.device.type != "cpu" or not cpu_gguf.available()):
+    if w.scales.dtype != torch.float16 or w.k % 32 or w.qweight.device.type != "cpu" or not cpu_gguf.available():
         return None
     n, k = w.n, w.k
     nb = k // 32
-    group = torch.arange(nb) * 32 // w.group_size  # the group of each block of 32 inputs
+    codes = unpack_codes(w.qweight)  # [k, n]
+    perm = None
+    if w.g_idx is None:
+        if w.group_size % 32:
+            return None
+        group = torch.arange(nb) * 32 // w.group_size  # the group of each block of 32 inputs
+    else:
+        g = w.g_idx.long()
+        if bool((torch.bincount(g) % 32).any()):  # a group that is not whole blocks once sorted
+            return None
+        perm = torch.argsort(g, stable=True)
+        codes, group = codes[perm], g[perm][::32]
     d = w.scales[group].t().contiguous()  # [n, nb] fp16, the checkpoint's scale as it is
     m = (-(w.scales[group].float() * w.zeros[group].float())).t().half().contiguous()
-    q = unpack_codes(w.qweight).t().to(torch.uint8).reshape(n, nb, 32)
+    q = codes.t().to(torch.uint8).reshape(n, nb, 32)
     qs = q[..., :16] | (q[..., 16:] << 4)  # ggml's Q4_1: byte j = input j (low), input j + 16 (high)
     raw = torch.cat([d.view(torch.uint8).view(n, nb, 2), m.view(torch.uint8).view(n, nb, 2), qs], -1)
-    return cpu_gguf.GGUFWeight([cpu_gguf.pack(raw.reshape(n, nb * 20), "Q4_1", k, alloc)])
+    q4 = cpu_gguf.GGUFWeight([cpu_gguf.pack(raw.reshape(n, nb * 20), "Q4_1", k, alloc)])
+    return q4 if perm is None else PermutedInputs(q4, perm)
