@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from _gguf_helpers import write_gguf_from_hf
+from _hf_quant_helpers import write_quantized
 from pagedserve import LLM, SamplingParams
 from pagedserve.worker.loading.random_models import make_test_model
 
@@ -30,7 +31,11 @@ def models(tmp_path_factory):
     llama = make_test_model("llama-gqa2-hd64", root)
     qwen2 = make_test_model("qwen2-tied", root)  # q/k/v biases, tied head
     gguf = write_gguf_from_hf(str(llama), str(tmp_path_factory.mktemp("gguf") / "llama.Q4_1.gguf"), "Q4_1")
-    return {"llama": str(llama), "qwen2": str(qwen2), "gguf-q4_1": gguf}
+    quant = tmp_path_factory.mktemp("hfq")
+    write_quantized(str(llama), str(quant / "awq"), str(quant / "awq-deq"), "awq", group_size=64)
+    write_quantized(str(llama), str(quant / "fp8"), str(quant / "fp8-deq"), "fp8", per_channel=True)
+    return {"llama": str(llama), "qwen2": str(qwen2), "gguf-q4_1": gguf, "awq": str(quant / "awq"),
+            "fp8": str(quant / "fp8")}
 
 
 def _check_on_against_off(llm: LLM, **generate_kw) -> None:
@@ -52,7 +57,7 @@ def _check_on_against_off(llm: LLM, **generate_kw) -> None:
     assert _run(llm, **generate_kw) == on  # tokens and logprobs, to the bit
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gguf-q4_1"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gguf-q4_1", "awq", "fp8"])
 def test_the_bound_path_runs_the_decode_steps_and_changes_no_bit(models, name):
     llm = LLM(model=models[name], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
     try:

@@ -17,7 +17,7 @@ module path's (tests/test_cpu_decode_path.py):
 It is built where everything fits (``build`` says why not otherwise): Llama, Mistral or
 Qwen2 exactly, fp32 on CPU, tensor parallel size 1, the torch attention backend with its
 C++ kernels loaded, an fp32 KV cache, each linear a single-part GGUF weight, a packed panel
-weight or a plain fp32 one. A step it cannot take (prefill, a mixed
+weight, an AWQ / GPTQ / fp8 one (kernels/quant/) or a plain fp32 one. A step it cannot take (prefill, a mixed
 batch, speculative rows, tensors of another shape) returns None and runs the modules.
 """
 
@@ -27,6 +27,7 @@ import torch
 
 from pagedserve.kernels import cpu_decode_attention, cpu_fused, cpu_gemm, cpu_gguf
 from pagedserve.kernels.cpu_linear import PanelWeight
+from pagedserve.kernels.quant import QUANT_WEIGHTS
 from pagedserve.worker.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from pagedserve.worker.parallel_state import get_tp_size
 
@@ -48,6 +49,8 @@ def _bind_linear(layer):
     if type(packed) is PanelWeight:
         panels, n = packed.panels, packed.n
         return lambda x: cpu_gemm.gemm(x, panels, n, bias)
+    if type(packed) in QUANT_WEIGHTS:  # AWQ / GPTQ / fp8 (kernels/quant/), as cpu_linear calls them
+        return lambda x: packed.linear(x, bias)
     if packed is None and layer.weight.dtype == torch.float32 and layer.weight.numel():
         weight = layer.weight
         return lambda x: torch.nn.functional.linear(x, weight, bias)
