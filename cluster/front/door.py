@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 from importlib import resources
 
 
@@ -226,6 +227,15 @@ class LiveRequests:
         self._live[rid] = [tenant, None, 1, time.monotonic()]
         while len(self._live) > MAX_LIVE:
             self._live.popitem(last=False)
+
+    @contextmanager
+    def handled(self, rid: str, tenant: str | None):
+        """``rid`` is live while a route's handler runs (a stream's body holds it on)."""
+        self.add(rid, tenant)
+        try:
+            yield
+        finally:
+            self.release(rid)
 
     def placed(self, rid: str, replica_id: str) -> None:
         if rid in self._live:

@@ -249,7 +249,10 @@ class EdgeMiddleware:
         # As vLLM's --api-key: /v1/* (/health, /metrics, /tokenize stay open), and
         # /invocations, which generates as /v1 does; never an OPTIONS preflight.
         if (path.startswith("/v1") or path == "/invocations") and scope["method"] != "OPTIONS":
-            ok, key_tenant = guard.identify(headers.get("authorization"))
+            authorization = headers.get("authorization")
+            if authorization is None and path.startswith("/v1/messages") and "x-api-key" in headers:
+                authorization = f"Bearer {headers['x-api-key']}"  # the anthropic SDK's way to send it
+            ok, key_tenant = guard.identify(authorization)
             if not ok:
                 await _send(send, error(401, "invalid or missing API key: send "
                                              "'Authorization: Bearer <key>'",

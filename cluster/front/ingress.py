@@ -7,6 +7,9 @@ its API family; what every route that generates shares sits in one object each:
     routes (this file) ─▶ serving_completion.py   /v1/completions: batches of prompts, echo
                        ─▶ serving_chat.py         /v1/chat/completions, its batch form
                        ─▶ beam_search.py          ``use_beam_search`` bodies of either
+                       ─▶ responses/              /v1/responses (OpenAI's Responses API): a body
+                                                  becomes a chat request, served by serving_chat
+                       ─▶ serving_messages.py     /v1/messages (Anthropic's), translated to a chat
                                 │
                                 ▼
                        replica_client.py   the connection to the engine replicas: the door's
@@ -41,12 +44,15 @@ from pagedserve.cluster.front.door import DASHBOARD_HTML, LiveRequests, request_
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers, remote_error)
 from pagedserve.cluster.front.replica_client import ReplicaClient
+from pagedserve.cluster.front.responses.protocol import ResponsesRequest, response_id
+from pagedserve.cluster.front.responses.serving import OpenAIServingResponses
 from pagedserve.cluster.front.openai.schemas import (BatchChatCompletionRequest, ChatCompletionRequest,
                                                CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                                TokenizeRequest, TokenizeResponse, random_id)
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.serving_chat import OpenAIServingChat
 from pagedserve.cluster.front.serving_completion import OpenAIServingCompletion
+from pagedserve.cluster.front.serving_messages import AnthropicServingMessages
 from pagedserve.cluster.front.serving_models import OpenAIServingModels
 from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip
 
@@ -88,21 +94,28 @@ class OpenAIIngress:
         self._client = ReplicaClient(engine, self._model, self._live, self.config.tokenize_for_router)
         self._completion = OpenAIServingCompletion(engine, self._model, self._live, self._client)
         self._chat = OpenAIServingChat(engine, self._model, self._live, self._client)
+        self._responses = OpenAIServingResponses(self._chat, self._model, self._live)
+        self._messages = AnthropicServingMessages(engine, self._model, self._live, self._chat)
         self._models = OpenAIServingModels(engine, self._model, self.config.allow_runtime_lora_updating)
         activate(EdgeGuard(self.config, self._model.max_model_len))
 
     async def info(self) -> dict:
         return await self._model.info()
 
-    async def _generate(self, body, chat: bool, request: Request):
+    async def _answer(self, body, request: Request, rid: str, serve):
+        """``serve(body, rid, tenant)``: the request is live (door.py) from here until its
+        answer, a stream until its body generator ends."""
         tenant = getattr(request.state, "tenant", None)
-        rid = random_id("chatcmpl" if chat else "cmpl")
         self._live.add(rid, tenant)
         try:
-            response = await self._create(body, chat, rid, tenant)
+            response = await serve(body, rid, tenant)
         finally:
             self._live.release(rid)  # a stream keeps it until its body generator ends
         return _with_unknown_fields(response, body, rid)
+
+    async def _generate(self, body, chat: bool, request: Request):
+        rid = random_id("chatcmpl" if chat else "cmpl")
+        return await self._answer(body, request, rid, lambda b, r, t: self._create(b, chat, r, t))
 
     async def _create(self, body, chat: bool, rid: str, tenant):
         try:
@@ -124,14 +137,37 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions/batch")
     async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request):
-        tenant = getattr(request.state, "tenant", None)
-        rid = random_id("chatcmpl")
-        self._live.add(rid, tenant)
-        try:
-            response = await self._chat.create_batch(body, rid, tenant)
-        finally:
-            self._live.release(rid)
-        return _with_unknown_fields(response, body, rid)
+        return await self._answer(body, request, random_id("chatcmpl"), self._chat.create_batch)
+
+    @app.post("/v1/messages")
+    async def messages(self, request: Request):
+        """Anthropic's Messages API over the chat path (serving_messages.py), which validates
+        the body itself: its 400s have Anthropic's shape."""
+        return await self._messages.create(await request.body(), getattr(request.state, "tenant", None))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(self, request: Request):
+        return await self._messages.count_tokens(await request.body())
+
+    @app.post("/v1/responses")
+    async def create_response(self, body: ResponsesRequest, request: Request):
+        return await self._answer(body, request, response_id(), self._responses.create)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(self, response_id: str, request: Request):
+        # OpenAI's replay of a stored stream (?stream=true&starting_after=N) is not served.
+        asked = sorted(set(request.query_params) & {"stream", "starting_after", "include", "include[]"})
+        if asked:
+            return error(400, f"{asked[0]}: not implemented by this server (deploy/README.md)", param=asked[0])
+        return self._responses.retrieve(response_id, getattr(request.state, "tenant", None))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request):
+        return self._responses.delete(response_id, getattr(request.state, "tenant", None))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, response_id: str, request: Request):
+        return self._responses.cancel(response_id, getattr(request.state, "tenant", None))
 
     @app.post("/invocations")
     async def invocations(self, request: Request):
