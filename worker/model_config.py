@@ -1,7 +1,7 @@
 """The model's shape and numerics, parsed from a Hugging Face ``config.json`` or from a
 GGUF file's metadata (``worker/loading/gguf_loader.py`` turns it into the same dict).
 
-Only what the Llama family needs. Both config dialects are accepted: the old one
+Only what the families in worker/models need. Both config dialects are accepted: the old one
 (``rope_theta`` + ``rope_scaling``, transformers 4) and the new one (``rope_parameters``,
 transformers 5). Anything we cannot run exactly is refused here with a clear
 ``ValueError`` rather than producing wrong tokens later.
@@ -10,6 +10,7 @@ transformers 5). Anything we cannot run exactly is refused here with a clear
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,9 +23,11 @@ from pagedserve.worker.loading.gguf_loader import check_native_types, find_gguf_
 from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantConfig, parse_quant_config,
                                                     read_quantization_config)
 
-# Architecture name in config.json -> the family members we implement (worker/models).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# Architecture names in config.json we implement (worker/models registers a class for each).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "longrope")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -57,7 +60,7 @@ class ModelConfig:
     vocab_size: int
     rms_norm_eps: float
     rope_theta: float
-    # None or a dict with "rope_type" (only "llama3" besides default) and its factors.
+    # None or a dict with "rope_type" ("llama3" or "longrope") and its factors.
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     max_model_len: int
@@ -76,6 +79,15 @@ class ModelConfig:
     # What config.json's quantization_config says (None: an unquantized checkpoint); set
     # even when --quantization none dequantizes it at load.
     quant_config: HFQuantConfig | None = None
+    # SmolLM3: the layers that skip rotary embeddings (its no_rope_layers[i] == 0).
+    nope_layers: tuple[int, ...] = ()
+    # Mixture of experts (MOE_ARCHITECTURES): the layers whose MLP is a top-k routed block
+    # of ``num_experts`` SwiGLU experts of ``moe_intermediate_size``; the others are dense.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -163,6 +175,8 @@ class ModelConfig:
         elif not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] "
                              f"(max_position_embeddings{' / sliding_window' if window else ''}).")
+        if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
+            rope_scaling = _pick_longrope_factors(rope_scaling, head_dim, int(max_model_len))
 
         if dtype == "auto":
             checkpoint = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
@@ -183,7 +197,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             hidden_act=act, dtype=torch_dtype, bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids, gguf_file=hf.get("gguf_file") or (path if path.endswith(".gguf") else None),
-            hf_config=hf)
+            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), hf_config=hf)
 
     # ---- sizes per tensor-parallel rank -------------------------------------------------
     def verify_tensor_parallel(self, tp_size: int) -> None:
@@ -191,9 +205,10 @@ class ModelConfig:
                         ("num_key_value_heads", self.num_key_value_heads)):
             if n % tp_size:
                 raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({tp_size}).")
-        if self.intermediate_size % tp_size:
-            raise ValueError(f"intermediate_size ({self.intermediate_size}) must be divisible by "
-                             f"tensor_parallel_size ({tp_size}).")
+        for what, n in (("intermediate_size", self.intermediate_size),
+                        ("moe_intermediate_size", self.moe_intermediate_size)):
+            if n % tp_size:
+                raise ValueError(f"{what} ({n}) must be divisible by tensor_parallel_size ({tp_size}).")
 
     def get_num_kv_heads(self, tp_size: int = 1) -> int:
         self.verify_tensor_parallel(tp_size)
@@ -259,12 +274,16 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
     scaling = {**legacy, **params}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("su", "yarn") and hf.get("architectures") == ["Phi3ForCausalLM"]:
+        rope_type = "longrope"  # Phi-3's old names for it (transformers' Phi3Config says so)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
     if hf.get("partial_rotary_factor", 1.0) != 1.0 or scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported.")
     if rope_type == "default":
         return theta, None
+    if rope_type == "longrope":
+        return theta, _parse_longrope(hf, scaling)
     out = {"rope_type": "llama3"}
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if key not in scaling:
@@ -273,3 +292,79 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     out["original_max_position_embeddings"] = int(
         scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
     return theta, out
+
+
+def _parse_longrope(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE: per-frequency factors, a short set for sequences up to the
+    pretraining length and a long one past it, and a cos/sin scale (attention_factor)."""
+    for key in ("short_factor", "long_factor"):
+        if not isinstance(scaling.get(key), list):
+            raise ValueError(f"longrope rope scaling needs a list {key!r}.")
+    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    original = int(scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                   or max_pos)
+    factor = scaling.get("factor") or max_pos / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:  # the paper's default, as transformers computes it
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", "short_factor": [float(f) for f in scaling["short_factor"]],
+            "long_factor": [float(f) for f in scaling["long_factor"]], "attention_factor": float(attention_factor),
+            "original_max_position_embeddings": original}
+
+
+def _pick_longrope_factors(scaling: dict[str, Any], head_dim: int, max_model_len: int) -> dict[str, Any]:
+    """One factor set for the whole engine. transformers switches per sequence: the short set
+    while a sequence is within original_max_position_embeddings, and once it grows past,
+    the long set for every position (it recomputes the whole cache). A paged cache keeps
+    the keys it rotated, so we decide once: an engine whose max_model_len fits the
+    pretraining length uses the short set (exactly transformers' tokens at every length);
+    a longer one uses the long set (exact for sequences past that length, not for the
+    shorter ones)."""
+    long = max_model_len > scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor" if long else "short_factor"]
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries; "
+                         f"head_dim {head_dim} needs {head_dim // 2}.")
+    return {**scaling, "ext_factors": factors}
+
+
+def _nope_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """SmolLM3's layers without rope: ``no_rope_layers`` (1 = rope, 0 = none), or by default
+    every ``no_rope_layer_interval``-th layer (transformers' SmolLM3Config)."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    n = int(hf["num_hidden_layers"])
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = int(hf.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(n)]
+    if len(flags) != n:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries for {n} layers.")
+    return tuple(i for i, use_rope in enumerate(flags) if not use_rope)
+
+
+def _moe_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Mixtral: every layer routes over num_local_experts experts of intermediate_size,
+    top-k renormalised. Qwen3-MoE: layer i routes unless it is in mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step; experts of moe_intermediate_size;
+    norm_topk_prob says whether top-k is renormalised."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    n = int(hf["num_hidden_layers"])
+    num_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    top_k = int(hf.get("num_experts_per_tok") or 0)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})].")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts (shared_expert_intermediate_size) are not supported.")
+    if arch == "MixtralForCausalLM":
+        return dict(moe_layers=tuple(range(n)), num_experts=num_experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    if int(hf.get("moe_intermediate_size") or 1) < 1:
+        raise ValueError("config.json field moe_intermediate_size must be >= 1.")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    return dict(moe_layers=tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0),
+                num_experts=num_experts, num_experts_per_tok=top_k,
+                moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))

@@ -46,6 +46,29 @@ def read_shard(loaded: Any, dim: int, start: int, size: int) -> Any:
     return loaded[tuple(index)]
 
 
+class _RowWindow:
+    """Rows [start, start + size) of a safetensors slice, itself sliceable like one."""
+
+    def __init__(self, loaded: Any, start: int, size: int) -> None:
+        self.loaded, self.start, self.size = loaded, start, size
+
+    def get_shape(self) -> list[int]:
+        return [self.size, *self.loaded.get_shape()[1:]]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        rows = index[0]
+        lo, hi, _ = rows.indices(self.size)
+        return self.loaded[(slice(self.start + lo, self.start + hi), *index[1:])]
+
+
+def narrow_rows(loaded: Any, start: int, size: int) -> Any:
+    """Rows [start, start + size) of a checkpoint tensor, still lazy for a safetensors slice:
+    one part of a fused tensor (Phi-3's qkv_proj), handed to a loader that reads its shard."""
+    if isinstance(loaded, (torch.Tensor, QuantizedTensor)):
+        return loaded.narrow(0, start, size)
+    return _RowWindow(loaded, start, size)
+
+
 def read_full(loaded: Any) -> torch.Tensor:
     return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
 

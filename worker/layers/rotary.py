@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE), default and Llama 3.1 frequency scaling.
+"""Rotary position embedding (RoPE): default, Llama 3.1 and LongRoPE (Phi-3) frequency scaling.
 
 cos/sin are precomputed for every position up to ``max_position`` exactly as transformers
 computes them (fp32 ``position * inv_freq``, ``cat(freqs, freqs)``, then cast), and the
@@ -23,6 +23,12 @@ def compute_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | 
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_scaling is None:
         return inv_freq
+    if rope_scaling.get("rope_type") == "longrope":
+        # Phi-3: one factor per frequency, the short or the long set (model_config.py picks
+        # one for the engine's max_model_len). Mirrors transformers' _compute_longrope_parameters.
+        ext = torch.tensor(rope_scaling["ext_factors"], dtype=torch.float32)
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (ext * base ** shape)
     if rope_scaling.get("rope_type") != "llama3":
         raise ValueError(f"unsupported rope scaling {rope_scaling!r}")
     # Llama 3.1: low frequencies (long wavelengths) slowed by ``factor``, high ones kept,
@@ -47,9 +53,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(head_dim, base, rope_scaling)
         freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+        # LongRoPE scales cos and sin (HF's attention_scaling); 1.0 (exact) for the others.
+        mscale = (rope_scaling or {}).get("attention_factor", 1.0)
         # Not parameters: rebuilt from the config, never loaded, moved with the module.
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos_cache", (emb.cos() * mscale).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * mscale).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` [n] as [n, 1, head_dim] (broadcast over heads)."""

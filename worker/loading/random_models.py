@@ -1,4 +1,4 @@
-"""Tiny random Llama-family checkpoints for tests and the demo, built offline.
+"""Tiny random checkpoints of the families in worker/models for tests and the demo, built offline.
 
 ``make_random_llama`` uses transformers' own model classes (so our loader reads exactly
 what HF writes), seeded weights, ``save_pretrained(safe_serialization=True)`` and the
@@ -47,7 +47,12 @@ def _hf_classes(arch: str):
     import transformers as tf
     table = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
              "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+             "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
+             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}
     if arch not in table:
         raise ValueError(f"arch must be one of {sorted(table)}, got {arch!r}.")
     return table[arch]

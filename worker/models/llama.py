@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) over a paged KV cache, tensor-parallel ready.
+"""The Llama family (Llama 2/3, Mistral, Qwen2) over a paged KV cache, tensor-parallel ready;
+the base the other families (worker/models/*.py) change in one place each.
 
 Reads like gpt-fast: embedding -> N x (RMSNorm, attention, RMSNorm, SwiGLU MLP) -> RMSNorm.
 One step's tokens come flattened, ``[num_tokens]``, for a mixed batch of prefill chunks
@@ -12,6 +13,10 @@ Parameter names match the HF checkpoint except for the fused projections:
 
     qkv_proj      <- q_proj, k_proj, v_proj   (shard ids "q", "k", "v")
     gate_up_proj  <- gate_proj, up_proj       (shard ids 0, 1)
+
+Where another family differs, a subclass overrides one hook: ``LlamaAttention.rotate_qk``
+(Qwen3's q/k norm, SmolLM3's layers without rope), ``LlamaForCausalLM.make_layer`` (a
+mixture-of-experts block in place of the MLP), ``map_checkpoint_name`` (its tensor names).
 """
 
 from __future__ import annotations
@@ -62,8 +67,9 @@ class LlamaAttention(nn.Module):
     # The LoRA hook (worker/lora/lora_ops.LayerLoRA), set when LoRA is enabled; None: off.
     lora = None
 
-    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, backend: str, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.backend = backend
@@ -77,15 +83,19 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         bias=o_bias, params_dtype=cfg.dtype)
 
+    def rotate_qk(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qk [n, heads + kv_heads, head_dim], a view of qkv -> q and k as attention reads them.
+        q and k sit side by side in qkv: rotate them as one tensor (half the ops of two
+        calls; per element the same arithmetic)."""
+        return apply_rotary(qk, cos, sin)
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache | None, md: AttentionMetadata | None) -> torch.Tensor:
         n = h.shape[0]
         qkv = self.qkv_proj(h)
         if self.lora is not None:
             self.lora.apply("qkv", h, qkv)
-        # q and k sit side by side in qkv: rotate them as one [n, heads + kv_heads, d] tensor
-        # (half the ops of two calls; per element the same arithmetic).
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
+        qk = self.rotate_qk(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if kv_cache is None:
@@ -132,10 +142,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = self_attn
+        self.mlp = mlp  # SwiGLU, or a mixture-of-experts block (worker/layers/fused_moe.py)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
@@ -151,10 +161,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, layers: Iterable[LlamaDecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
 
 
@@ -170,12 +180,16 @@ class LlamaForCausalLM(nn.Module):
         cfg.verify_tensor_parallel(get_tp_size())
         self.config = cfg
         self.attention_backend = attention_backend
-        self.model = LlamaModel(cfg, attention_backend)
+        self.model = LlamaModel(cfg, (self.make_layer(cfg, attention_backend, i)
+                                      for i in range(cfg.num_hidden_layers)))
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, cfg.dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_layer(self, cfg: ModelConfig, backend: str, layer_idx: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(cfg, LlamaAttention(cfg, backend, layer_idx), LlamaMLP(cfg))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache] | None, attn_metadata: AttentionMetadata | None) -> torch.Tensor:
@@ -201,12 +215,7 @@ class LlamaForCausalLM(nn.Module):
                 continue  # old checkpoints store this buffer; we recompute it
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still ship a copy of the embedding
-            for hf_part, our_part, shard_id in self.stacked_params_mapping:
-                if hf_part in name:
-                    target = name.replace(hf_part, our_part)
-                    break
-            else:
-                target, shard_id = name, None
+            target, shard_id = self.map_checkpoint_name(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}.")
@@ -220,11 +229,21 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(target if shard_id is None else f"{target}#{shard_id}")
         return loaded
 
+    def map_checkpoint_name(self, name: str) -> tuple[str, Any]:
+        """A checkpoint tensor's name -> (our parameter's name, shard id or None)."""
+        for hf_part, our_part, shard_id in self.stacked_params_mapping:
+            if hf_part in name:
+                return name.replace(hf_part, our_part), shard_id
+        return name, None
+
     def expected_weight_keys(self) -> set[str]:
         """What ``load_weights`` must report for the model to be fully loaded."""
         keys: set[str] = set()
-        for name, _ in self.named_parameters():
-            if ".qkv_proj." in name:
+        for name, param in self.named_parameters():
+            shard_ids = getattr(param, "shard_ids", None)  # a parameter filled in parts by its loader
+            if shard_ids is not None:
+                keys.update(f"{name}#{s}" for s in shard_ids)
+            elif ".qkv_proj." in name:
                 keys.update(f"{name}#{s}" for s in ("q", "k", "v"))
             elif ".gate_up_proj." in name:
                 keys.update(f"{name}#{s}" for s in (0, 1))

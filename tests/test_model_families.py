@@ -1,0 +1,218 @@
+"""The families beyond Llama (worker/models/*.py), each against transformers' generate()
+token for token (greedy, fp32) on a tiny random checkpoint that transformers itself
+builds, from its own config class, and writes as a Hugging Face directory:
+
+    qwen3       q/k RMSNorm per head before rope; head_dim 32 while hidden 64 / 4 heads = 16
+    smollm3     layer 1 of 2 without rope (no_rope_layer_interval 2)
+    phi3        fused qkv_proj / gate_up_proj in the checkpoint; LongRoPE (short factors up
+                to 64 tokens, long ones past them: both sets tried)
+    mixtral     4 experts, top-2, renormalised
+    qwen3-moe   8 experts, top-2, not renormalised (norm_topk_prob false); layer 0 dense
+                (mlp_only_layers), layer 1 routed
+
+Each family runs the engine's paths over the same paged KV cache: everything at once, then
+the longest prompt again from the prefix cache; chunked prefill (a 16-token budget); and
+preemption (6 KV blocks for 10 blocks' worth of requests). Tensor parallelism 2 (two
+processes, gloo) decodes greedily to the same tokens for Qwen3 and Qwen3-MoE.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pagedserve.cluster.engine.llm_engine import LLMEngine
+from pagedserve.cluster.executors.uniproc import UniProcExecutor
+from pagedserve.config import EngineConfig
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.loading.model_cache import build_once
+from pagedserve.worker.loading.random_models import make_random_llama
+from pagedserve.worker.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedserve.worker.models import MODEL_REGISTRY
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[1.0 + 0.5 * i for i in range(8)])
+FAMILIES = {  # name -> (make_random_llama arch, config overrides)
+    "qwen3": ("qwen3", dict(head_dim=32)),
+    "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
+    "phi3": ("phi3", dict(original_max_position_embeddings=64, rope_parameters=LONGROPE)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                    mlp_only_layers=[0], norm_topk_prob=False)),
+}
+PROMPT_LENS = [3, 17, 33, 40]
+MAX_TOKENS = 12  # the longest request: 52 tokens, within Phi-3's 64-token short-factor range
+MAX_MODEL_LEN = 64  # so Phi-3 runs its short factors, as transformers does at these lengths
+
+
+def _model_path(name: str, root) -> str:
+    arch, overrides = FAMILIES[name]
+    return build_once(os.path.join(os.fspath(root), name),
+                      lambda tmp: make_random_llama(tmp, arch, **{**SMALL, **overrides}))
+
+
+def _prompts(lens, seed=7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, SMALL["vocab_size"]) for _ in range(n)] for n in lens]
+
+
+def _hf_greedy(path: str, prompts, max_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    refs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory):
+    return tmp_path_factory.getbasetemp() / "family-models"
+
+
+_CASES: dict[str, tuple] = {}
+
+
+def _case(name: str, root) -> tuple:
+    """(path, prompts, transformers' greedy continuations), built once per family."""
+    if name not in _CASES:
+        path = _model_path(name, root)
+        prompts = _prompts(PROMPT_LENS)
+        _CASES[name] = path, prompts, _hf_greedy(path, prompts, MAX_TOKENS)
+    return _CASES[name]
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def case(request, model_root):
+    return _case(request.param, model_root)
+
+
+def _engine(path, **overrides) -> LLMEngine:
+    cfg = dict(model=path, dtype="float32", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=64,
+               max_num_seqs=8, max_num_batched_tokens=256, enable_prefix_caching=False)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg), UniProcExecutor)
+
+
+def _run(engine: LLMEngine, prompts, max_new: int = MAX_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, detokenize=False)
+    ids = [f"r{engine.get_stats().step_id}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[r] for r in ids]
+
+
+def test_all_at_once_then_a_prefix_cache_hit(case):
+    path, prompts, refs = case
+    engine = _engine(path, enable_prefix_caching=True)
+    assert _run(engine, prompts) == refs
+    assert _run(engine, prompts[-1:]) == refs[-1:]  # the 40-token prompt again
+    assert engine.get_stats().prefix_cache_hits >= 32  # its two full blocks
+
+
+def test_chunked_prefill(case):
+    path, prompts, refs = case
+    engine = _engine(path, max_num_batched_tokens=16)
+    assert _run(engine, prompts) == refs
+
+
+def test_preemption(case):
+    path, prompts, refs = case
+    # 6 blocks of 16 slots; the four requests need 1 + 2 + 3 + 4 blocks by their end.
+    engine = _engine(path, num_gpu_blocks_override=6, max_num_batched_tokens=64)
+    assert _run(engine, prompts) == refs
+    assert engine.get_stats().num_preemptions > 0
+
+
+def test_phi3_long_factors_past_the_original_length(model_root):
+    """Past original_max_position_embeddings (64) transformers rotates every position with
+    the long factors; an engine longer than that uses them throughout."""
+    path = _model_path("phi3", model_root)
+    prompts = _prompts([70, 90], seed=11)
+    engine = _engine(path, max_model_len=256)
+    assert engine.model_config.rope_scaling["ext_factors"] == LONGROPE["long_factor"]
+    assert _run(engine, prompts, 8) == _hf_greedy(path, prompts, 8)
+    short = ModelConfig.from_pretrained(path, max_model_len=64).rope_scaling
+    assert short["ext_factors"] == LONGROPE["short_factor"] and short["attention_factor"] > 1.0
+
+
+# ---- tensor parallelism 2: two processes joined by gloo, the model driven directly ----------
+def _greedy_direct(path: str, prompts, max_new: int, tp_size: int) -> list[list[int]]:
+    """Each prompt prefilled in one step over scattered paged blocks, then decoded greedily."""
+    from test_tp import BLOCK_SIZE, _metadata
+
+    from pagedserve.worker.loading.loader import load_model
+
+    cfg = ModelConfig.from_pretrained(path, dtype="float32")
+    model = load_model(cfg)
+    shape = (32, BLOCK_SIZE, cfg.get_num_kv_heads(tp_size), cfg.head_dim)
+    outs = []
+    for ids in prompts:
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        blocks = list(range(31, 31 - (len(ids) + max_new) // BLOCK_SIZE - 1, -1))
+        seq, start, new = list(ids), 0, []
+        with torch.no_grad():
+            for _ in range(max_new):
+                h = model(torch.tensor(seq[start:]), torch.arange(start, len(seq)), caches,
+                          _metadata([(start, len(seq), blocks)]))
+                token = int(model.compute_logits(h)[-1].argmax())
+                start = len(seq)
+                seq.append(token)
+                new.append(token)
+        outs.append(new)
+    return outs
+
+
+def _tp_rank(rank: int, world_size: int, init_file: str, path: str, prompts, out_dir: str) -> None:
+    from pagedserve.worker.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    torch.set_num_threads(1)  # two ranks on a 2-core box
+    init_tensor_parallel(rank, world_size, f"file://{init_file}", backend="gloo")
+    try:
+        torch.save(_greedy_direct(path, prompts, MAX_TOKENS, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy_tensor_parallel()
+
+
+@pytest.mark.slow  # two spawned ranks: about 30-40 s each on 2 cores
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe"])
+def test_tensor_parallel_2_greedy(name, model_root, tmp_path):
+    """Heads, the MLP's and every expert's intermediate features split over two ranks
+    (and Qwen3's per-head norms whole on each): the same greedy tokens as transformers."""
+    path, prompts, refs = _case(name, model_root)
+    mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), path, prompts[2:], str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert torch.load(os.path.join(tmp_path, f"rank{rank}.pt")) == refs[2:]
+
+
+# ---- what is not implemented says so --------------------------------------------------------
+def test_registry_is_the_supported_list():
+    assert tuple(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
+
+
+def test_an_architecture_we_do_not_run_is_a_startup_error_naming_it(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, vocab_size=512)))
+    with pytest.raises(ValueError, match="'Gemma3ForCausalLM'.*supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
+        ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
+        LLMEngine(EngineConfig(model=str(tmp_path)), UniProcExecutor)
