@@ -5,6 +5,8 @@
     serving_completion.py /v1/completions: one engine request per prompt, echo
     serving_chat.py       /v1/chat/completions and its batch form
     beam_search.py        ``use_beam_search``: a loop of one-token engine requests
+    responses/            /v1/responses (OpenAI's Responses API): a body as a chat request,
+                          its answer as a response object or typed events; stored responses
     replica_client.py     the connection to the engine replicas: output channel, lifelines,
                           failover, the door's checks; /health through it
     served_model.py       the replicas' info (404 for another model name), the front's metrics

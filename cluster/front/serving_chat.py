@@ -3,10 +3,11 @@ OpenAIServingChat: the messages rendered by the replicas' chat template (or by t
 own tokenizer where the router needs token ids: prompt_tokens.py), ``tools`` turned into
 what the engine is asked (tool_choice.py), one engine request per conversation.
 
-    body ─▶ _start: model name, sampling params, tool plan ─▶ ReplicaClient.generate ─▶ _ChatStarted
+    body ─▶ start:  model name, sampling params, tool plan ─▶ ReplicaClient.generate ─▶ ChatStarted
                                                                   (or the error response)
-    _ChatStarted ─▶ stream: SSE (sse_stream.py)
-                 ─▶ not:    _collect, one ChatCompletionResponse
+    ChatStarted ─▶ stream: SSE (sse_stream.py)
+                ─▶ not:    collect, one ChatCompletionResponse
+    (the Responses API, cluster/front/responses/, starts and collects chat requests too)
     batch: every conversation started, then read, concurrently; one refused or failed
            conversation is the answer, and the others are cancelled.
 """
@@ -32,7 +33,7 @@ from pagedserve.cluster.wire.request import EngineRequest
 
 
 @dataclass(slots=True)
-class _ChatStarted:
+class ChatStarted:
     """A chat request admitted by a replica, before its outputs are read."""
 
     rid: str
@@ -54,8 +55,8 @@ class OpenAIServingChat:
 
     async def create(self, body, rid: str, tenant):
         """The /v1/chat/completions answer of ``body`` (live as ``rid``): JSON, SSE, or an error."""
-        started = await self._start(body, rid, tenant)
-        if not isinstance(started, _ChatStarted):
+        started = await self.start(body, rid, tenant)
+        if not isinstance(started, ChatStarted):
             return started
         if body.stream:
             state = fmt.StreamState(rid, started.created, started.model, True, body.return_token_ids,
@@ -64,7 +65,7 @@ class OpenAIServingChat:
             self._live.hold(rid)
             events = sse_events([started.stream], state, body.include_usage, self._model, self._live)
             return StreamingResponse(events, media_type="text/event-stream", headers=started.headers)
-        resp = await self._collect(body, started)
+        resp = await self.collect(body, started)
         if not isinstance(resp, ChatCompletionResponse):
             return resp
         return JSONResponse(resp.model_dump(exclude_none=True), headers=started.headers)
@@ -77,23 +78,23 @@ class OpenAIServingChat:
             return error(400, "Batch chat completions do not support `prompt_logprobs`.", param="prompt_logprobs")
         convs = body.conversations()
         arrival = self._live.arrival(rid)
-        tasks = [asyncio.ensure_future(self._start(c, f"{rid}-{i}", tenant, arrival))
+        tasks = [asyncio.ensure_future(self.start(c, f"{rid}-{i}", tenant, arrival))
                  for i, c in enumerate(convs)]
         try:
             started = await asyncio.gather(*tasks)
         except BaseException:
             for t in tasks:
                 t.cancel()
-                if t.done() and not t.cancelled() and t.exception() is None and isinstance(t.result(), _ChatStarted):
+                if t.done() and not t.cancelled() and t.exception() is None and isinstance(t.result(), ChatStarted):
                     t.result().stream.cancel()
             raise
-        refused = [s for s in started if not isinstance(s, _ChatStarted)]
+        refused = [s for s in started if not isinstance(s, ChatStarted)]
         if refused:
             for s in started:
-                if isinstance(s, _ChatStarted):
+                if isinstance(s, ChatStarted):
                     s.stream.cancel()
             return refused[0]
-        reads = [asyncio.ensure_future(self._collect(c, s)) for c, s in zip(convs, started)]
+        reads = [asyncio.ensure_future(self.collect(c, s)) for c, s in zip(convs, started)]
         try:
             answers = await asyncio.gather(*reads)
         except BaseException:
@@ -116,8 +117,8 @@ class OpenAIServingChat:
         return JSONResponse(resp.model_dump(exclude_none=True),
                             headers={REQUEST_ID_HEADER: rid, REPLICA_HEADER: started[0].headers[REPLICA_HEADER]})
 
-    async def _start(self, body, rid: str, tenant, arrival: float | None = None):
-        """Admit one chat request: _ChatStarted, or the error response. ``arrival``: when
+    async def start(self, body, rid: str, tenant, arrival: float | None = None):
+        """Admit one chat request: ChatStarted, or the error response. ``arrival``: when
         the front took it (default: the live entry of ``rid``)."""
         lora, bad = await self._model.resolve(body.model)
         if bad is not None:
@@ -147,10 +148,10 @@ class OpenAIServingChat:
                                                   ids_shown=body.return_token_ids)
         if stream is None:
             return adm
-        return _ChatStarted(rid, stream, params, plan, echo, self._model.response_name(info, lora), int(time.time()),
+        return ChatStarted(rid, stream, params, plan, echo, self._model.response_name(info, lora), int(time.time()),
                             admitted_headers(rid, adm))
 
-    async def _collect(self, body, started: _ChatStarted):
+    async def collect(self, body, started: ChatStarted):
         """The whole answer of an admitted, unstreamed chat request, or the error response."""
         rid, stream, params = started.rid, started.stream, started.params
         final, token_text, plp = None, {}, None

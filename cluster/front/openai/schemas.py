@@ -357,11 +357,19 @@ class _OpenBody(RequestBase):
     server does not implement is a 400 naming it."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-    _not_implemented: ClassVar[frozenset[str]] = NOT_IMPLEMENTED
+    # The refused names; or, as a dict, name -> the values that ask for what the server does
+    # anyway (None always does): only other values are refused (the Responses API's body).
+    _not_implemented: ClassVar[frozenset[str] | dict[str, tuple]] = NOT_IMPLEMENTED
+
+    def _refused(self, name: str, value) -> bool:
+        if name not in self._not_implemented:
+            return False
+        harmless = self._not_implemented.get(name, ()) if isinstance(self._not_implemented, dict) else None
+        return harmless is None or (value is not None and value not in harmless)
 
     @model_validator(mode="after")
     def _refuse_the_not_implemented(self):
-        named = sorted(k for k in self.model_extra or () if k in self._not_implemented)
+        named = sorted(k for k, v in (self.model_extra or {}).items() if self._refused(k, v))
         if named:
             raise PydanticCustomError(
                 "not_implemented", "{fields}: not implemented by this server (deploy/README.md)",
@@ -371,7 +379,7 @@ class _OpenBody(RequestBase):
     def unknown_fields(self) -> list[str]:
         """The fields of this body that no schema here knows, its messages' too (as
         ``messages[i].name``, ``messages[i][j].name`` in a batch): accepted and ignored."""
-        names = sorted(self.model_extra or ())
+        names = sorted(k for k in self.model_extra or () if k not in self._not_implemented)
         for i, m in enumerate(getattr(self, "messages", None) or ()):
             for j, msg in (enumerate(m) if isinstance(m, list) else [(None, m)]):
                 at = f"messages[{i}]" if j is None else f"messages[{i}][{j}]"
