@@ -244,3 +244,64 @@ def test_every_sdk_request_parameter_is_implemented_ignored_or_refused():
     sdk = set(typing.get_type_hints(response_create_params.ResponseCreateParamsBase)) | {"stream"}
     assert sdk - set(ResponsesRequest.model_fields) - set(NOT_IMPLEMENTED) == set()
     assert not set(NOT_IMPLEMENTED) & set(ResponsesRequest.model_fields)
+
+
+# ------------------------------------------------------------------ units
+def _sdk_read(plan, deltas: list[str], finish: str = "stop"):
+    """The events a ResponsesStream writes for these engine deltas, read by the openai SDK's
+    own stream accumulator: (event kinds, the SDK's final response, the stored one)."""
+    from openai._models import construct_type_unchecked
+    from openai._types import omit
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    from pagedserve.cluster.front.responses.events import ResponsesStream
+    from pagedserve.cluster.front.responses.protocol import ResponsesRequest
+    from pagedserve.cluster.wire.outputs import CompletionOutput, RequestOutput
+
+    stored = []
+    state = ResponsesStream(ResponsesRequest.model_validate({"input": "x"}).shell("resp_1", "m", 1), plan,
+                            stored.append)
+    lines, text = [], ""
+    for i, d in enumerate(deltas):
+        text, last = text + d, i == len(deltas) - 1
+        c = CompletionOutput(0, text, list(range(i + 1)), finish if last else None, delta_text=d, delta_token_ids=[i])
+        lines += state.chunks(RequestOutput("resp_1", None, [1, 2, 3], [c], finished=last), {})
+    sdk, kinds = ResponseStreamState(input_tools=omit, text_format=omit), []
+    for block in lines:
+        event, data = block.strip().split("\n")
+        obj = json.loads(data.removeprefix("data: "))
+        assert event == f"event: {obj['type']}"
+        kinds += [e.type for e in sdk.handle_event(construct_type_unchecked(value=obj, type_=ResponseStreamEvent))]
+    return kinds, sdk._completed_response, stored[0]
+
+
+def test_text_then_an_auto_call_stream_as_two_items():
+    """tool_choice "auto" (a template that renders tools; the shared app's does not): the
+    text before a Hermes block is a message item, the block a function_call item after it."""
+    from pagedserve.cluster.front.openai.tool_choice import ToolPlan
+
+    kinds, final, stored = _sdk_read(ToolPlan("auto", []), [
+        "Sure.<tool_", 'call>{"name": "set_alarm", "arguments": {"on": true}}</tool_call>', ""])
+    assert _kinds([type("E", (), {"type": k}) for k in kinds]) == EVENTS_OF_A_MESSAGE[:-1] + [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    msg, call = final.output
+    assert msg.content[0].text == "Sure." and (call.name, json.loads(call.arguments)) == ("set_alarm", {"on": True})
+    assert [(o.id, o.status) for o in stored.output] == [(o.id, o.status) for o in final.output]  # what is kept
+    kinds, final, _ = _sdk_read(None, ["a", "b"], finish="length")
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+
+
+def test_store_is_bounded_and_per_tenant():
+    from pagedserve.cluster.front.responses.protocol import ResponseObject
+    from pagedserve.cluster.front.responses.store import ResponseStore, StoredResponse
+
+    store = ResponseStore(max_responses=2)
+    for i in range(3):
+        store.put(StoredResponse(ResponseObject(id=f"r{i}", created_at=0, status="completed", model="m"), [], "a"))
+        if i == 1:
+            assert store.get("r0", "a") is not None  # used: r1 is now the least recently used
+    assert len(store) == 2 and store.get("r1", "a") is None and store.get("r0", "a") is not None
+    assert store.get("r2", "b") is None and not store.delete("r2", "b")  # another tenant's: unknown
+    assert store.delete("r2", "a") and store.get("r2", "a") is None
