@@ -5,6 +5,7 @@ variable changing type, a bad dot shape, too much shared memory) fail on a CPU b
     python -m pagedserve.loadtest.kernel_checks.aot [--arch 90]     # prints one line per variant, exit 1 on failure
     python -m pagedserve.loadtest.kernel_checks.aot --kv-quant     # the quantised-cache variants: fp8 e4m3 / e5m2 /
                                                           # int8 at sm_90, and e5m2 / int8 at sm_80
+    python -m pagedserve.loadtest.kernel_checks.aot --lora         # the multi-LoRA shrink and expand
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagedserve.kernels import triton_cache_write, triton_paged_attention, triton_split_kv_reduce
+from pagedserve.kernels import (triton_cache_write, triton_lora_expand, triton_lora_shrink, triton_paged_attention,
+                                triton_split_kv_reduce)
 
 
 def _compile(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> dict:
@@ -98,7 +100,28 @@ def kv_quant_variants():
                         QMAX=qmax, INV_QMAX=1.0 / qmax), arch)
 
 
+def _lora_types(fn, dt: str) -> dict[str, str]:
+    """xa is fp32, the segment tables int32, x / A / B / out the model's dtype."""
+    return {n: ("*fp32" if n == "xa_ptr" else "*i32" if n in ("seg_ptr", "widths_ptr", "cols_ptr", "ranks_ptr")
+                else f"*{dt}" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+
+
+def lora_variants():
+    """(name, fn, types, constexprs): the shrink and the expand in each dtype, at the tile
+    sizes their wrappers pick for decode (BLOCK_M 16, split K) and prefill (BLOCK_M 64)."""
+    shrink, expand = triton_lora_shrink._lora_shrink_kernel, triton_lora_expand._lora_expand_kernel
+    for dt in ("bf16", "fp16", "fp32"):
+        for bm, split_k in ((16, 8), (64, 1)):
+            yield (f"lora shrink {dt} BLOCK_M {bm} split K {split_k}", shrink, _lora_types(shrink, dt),
+                   dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split_k, FP32_DOT=dt == "fp32"))
+        for bm, br in ((16, 16), (64, 32)):
+            yield (f"lora expand {dt} BLOCK_M {bm} BLOCK_R {br}", expand, _lora_types(expand, dt),
+                   dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_R=br, FP32_DOT=dt == "fp32"))
+
+
 def _todo(args) -> list:
+    if args.lora:
+        return [(*v, args.arch) for v in lora_variants()]
     return list(kv_quant_variants() if args.kv_quant else ((*v, args.arch) for v in variants(args.quick)))
 
 
@@ -118,6 +141,7 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--kv-quant", action="store_true", help="the quantised-cache variants only")
+    ap.add_argument("--lora", action="store_true", help="the multi-LoRA kernels only")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="compile this many variants at once (each compile is one CPU-bound process)")
     args = ap.parse_args()

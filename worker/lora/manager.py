@@ -7,13 +7,15 @@
     after the step                          end_step(): no adapter until the next one
 
 The model's layers get their hooks once, at ``attach``; the fast path of a step with no
-adapter is ``ctx.step = None``.
+adapter is ``ctx.step = None``. The deltas run in Triton on CUDA (when triton imports) and in
+torch elsewhere (lora_ops.py), chosen once here from the device.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import triton_available
 from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.worker.lora.host_cache import LoRAHostCache
 from pagedserve.worker.lora.lora_ops import LayerLoRA, LoRAContext
@@ -24,13 +26,21 @@ from pagedserve.worker.model_config import ModelConfig
 
 class LoRAManager:
     def __init__(self, model_config: ModelConfig, *, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int | None = None, device: torch.device) -> None:
+                 max_cpu_loras: int | None = None, device: torch.device, backend: str = "auto") -> None:
+        """``backend``: "auto" (Triton on CUDA when triton imports, else torch), "torch" or
+        "triton" (tests run it on a CPU under TRITON_INTERPRET=1)."""
         self.model_config = model_config
         self.max_lora_rank = max_lora_rank
+        self.device = torch.device(device)
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" and triton_available() else "torch"
+        if backend not in ("torch", "triton"):
+            raise ValueError(f"LoRA backend must be 'auto', 'torch' or 'triton', got {backend!r}.")
+        self.backend = backend
         self.pool = LoRASlotPool(model_config, max_loras, max_lora_rank, device, model_config.dtype)
         # At least the slots' worth: a step's adapters must all be on the host at once.
         self.host = LoRAHostCache(max(max_cpu_loras or max_loras, max_loras), self._read)
-        self.ctx = LoRAContext()
+        self.ctx = LoRAContext(self.pool)
 
     def _read(self, lora_request: LoRARequest):
         return load_peft_adapter(lora_request, self.model_config, self.max_lora_rank)
@@ -68,8 +78,13 @@ class LoRAManager:
             self.ctx.step = None
             return
         adapters = [self.host.get(requests[key]) for key in runs]
-        views = self.pool.slots_for(adapters)
-        self.ctx.step = [(v, runs[key]) for v, key in zip(views, runs)]
+        slots = self.pool.slots_for(adapters)
+        self.ctx.step = [(self.pool.views(slot), runs[key]) for slot, key in zip(slots, runs)]
+        if self.backend == "triton":
+            segments = [(s, e - s, slot) for slot, key in zip(slots, runs) for s, e in runs[key]]
+            self.ctx.segments = torch.tensor(segments, dtype=torch.int32, device=self.device)
+            self.ctx.max_rows = max(n for _, n, _ in segments)
 
     def end_step(self) -> None:
         self.ctx.step = None
+        self.ctx.segments = None
