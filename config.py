@@ -170,8 +170,6 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}.")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("LoRA runs at tensor_parallel_size 1 for now (its A and B are not sharded yet).")
 
     def executor_backend(self) -> str:
         return self.distributed_executor_backend or ("uni" if self.tensor_parallel_size == 1 else "ray")

@@ -115,10 +115,9 @@ class LlamaAttention(nn.Module):
             if rot is not None:
                 o = o @ rot.mT  # o was computed from rotated V: rotate back (R R^T = I)
         o = o.reshape(n, self.q_size)
-        out = self.o_proj(o)
-        if self.lora is not None:
-            self.lora.apply("o", o, out)
-        return out
+        if self.lora is None:
+            return self.o_proj(o)
+        return self.lora.row_parallel("o", self.o_proj, o)  # the delta joins o_proj's partial sum at TP > 1
 
 
 class LlamaMLP(nn.Module):
@@ -135,10 +134,7 @@ class LlamaMLP(nn.Module):
             return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [gate_r ; up_r] per rank
         gate_up = self.gate_up_proj(x)
         self.lora.apply("gate_up", x, gate_up)
-        h = silu_and_mul(gate_up)
-        out = self.down_proj(h)
-        self.lora.apply("down", h, out)
-        return out
+        return self.lora.row_parallel("down", self.down_proj, silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
