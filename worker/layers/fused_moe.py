@@ -1,7 +1,7 @@
 """A sparse mixture-of-experts block (Mixtral, Qwen3-MoE): router + SwiGLU experts.
 
     h [n, H] ─▶ gate (replicated [E, H]) ─▶ softmax fp32, top-k ─▶ experts, grouped by
-    expert (kernels/moe_torch.py) ─▶ all-reduce ─▶ [n, H]
+    expert (kernels/moe/grouped_torch.py) ─▶ all-reduce ─▶ [n, H]
 
 Tensor parallelism shards each expert as a Megatron MLP: rank r holds the rows
 [r*I/tp, (r+1)*I/tp) of every expert's gate and up (column-parallel) and the same columns of
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.moe_torch import grouped_experts, select_experts
+from pagedserve.kernels.moe import grouped_experts, select_experts
 from pagedserve.worker.layers.linear import _divide, _param, copy_checked, read_shard
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
