@@ -9,7 +9,7 @@ its API family; what every route that generates shares sits in one object each:
                        ─▶ beam_search.py          ``use_beam_search`` bodies of either
                        ─▶ responses/              /v1/responses (OpenAI's Responses API): a body
                                                   becomes a chat request, served by serving_chat
-                       ─▶ serving_messages.py     /v1/messages (Anthropic's), translated to a chat
+                       ─▶ anthropic/              /v1/messages (Anthropic's), translated to a chat
                                 │
                                 ▼
                        replica_client.py   the connection to the engine replicas: the door's
@@ -52,7 +52,7 @@ from pagedserve.cluster.front.openai.schemas import (BatchChatCompletionRequest,
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.serving_chat import OpenAIServingChat
 from pagedserve.cluster.front.serving_completion import OpenAIServingCompletion
-from pagedserve.cluster.front.serving_messages import AnthropicServingMessages
+from pagedserve.cluster.front.anthropic.serving_messages import AnthropicServingMessages
 from pagedserve.cluster.front.serving_models import OpenAIServingModels
 from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip
 
@@ -141,8 +141,8 @@ class OpenAIIngress:
 
     @app.post("/v1/messages")
     async def messages(self, request: Request):
-        """Anthropic's Messages API over the chat path (serving_messages.py), which validates
-        the body itself: its 400s have Anthropic's shape."""
+        """Anthropic's Messages API over the chat path (anthropic/serving_messages.py), which
+        validates the body itself: its 400s have Anthropic's shape."""
         return await self._messages.create(await request.body(), getattr(request.state, "tenant", None))
 
     @app.post("/v1/messages/count_tokens")

@@ -1,7 +1,7 @@
 """Anthropic's Messages API request bodies (POST /v1/messages, /v1/messages/count_tokens),
 as strict as the OpenAI schemas, and their translation into the front's chat request
 (``to_chat``): the chat serving path then renders, tokenizes and serves it as one engine
-request, tools and all (cluster/front/serving_messages.py).
+request, tools and all (serving_messages.py).
 
     Anthropic                                    chat completions (openai/schemas.py)
     -------------------------------------------  ---------------------------------------------

@@ -1,8 +1,8 @@
 """Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens): a translation layer
 over the chat path, as vLLM's and Ray Serve LLM's Anthropic endpoints are. The body becomes
-the chat request it means (anthropic/schemas.py), OpenAIServingChat serves that (model,
+the chat request it means (schemas.py), OpenAIServingChat serves that (model,
 chat template, tokenization, tools, the one engine request, the door's 429s, the abort of a
-dropped client), and its answer comes back in Anthropic's shape (anthropic/anthropic_format.py):
+dropped client), and its answer comes back in Anthropic's shape (anthropic_format.py):
 
     body ─▶ MessagesRequest ─▶ to_chat() ─▶ OpenAIServingChat.create ─▶ JSON ─▶ Message
               (400: Anthropic's                                      └▶ SSE  ─▶ MessageStream events
