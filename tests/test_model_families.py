@@ -191,6 +191,7 @@ def _tp_rank(rank: int, world_size: int, init_file: str, path: str, prompts, out
 
 
 @pytest.mark.slow  # two spawned ranks: about 30-40 s each on 2 cores
+@pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-moe"])
 def test_tensor_parallel_2_greedy(name, model_root, tmp_path):
     """Heads, the MLP's and every expert's intermediate features split over two ranks
