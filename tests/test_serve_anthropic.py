@@ -172,23 +172,32 @@ def test_sdk_exception_types(client, model_name):
 def test_overload_is_429_and_dropped_streams_free_everything(openai_app, model_name):
     """4 long streams fill the running batch, 2 more the waiting queue; the next message is
     the chat path's 429 with Retry-After, in Anthropic's shape. Then every client leaves, and
-    the engine goes idle (the requests were aborted, their blocks freed)."""
-    long = {"model": model_name, "messages": ASK, "max_tokens": 900, "stream": True}
+    the engine goes idle (the requests were aborted, their blocks freed). The fillers are
+    chat streams with ``ignore_eos`` (the Messages API has no such field): a filler of the
+    tiny random model that drew its end token would free its place, and the message would
+    be admitted instead."""
+    body = {"model": model_name, "messages": ASK, "max_tokens": 900, "stream": True, "ignore_eos": True}
 
     async def scenario():
         sdk = anthropic.AsyncAnthropic(base_url=openai_app, api_key="unused", max_retries=0, timeout=60)
-        streams = []
-        try:
-            for i in range(SERVE_ENGINE["max_num_seqs"] + SERVE_ENGINE["max_waiting_requests"]):
-                streams.append(await sdk.messages.create(**long))  # admitted: the 200 came
-                if i < SERVE_ENGINE["max_num_seqs"]:  # running: its first output came
-                    assert (await streams[-1].__anext__()).type == "message_start"
-            with pytest.raises(anthropic.RateLimitError) as refused:
-                await sdk.messages.create(model=model_name, max_tokens=4, messages=ASK)
-            return refused.value
-        finally:
-            for s in streams:  # the clients leave
-                await s.close()
+        async with httpx.AsyncClient(base_url=openai_app, timeout=60) as client:
+            fillers, readers = [], []
+            try:
+                for i in range(SERVE_ENGINE["max_num_seqs"] + SERVE_ENGINE["max_waiting_requests"]):
+                    req = client.build_request("POST", "/v1/chat/completions", json=body)
+                    resp = await client.send(req, stream=True)
+                    assert resp.status_code == 200  # admitted
+                    fillers.append(resp)
+                    # Kept alive: a line iterator collected closes its response (a disconnect).
+                    readers.append(resp.aiter_lines())
+                    if i < SERVE_ENGINE["max_num_seqs"]:  # running: its first output came
+                        await anext(readers[-1])
+                with pytest.raises(anthropic.RateLimitError) as refused:
+                    await sdk.messages.create(model=model_name, max_tokens=4, messages=ASK)
+                return refused.value
+            finally:
+                for r in fillers:  # the clients leave
+                    await r.aclose()
 
     refused = asyncio.run(scenario())
     assert int(refused.response.headers["Retry-After"]) >= 1
@@ -196,6 +205,19 @@ def test_overload_is_429_and_dropped_streams_free_everything(openai_app, model_n
     idle = wait_idle(openai_app)
     assert idle["pagedserve:kv_cache_usage_perc"] == 0 and idle["pagedserve:num_requests_running"] == 0
     assert httpx.get(f"{openai_app}/load").json()["server_load"] == 0
+
+
+def test_a_dropped_message_stream_frees_everything(openai_app, model_name):
+    """A client that leaves a Messages stream after its first event: the request is aborted."""
+    async def scenario():
+        sdk = anthropic.AsyncAnthropic(base_url=openai_app, api_key="unused", max_retries=0, timeout=60)
+        stream = await sdk.messages.create(model=model_name, messages=ASK, max_tokens=900, stream=True)
+        assert (await stream.__anext__()).type == "message_start"
+        await stream.close()
+
+    asyncio.run(scenario())
+    idle = wait_idle(openai_app)
+    assert idle["pagedserve:kv_cache_usage_perc"] == 0 and idle["pagedserve:num_requests_running"] == 0
 
 
 def test_x_api_key_is_the_key_on_messages():

@@ -47,8 +47,9 @@ def _bound(case) -> None:
             body["max_tokens"] = 4  # chat's default is "up to max_model_len"
 
 
-def _problem(resp) -> str | None:
-    """None if the answer is acceptable, else what is wrong with it."""
+def _problem(resp, path: str = "") -> str | None:
+    """None if the answer is acceptable, else what is wrong with it (``path``: the route; on
+    /v1/messages* a 4xx is in Anthropic's error shape, elsewhere in OpenAI's)."""
     req = resp.request  # schemathesis answers with requests' objects (body), httpx's have content
     sent = getattr(req, "body", None) or getattr(req, "content", None) or b""
     sent = sent.decode("utf-8", errors="replace") if isinstance(sent, bytes) else str(sent)
@@ -56,6 +57,13 @@ def _problem(resp) -> str | None:
         return f"{resp.status_code} with server internals: {resp.text[:300]}"
     if resp.status_code >= 500:
         return f"{resp.status_code}: {resp.text[:300]}"
+    if resp.status_code >= 400 and path.startswith("/v1/messages"):  # Anthropic's API, its error shape
+        try:
+            body = resp.json()
+            ok = body["type"] == "error" and body["error"]["type"] and body["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        return None if ok else f"{resp.status_code} not in Anthropic's error JSON: {resp.text[:300]}"
     if resp.status_code >= 400:
         try:
             err = resp.json()["error"]
@@ -68,9 +76,14 @@ def _problem(resp) -> str | None:
     # schemathesis' headers: lower-case names, each a list of values.
     content_type = {k.lower(): v for k, v in resp.headers.items()}.get("content-type") or [""]
     if content_type[0].startswith("text/event-stream"):
-        for line in resp.text.splitlines():
+        # SSE ends a line at CR or LF only; str.splitlines would also split a JSON string at
+        # the U+2028, U+0085 or \x1c it may hold raw (a fuzzed metadata value did).
+        for line in resp.text.replace("\r\n", "\n").replace("\r", "\n").split("\n"):
             if line.startswith("data: {") and '"error"' in line:
-                code = json.loads(line[6:])["error"].get("code")
+                err = json.loads(line[6:]).get("error")  # an event may only mention "error" in a value
+                if not isinstance(err, dict):
+                    continue
+                code = err.get("code")
                 if code is None or code >= 500:
                     return f"in-band stream error: {line[:300]}"
     return None
@@ -94,7 +107,7 @@ def test_openapi_fuzz_no_5xx_and_openai_shaped_4xx(openai_app):
         _bound(case)
         resp = case.call(base_url=openai_app, timeout=60)
         statuses[(case.operation.path, resp.status_code)] += 1
-        bad = _problem(resp)
+        bad = _problem(resp, case.operation.path)
         if bad is not None:
             problems.append(f"{bad}\n    {case.as_curl_command()}")
 
