@@ -30,7 +30,7 @@ def _running_replicas(app: str, deployment: str) -> int:
     return status.replica_states.get("RUNNING", 0)
 
 
-@pytest.mark.scenarios  # ~40 s: under -m scenarios (pyproject.toml), not the default run
+@pytest.mark.scenarios  # under -m scenarios (pyproject.toml), not the default run
 def test_engine_scales_from_one_to_two_replicas_and_both_serve(serve_url, serve_model):
     from ray import serve
 

@@ -54,7 +54,7 @@ def _complete(client: httpx.Client, base: str, prompt: str, tenant: str | None =
     return r
 
 
-@pytest.mark.scenarios  # two engine replicas, ~35 s: under -m scenarios (pyproject.toml), not the default run
+@pytest.mark.scenarios  # under -m scenarios (pyproject.toml), not the default run
 def test_kv_router_keeps_prefixes_isolates_tenants_and_drops_a_killed_replica(serve_url, serve_model, tmp_path):
     import ray
     from ray import serve

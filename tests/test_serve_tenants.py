@@ -158,7 +158,7 @@ def test_metrics_have_tenant_and_pool_series(url):
         assert name in text, name
 
 
-@pytest.mark.scenarios  # ~20 s of load: under -m scenarios (pyproject.toml), not the default run
+@pytest.mark.scenarios  # under -m scenarios (pyproject.toml), not the default run
 def test_two_tenants_10_to_1_get_even_token_shares(url):
     """Tenant heavy keeps 10x the requests of tenant light in flight (closed loop, so both
     stay backlogged behind max_num_seqs); over a window, the tokens each was scheduled

@@ -79,7 +79,7 @@ async def _stream(ac: httpx.AsyncClient, url: str, started: asyncio.Event) -> tu
     return lines, time.monotonic()
 
 
-@pytest.mark.scenarios  # ~35 s: under -m scenarios (pyproject.toml), not the default run
+@pytest.mark.scenarios  # under -m scenarios (pyproject.toml), not the default run
 def test_sigkill_one_worker_fails_in_flight_fast_and_serve_recovers(base):
     url, workers, raylet = base
     assert len(workers) == 2, workers

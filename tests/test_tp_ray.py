@@ -136,7 +136,7 @@ def test_ray_executor_places_one_worker_per_bundle(ray_session, tmp_path_factory
         ex.shutdown()
 
 
-@pytest.mark.scenarios  # ~20 s: under -m scenarios (pyproject.toml), not the default run
+@pytest.mark.scenarios  # under -m scenarios (pyproject.toml), not the default run
 def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_model):
     """An engine replica at tensor_parallel_size 2 under Serve: the replica reserves one
     placement group (one bundle per rank, the replica's CPUs added to rank 0's), its

@@ -51,7 +51,7 @@ import pytest
 
 from _lora_helpers import lora_app, make_random_adapter
 
-# ~50 s (its Serve app and 52 cases): under -m scenarios (pyproject.toml), not the default
+# Its Serve app and 52 cases take long: under -m scenarios (pyproject.toml), not the default
 # run; tests/test_lora_serve.py keeps LoRA over HTTP in it.
 pytestmark = pytest.mark.scenarios
 

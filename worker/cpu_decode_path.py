@@ -3,8 +3,8 @@
 On a GPU a CUDA graph removes the host's work between kernels (cuda_graphs.py). On a CPU
 the kernels are C++ calls on the same thread, and at batch 1 the Python between them is
 most of a step that is not GEMM: per layer about twenty module calls, wrapper checks and
-allocations around ten kernel calls (SmolLM2-135M Q4_1: a decode step's forward ~13 ms,
-~7 of them GEMMs, the rest mostly that Python). This path binds, once, each layer's
+allocations around ten kernel calls (BENCHMARKS.md has what it costs and what binding
+saves). This path binds, once, each layer's
 weights, norms and extension entry points, and runs a decode-only step as the same kernel
 calls in the same order on the same inputs, so its hidden states are bit-identical to the
 module path's (tests/test_cpu_decode_path.py):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 
 import torch
@@ -35,8 +34,6 @@ from pagedserve.worker.step_buffers import StepBuffers, StepInputs
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512  # vLLM's bound too: above it a step is long enough that launches do not matter
-# PAGEDSERVE_CPU_DECODE_PATH=0: every CPU step through the modules (to compare; tests)
-CPU_DECODE_PATH = os.environ.get("PAGEDSERVE_CPU_DECODE_PATH", "1") != "0"
 
 
 def capture_sizes(max_num_seqs: int, max_capture_size: int = MAX_CAPTURE_SIZE) -> list[int]:
@@ -84,7 +81,7 @@ class CudaGraphRunner:
         activations (only one graph runs at a time). Each size runs once before capture so
         Triton compiles and cuBLAS picks its kernels outside the graph. On a CPU: the bound
         decode path instead, where the model fits it."""
-        if self.buffers.device.type == "cpu" and CPU_DECODE_PATH:
+        if self.buffers.device.type == "cpu":
             from pagedserve.worker.cpu_decode_path import CPUDecodePath
 
             self.cpu_path, why = CPUDecodePath.build(self.model, kv_caches)
