@@ -535,7 +535,9 @@ def test_logprobs_stop_strings_n_and_max_tokens_match_speculation_off(tmp_path_f
         runs[name + "_stats"] = llm.engine.get_stats()
         if cfg and async_scheduling:  # steps were taken in turn, each sent before the last one's outputs
             assert llm.engine.scheduler.proposer.gate.host_s > 0
-    assert runs["on_stats"].spec_num_accepted_tokens > 20
+    # Planning ahead, the engine drafts only in the host time a step leaves it (the proposer's
+    # gate), which the machine's load and the worker's speed decide: some drafts, not a count.
+    assert runs["on_stats"].spec_num_accepted_tokens > (0 if async_scheduling else 20)
     for got, want in zip(runs["on"], runs["off"]):
         for (ids, reason, lps), (ids0, reason0, lps0) in zip(got, want):
             assert (ids, reason) == (ids0, reason0) and len(ids) == 40
