@@ -23,6 +23,9 @@ import pytest
 from _triton_interp import emit, interpreter_results
 
 ROOT = Path(__file__).resolve().parent.parent
+# Every quantised format through the interpreter, and the sm_90/sm_80 compile: under
+# -m scenarios (pyproject.toml), not the default run (tests/test_kernels_triton.py stays in it).
+pytestmark = pytest.mark.scenarios
 
 FORMATS = ("float8_e4m3fn", "float8_e5m2", "int8")
 # name: (query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits)

@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SERVE_ENGINE, delete_app
 
+pytestmark = pytest.mark.scenarios  # a Serve app of its own under load: -m scenarios (pyproject.toml)
+
 MODEL = "llama-gqa2-hd64"
 ENGINE = dict(SERVE_ENGINE, max_waiting_requests=None, max_queue_delay_s=1.0)
 

@@ -172,6 +172,7 @@ def test_serve_replica_with_tp2_workers_in_its_placement_group(serve_url, serve_
         serve.delete("tp2-serve")
 
 
+@pytest.mark.scenarios  # under -m scenarios (pyproject.toml), not the default run
 def test_tp2_contains_a_failing_step_and_a_rank_out_of_step_ends_the_engine(tmp_path_factory, monkeypatch):
     """Both ranks raise on the poisoned step and roll it back: the step is re-run in parts
     on both, the poison fails alone and the others keep TP=2's own tokens. A failure on
