@@ -14,8 +14,8 @@ them with one call. What a graph needs, and where it comes from:
 Prefill and mixed steps, and decode batches above the largest size, run eagerly through
 the same buffers. On a CPU a decode step of a plain Llama runs as kernel calls bound once
 (cpu_decode_path.py: the Python between the kernels is what a graph removes on a GPU),
-built with the cache like the graphs. Graphs are captured only on CUDA with the Triton attention backend (the
-torch backend reads lengths on the host) and without ``enforce_eager``.
+built with the cache like the graphs. Graphs are captured only on CUDA with the Triton
+attention backend (the torch backend reads lengths on the host) and without ``enforce_eager``.
 With ``pad_eager`` the same padded shapes run eagerly: on a CPU that is how tests check
 the padding and buffer logic the graphs replay (padding only wastes compute there, so it
 is off by default).
