@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -117,9 +118,14 @@ def phase_spread(ctx: Ctx) -> dict:
     with ctx.server(min_replicas=2) as srv:
         view = ctx.view()
         nodes = _replica_nodes(view)
-        replicas_seen = {httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
-            "model": "model", "prompt": f"p{i}", "max_tokens": 2}).headers.get("x-pagedserve-replica")
-            for i in range(8)}
+        # Pairs sent together: two idle replicas tie, and one request at a time may go to
+        # either by chance; the second of a pair must go where the first is not.
+        def replica_of(i: int) -> str | None:
+            return httpx.post(f"{srv.base_url}/v1/completions", timeout=60, json={
+                "model": "model", "prompt": f"p{i}", "max_tokens": 8}).headers.get("x-pagedserve-replica")
+
+        with ThreadPoolExecutor(2) as pool:
+            replicas_seen = set(pool.map(replica_of, range(8)))
     ok = len(nodes) == 2 and len(set(nodes)) == 2 and _front_node(view) == "127.0.0.1"
     return dict(ok=ok, replica_nodes=nodes, front_node=_front_node(view), replicas_answering=len(replicas_seen),
                 startup_s=round(srv.startup_s, 1))
