@@ -3,7 +3,12 @@
 The model calls exactly two functions per layer and step, in this order:
 
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping, backend[, k_scale, v_scale])
-    out = paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend[, k_scale=, v_scale=])
+    out = paged_attention(q, k_cache, v_cache, attn_metadata, scale, backend[, k_scale=, v_scale=,
+                          sliding_window=, softcap=])
+
+A sliding-window layer passes its window W (a row sees its W newest keys, itself
+included: attention_ref.py) and Gemma 2 its score soft-cap; every backend takes both,
+and reads no key before a row's window (a hybrid KV cache has freed those blocks).
 
 A quantised cache (``--kv-cache-dtype fp8 | fp8_e5m2 | int8``, see kv_quant.py) is told by
 the caches' dtype and carries a 1-byte scale per (token, head): writes quantise, every
@@ -88,10 +93,12 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # W: a row sees its W newest keys, itself included; None: all
+    softcap: float | None = None,  # c: scores -> c * tanh(scores / c) before the softmax; None: off
 ) -> torch.Tensor:
     """Attention of this step's rows over their cached context (written beforehand)."""
     md = attn_metadata
-    sc = dict(k_scale=k_scale, v_scale=v_scale)
+    sc = dict(k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap)
     if backend == "triton":
         from pagedserve.kernels.triton_paged_attention import paged_attention_triton
 

@@ -10,6 +10,10 @@ Layout of one step's batch (``cu_seqlens_q`` = [0, 3, 4, 9]):
 
 Row j of sequence i sits at absolute position ``seq_lens[i] - q_len_i + j`` and attends
 to cached positions ``[0, that position]`` (causal inside the chunk, everything before it).
+A sliding-window layer (``sliding_window`` W, Gemma's local layers, transformers' mask
+``kv_idx > q_idx - W``) sees only ``(that position - W, that position]``: the W newest
+keys, itself included. ``softcap`` c (Gemma 2) bends each scaled score s into
+``c * tanh(s / c)`` before the mask and the softmax.
 
 A quantised cache (kv_quant.py) comes with ``k_scale`` / ``v_scale``: writes quantise each
 (token, head) row, reads dequantise to fp32 before the math.
@@ -64,6 +68,8 @@ def paged_attention_ref(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # W: a row sees its W newest keys (itself included); None: all
+    softcap: float | None = None,  # c: scores -> c * tanh(scores / c) (Gemma 2); None: off
 ) -> torch.Tensor:
     """Slow and obviously correct: one sequence at a time, fp32 math."""
     check_scales(k_cache, v_cache, k_scale, v_scale)
@@ -83,13 +89,22 @@ def paged_attention_ref(
         blocks = block_table[i, :num_blocks].long()
         k = gather_kv_ref(k_cache, k_scale, blocks, seq_len)
         v = gather_kv_ref(v_cache, v_scale, blocks, seq_len)
+        if sliding_window:  # keys before the first row's window may sit in freed blocks: never read them
+            lo = max(0, seq_len - q_len - sliding_window + 1)
+            k[:lo] = 0
+            v[:lo] = 0
         k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1)
         qi = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
-        scores.masked_fill_((k_pos > q_pos).unsqueeze(0), float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores.masked_fill_(hidden.unsqueeze(0), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -319,8 +319,10 @@ static inline void block_avx2(const float* qs, const float* kb, const float* vb,
 
 // The portable block (any D, G, BS): the same online softmax, one K row per (head, token)
 // and a scalar exp per score (slower than the vector blocks; loadtest/kernel_checks/cpu_attention.py).
+// softcap > 0 (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap) first.
 static inline void block_scalar(const float* qs, const float* kb, const float* vb, int64_t row, int64_t n,
-                                int64_t G, int64_t D, int64_t BS, float* acc, float* m, float* l, float* s) {
+                                int64_t G, int64_t D, int64_t BS, float* acc, float* m, float* l, float* s,
+                                float softcap) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = qs + g * D;
     float* sg = s + g * BS;
@@ -330,6 +332,7 @@ static inline void block_scalar(const float* qs, const float* kb, const float* v
       float dot = 0.f;
 #pragma omp simd reduction(+:dot)
       for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+      if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);
       sg[t] = dot;
       mb = std::max(mb, dot);
     }
@@ -353,12 +356,15 @@ static inline void block_scalar(const float* qs, const float* kb, const float* v
 // 1-byte codes with scale codes [NB, BS, KVH] uint8), block_table [S, MAXB] int32,
 // seq_lens [S] int32, out [S, H, D] fp32. groups [NG + 1] int32 (or empty: one row each):
 // rows groups[i] .. groups[i+1]-1 read one sequence, the block table of the first of them.
+// window > 0 (a sliding-window layer): a row of length L reads only keys [L - window, L), and
+// no block before the first of them (a hybrid KV cache may have freed those); softcap > 0:
+// the scores are soft-capped (the portable block only).
 template <int FMT>
 static void decode_attention_impl(torch::Tensor q, const void* k_data, const void* v_data,
                                   const uint8_t* k_scales, const uint8_t* v_scales, float inv_qmax, int64_t BS,
                                   int64_t KVH,
                                   torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                  torch::Tensor out, torch::Tensor groups) {
+                                  torch::Tensor out, torch::Tensor groups, int64_t window, double softcap_d) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NG = groups.numel() ? groups.numel() - 1 : S;
   const int32_t* gp = groups.numel() ? groups.data_ptr<int32_t>() : nullptr;
@@ -369,10 +375,11 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
   float* op = out.data_ptr<float>();
   const int64_t q_stride = q.stride(0), o_stride = out.stride(0);
   const float fscale = static_cast<float>(scale);
+  const float softcap = static_cast<float>(softcap_d);
 #if defined(__AVX512F__)
-  const bool vec = D % 16 == 0 && D <= 256 && BS <= 16 && G <= 16;
+  const bool vec = D % 16 == 0 && D <= 256 && BS <= 16 && G <= 16 && softcap <= 0.f;
 #elif defined(PS_AVX2_BLOCK)
-  const bool vec = D % 8 == 0 && D <= 256 && BS <= 16 && G <= 16;
+  const bool vec = D % 8 == 0 && D <= 256 && BS <= 16 && G <= 16 && softcap <= 0.f;
 #endif  // else only the portable block runs
   // Too few (group, kv head) items to keep every thread busy, and groups of several rows:
   // split each group's rows into P parts, one item each (each part reads the group's blocks;
@@ -404,16 +411,17 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
       nrow.resize(R);
       sc.resize(R * G * 16);
 #endif
-      int64_t len = 0;
+      int64_t len = 0, lo = std::numeric_limits<int64_t>::max();  // lo: the earliest key any row reads
       for (int64_t r = 0; r < R; ++r) {
         len = std::max<int64_t>(len, lens[seq + r]);
+        lo = std::min<int64_t>(lo, window > 0 ? std::max<int64_t>(0, lens[seq + r] - window) : 0);
         for (int64_t g = 0; g < G; ++g) {
           const float* src = qp + (seq + r) * q_stride + (kh * G + g) * D;
           for (int64_t d = 0; d < D; ++d) qs[(r * G + g) * D + d] = src[d] * fscale;
         }
       }
       const int64_t nblocks = (len + BS - 1) / BS;
-      for (int64_t b = 0; b < nblocks && b < MAXB; ++b) {
+      for (int64_t b = lo / BS; b < nblocks && b < MAXB; ++b) {
         const int64_t blk = bt[tbl * MAXB + b];
         const int64_t n = std::min<int64_t>(BS, len - b * BS);  // the longest row's tokens here
         const int64_t first = (blk * BS * KVH + kh) * D;
@@ -444,17 +452,37 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
           vb = vbuf.data();
           row = D;
         }
+        const float* kb_blk = kb;
+        const float* vb_blk = vb;
 #if defined(PS_AVX2_BLOCK)
         if (vec) {  // all rows in one pass over the block
-          for (int64_t r = 0; r < R; ++r) nrow[r] = std::min<int64_t>(n, lens[seq + r] - b * BS);
+          bool straddle = false;  // a row whose window starts inside this block
+          for (int64_t r = 0; r < R; ++r) {
+            nrow[r] = std::min<int64_t>(n, lens[seq + r] - b * BS);
+            if (window > 0 && lens[seq + r] - window > b * BS) {
+              straddle = straddle || lens[seq + r] - window < b * BS + nrow[r];
+              nrow[r] = 0;  // not in the shared pass: from its window's start, below
+            }
+          }
           block_avx2(qs.data(), kb, vb, row, n, R, nrow.data(), G, D, acc.data(), m.data(), l.data(), kt,
                      sc.data());
+          for (int64_t r = 0; straddle && r < R; ++r) {
+            const int64_t t0 = lens[seq + r] - window - b * BS;
+            int64_t cnt = std::min<int64_t>(n, lens[seq + r] - b * BS) - t0;
+            if (t0 <= 0 || cnt <= 0) continue;
+            block_avx2(qs.data() + r * G * D, kb + t0 * row, vb + t0 * row, row, cnt, 1, &cnt, G, D,
+                       acc.data() + r * G * D, m.data() + r * G, l.data() + r * G, kt, sc.data());
+          }
           continue;
         }
 #endif
         for (int64_t r = 0; r < R; ++r) {  // each row up to its own length; the block stays in cache
-          const int64_t nr = std::min<int64_t>(n, lens[seq + r] - b * BS);
+          // t0: the first token of the block in the row's window (0 without one)
+          const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[seq + r] - window - b * BS) : 0;
+          const int64_t nr = std::min<int64_t>(n, lens[seq + r] - b * BS) - t0;
           if (nr <= 0) continue;
+          const float* kb = kb_blk + t0 * row;
+          const float* vb = vb_blk + t0 * row;
           const float* qr = qs.data() + r * G * D;
           float* ar = acc.data() + r * G * D;
           float* mr = m.data() + r * G;
@@ -468,7 +496,7 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
             continue;
           }
 #endif
-          block_scalar(qr, kb, vb, row, nr, G, D, BS, ar, mr, lr, s.data());
+          block_scalar(qr, kb, vb, row, nr, G, D, BS, ar, mr, lr, s.data(), softcap);
         }
       }
       for (int64_t r = 0; r < R; ++r)
@@ -483,24 +511,28 @@ static void decode_attention_impl(torch::Tensor q, const void* k_data, const voi
 
 void decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                       torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                      torch::Tensor out, torch::Tensor groups) {
+                      torch::Tensor out, torch::Tensor groups, int64_t window, double softcap) {
   decode_attention_impl<0>(q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), nullptr, nullptr, 0.0f,
-                           k_cache.size(1), k_cache.size(2), block_table, seq_lens, scale, out, groups);
+                           k_cache.size(1), k_cache.size(2), block_table, seq_lens, scale, out, groups, window,
+                           softcap);
 }
 
 void decode_attention_quant(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor block_table,
                             torch::Tensor seq_lens, double scale, torch::Tensor out, int64_t fmt, double inv_qmax,
-                            torch::Tensor groups) {
+                            torch::Tensor groups, int64_t window, double softcap) {
   const void* k = k_cache.data_ptr<uint8_t>();
   const void* v = v_cache.data_ptr<uint8_t>();
   const uint8_t* ks = k_scale.data_ptr<uint8_t>();
   const uint8_t* vs = v_scale.data_ptr<uint8_t>();
   const float iq = static_cast<float>(inv_qmax);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups);
-  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups);
-  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups);
+  if (fmt == 1) decode_attention_impl<1>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups,
+                                                  window, softcap);
+  else if (fmt == 2) decode_attention_impl<2>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups,
+                                                  window, softcap);
+  else if (fmt == 3) decode_attention_impl<3>(q, k, v, ks, vs, iq, BS, KVH, block_table, seq_lens, scale, out, groups,
+                                                  window, softcap);
   else TORCH_CHECK(false, "unknown quantised KV format ", fmt);
 }
 

@@ -13,6 +13,9 @@ sharing each loaded row (GQA):
             online softmax: m, l, acc[g] += p[g, t] * v[t]
         out[g] = acc[g] / l[g]
 
+A sliding-window layer's rows start at their window (no block before it is read: a hybrid
+KV cache has freed those), and Gemma 2's soft-capped scores take the portable block.
+
 Rows of one sequence (``row_groups``: speculative decoding verifies k drafts as k + 1 decode
 rows over the same block table, lengths L-k .. L) are one work item: each K/V block is read
 from memory once for all of them, every row's heads take the block while it is within that
@@ -50,7 +53,7 @@ _NO_GROUPS = torch.empty(0, dtype=torch.int32)
 _FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.int8: 3}
 
 # The -D pair: kv_quant.py's scale-code bias and NaN code, which cpu_kv_dequant.h decodes.
-_EXT = LazyExtension("pagedserve_cpu_decode_attention_v14", read_source("cpu_decode_attention.cpp"),
+_EXT = LazyExtension("pagedserve_cpu_decode_attention_v15", read_source("cpu_decode_attention.cpp"),
                      ["-O3", "-march=native", "-fno-math-errno",
                       f"-DPS_AMAX_CODE_BIAS={AMAX_CODE_BIAS}", f"-DPS_SCALE_NAN={SCALE_NAN}"],
                      "CPU decode-attention", "using the torch path")
@@ -94,6 +97,8 @@ def decode_attention_cpu(
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
     row_groups: torch.Tensor | None = None,  # [num_groups + 1] int32: rows sharing one sequence (above)
+    sliding_window: int | None = None,  # W: a row of length L reads keys [L - W, L) only (attention_ref.py)
+    softcap: float | None = None,  # Gemma 2's score soft-cap (the portable block runs then)
 ) -> bool:
     """Fills ``out`` and returns True, or returns False when it cannot (caller falls back)."""
     fmt = _FORMATS.get(k_cache.dtype)
@@ -114,9 +119,10 @@ def decode_attention_cpu(
         seq_lens.to(torch.int32).contiguous()
     groups = _NO_GROUPS if row_groups is None else row_groups if (
         row_groups.dtype == torch.int32 and row_groups.is_contiguous()) else row_groups.to(torch.int32).contiguous()
+    window, cap = int(sliding_window or 0), float(softcap or 0.0)
     if fmt == 0:
-        mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out, groups)
+        mod.decode_attention(q, k_cache, v_cache, bt, lens, float(scale), out, groups, window, cap)
     else:
         mod.decode_attention_quant(q, k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, bt,
-                                   lens, float(scale), out, fmt, INV_QMAX[k_cache.dtype], groups)
+                                   lens, float(scale), out, fmt, INV_QMAX[k_cache.dtype], groups, window, cap)
     return True

@@ -21,6 +21,12 @@ the context of each row is cut into num_splits ranges handled by separate progra
 each writing a normalised partial output and its log2-sum-exp; the reduce kernel in
 triton_split_kv_reduce.py merges them.
 
+Sliding window (``USE_WINDOW``, Gemma's local layers): a row at position p sees keys
+(p - window, p]; a program starts at the tile holding its first row's earliest key and
+loads nothing before it (a hybrid KV cache has freed those blocks). Soft-cap
+(``USE_SOFTCAP``, Gemma 2): each score s becomes c tanh(s / c), in log2 units
+(c log2 e), before the mask.
+
 Quantised cache (``KV_QUANT``, kv_quant.py): K/V tiles load as 1-byte codes (fp8 e4m3 /
 e5m2 or int8; every code is exact in fp16 and bf16) and are converted in registers to the
 dot's dtype; the per-(token, head) scales (a byte each: the row's UE5M3 absmax code, its bits
@@ -67,6 +73,13 @@ if triton is not None:
         return lo - 1
 
     @triton.jit
+    def _tanh(x):
+        # exp of -2|x| never overflows; the sign comes back after
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x >= 0, t, -t)
+
+    @triton.jit
     def _load_scale(scale_ptr, idx, mask, INV_QMAX: tl.constexpr):
         """Scale codes at idx -> fp32 scales: the UE5M3 absmax (code bits placed at fp32's
         exponent and mantissa, 255 -> NaN) times 1 / QMAX. Masked lanes: code 0, a finite scale."""
@@ -76,7 +89,7 @@ if triton is not None:
 
     # num_seqs / num_splits vary per step: no specialisation (a value of 1 would
     # otherwise become a constexpr and compile a second variant).
-    @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+    @triton.jit(do_not_specialize=["num_seqs", "num_splits", "window"])
     def _paged_attention_kernel(
         out_ptr,  # [num_tokens, num_heads, head_dim]
         q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -97,6 +110,8 @@ if triton is not None:
         stride_v_blk, stride_v_tok, stride_v_head,
         stride_bt_seq,
         num_splits,  # runtime, not constexpr: a new split count must not recompile
+        window,  # a row sees its `window` newest keys (USE_WINDOW only)
+        softcap_log2,  # soft-cap c * log2(e) (USE_SOFTCAP only)
         NUM_QUERIES_PER_KV: tl.constexpr,
         GROUP_PAD: tl.constexpr,  # next power of 2 of NUM_QUERIES_PER_KV
         HEAD_DIM: tl.constexpr,
@@ -110,6 +125,8 @@ if triton is not None:
         KV_QUANT: tl.constexpr,  # 1-byte K/V codes with per-(token, head) scales
         NUM_KV_HEADS: tl.constexpr,  # scale row stride (KV_QUANT only)
         INV_QMAX: tl.constexpr,  # 1 / QMAX of the cache's format, fp32 (KV_QUANT only)
+        USE_WINDOW: tl.constexpr,
+        USE_SOFTCAP: tl.constexpr,
     ):
         tile_idx = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -138,12 +155,18 @@ if triton is not None:
         # Keys any row of this tile can see end at the last valid row's position.
         kv_end = context_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len)
         num_tiles = tl.cdiv(kv_end, TILE_N)
+        # ... and, in a window, start at the first row's earliest key.
+        if USE_WINDOW:
+            kv_lo = tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0)
+        else:
+            kv_lo = 0
+        first_tile = kv_lo // TILE_N
         if SPLIT_KV:
-            per_split = tl.cdiv(num_tiles, num_splits)
-            tile_lo = split * per_split
+            per_split = tl.cdiv(num_tiles - first_tile, num_splits)
+            tile_lo = first_tile + split * per_split
             tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
         else:
-            tile_lo = 0
+            tile_lo = first_tile
             tile_hi = num_tiles
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -152,7 +175,7 @@ if triton is not None:
         bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt_seq
         for t in range(tile_lo, tile_hi):
             k_pos = t * TILE_N + offs_n
-            k_ok = k_pos < kv_end
+            k_ok = (k_pos < kv_end) & (k_pos >= kv_lo)
             blk = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
             in_blk = k_pos % BLOCK_SIZE
             k_off = blk * stride_k_blk + in_blk * stride_k_tok + kv_head * stride_k_head
@@ -170,7 +193,12 @@ if triton is not None:
                 s = s * (k_sc * scale_log2)[None, :]
             else:
                 s = s * scale_log2
-            s = tl.where((k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :], s, float("-inf"))
+            if USE_SOFTCAP:
+                s = softcap_log2 * _tanh(s / softcap_log2)
+            seen = (k_pos[None, :] <= q_abs[:, None]) & k_ok[None, :]
+            if USE_WINDOW:
+                seen = seen & (k_pos[None, :] > q_abs[:, None] - window)
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no key yet keeps m = -inf; subtract 0 then, not -inf.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -272,6 +300,8 @@ def paged_attention_triton(
     num_stages: int = 2,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] uint8 codes (quantised cache)
     v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,  # W: a row sees its W newest keys, itself included; None: all
+    softcap: float | None = None,  # c: scores -> c * tanh(scores / c); None: off
 ) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("backend='triton' needs the triton package; use backend='torch' on this machine.")
@@ -295,7 +325,8 @@ def paged_attention_triton(
     block_m = max(block_m, group_pad)
     block_q = block_m // group_pad
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, md.max_seq_len, tile_n, q.device) if decode_only else 1
+        longest = min(md.max_seq_len, sliding_window) if sliding_window else md.max_seq_len  # keys a row reads
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, longest, tile_n, q.device) if decode_only else 1
     if num_splits > 1 and not decode_only:
         raise ValueError("split-KV is only for decode-only batches (max_seqlen_q == 1).")
     num_splits = min(num_splits, MAX_SPLITS)
@@ -313,11 +344,11 @@ def paged_attention_triton(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        md.block_table.stride(0), num_splits,
+        md.block_table.stride(0), num_splits, int(sliding_window or 0), float(softcap or 0.0) * _LOG2E,
         NUM_QUERIES_PER_KV=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, BLOCK_Q=block_q, BLOCK_M=block_m,
         SPLIT_KV=split, FP32_DOT=q.dtype == torch.float32, KV_QUANT=quantized, NUM_KV_HEADS=num_kv_heads,
-        INV_QMAX=INV_QMAX.get(k_cache.dtype, 0.0),
+        INV_QMAX=INV_QMAX.get(k_cache.dtype, 0.0), USE_WINDOW=bool(sliding_window), USE_SOFTCAP=bool(softcap),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -28,12 +28,13 @@ MIXED = (
 )
 
 
-def _check(batch, atol, rtol):
+def _check(batch, atol, rtol, **window_softcap):
     md = batch.attn_metadata
     ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, md.block_table, md.seq_lens,
-                              md.cu_seqlens_q, batch.scale)
+                              md.cu_seqlens_q, batch.scale, **window_softcap)
     out = torch.full_like(batch.q, float("nan"))
-    got = paged_attention(batch.q, batch.k_cache, batch.v_cache, md, batch.scale, backend="torch", out=out)
+    got = paged_attention(batch.q, batch.k_cache, batch.v_cache, md, batch.scale, backend="torch", out=out,
+                          **window_softcap)
     assert got is out
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol)
@@ -94,6 +95,50 @@ def test_fused_decode_other_shapes_match_reference(num_heads, num_kv_heads, head
     batch = make_paged_batch([1] * 5, [1, 15, 16, 17, 250], num_heads, num_kv_heads, head_dim, 16,
                              seed=head_dim * 100 + num_heads)
     _check(batch, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(params=["fused", "grouped", "sdpa"])
+def any_cpu_path(request, monkeypatch):
+    """The fused C++ loop for decode rows and chunks; the grouped-gather decode; and with no
+    C++ at all, chunks through SDPA or the explicit soft-capped softmax (_prefill_seq)."""
+    from pagedserve.kernels import attention_torch
+
+    if request.param != "fused":
+        monkeypatch.setattr(attention_torch, "decode_attention_cpu", lambda *args, **kwargs: False)
+    return request.param
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (6, 2, 24), (4, 4, 32)])
+def test_sliding_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim,
+                                                    any_cpu_path):
+    """Gemma's local layers (a row sees its W newest keys) and Gemma 2's soft-capped scores,
+    on every CPU path: decode rows, whole prompts and chunks whose rows start their windows
+    in different blocks. The blocks no row's window reaches are NaN (a hybrid KV cache freed
+    them): reading one poisons the output."""
+    batch = make_paged_batch([1, 1, 1, 1, 5, 7, 16, 3, 40], [1, 33, 64, 130, 18, 7, 16, 40, 100], num_heads,
+                             num_kv_heads, head_dim, 16, seed=window * 31 + head_dim, sliding_window=window)
+    _check(batch, atol=1e-5, rtol=1e-5, sliding_window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_sliding_window_over_a_quantised_cache(kv_dtype, decode_path):
+    batch = make_paged_batch([1, 1, 5, 40], [33, 130, 18, 100], 4, 2, 64, 16, seed=3, sliding_window=17,
+                             kv_dtype=kv_dtype)
+    md = batch.attn_metadata
+    ref = paged_attention_ref(batch.q, batch.k_cache, batch.v_cache, md.block_table, md.seq_lens,
+                              md.cu_seqlens_q, batch.scale, k_scale=batch.k_scale, v_scale=batch.v_scale,
+                              sliding_window=17)
+    got = paged_attention(batch.q, batch.k_cache, batch.v_cache, md, batch.scale, "torch", None, batch.k_scale,
+                          batch.v_scale, sliding_window=17)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_sliding_window_half_precision():
+    batch = make_paged_batch([1, 1, 5, 40], [33, 130, 18, 100], 8, 2, 64, 16, dtype=torch.bfloat16, seed=8,
+                             sliding_window=24)
+    _check(batch, atol=2e-2, rtol=2e-2, sliding_window=24, softcap=30.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

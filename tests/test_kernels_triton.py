@@ -44,6 +44,17 @@ ATTENTION_CASES = {
     # ids from its tail: block_id * stride_blk passes 2^31, so int32 offsets would wrap.
     "large_pool_fp16": ([1, 9], [70, 40], 2, 1, 64, 16, "float16",
                         {"num_blocks": 2**21 + 64, "high_block_ids": True, "poison": False}),
+    # Sliding windows (Gemma's local layers): a row sees its W newest keys; the blocks no
+    # row's window reaches are NaN (a hybrid KV cache freed them) and must not be read.
+    # The rows at W 40 (a prefill tile whose rows start in different KV tiles).
+    "window_mixed_fp32": (*MIXED_ROWS, 4, 2, 64, 16, "float32", {"sliding_window": 40}),
+    # Gemma 2: a window and soft-capped scores, fp16, GQA 3, the chunk rows straddling blocks.
+    "window_softcap_fp16_gqa3": ([1, 1, 7, 20], [77, 1, 7, 50], 6, 2, 64, 32, "float16",
+                                 {"sliding_window": 17, "softcap": 30.0}),
+    # Split-KV over a window: the splits share the window's tiles, the rest stay empty.
+    "window_split_kv_fp32": ([1, 1, 1], [1328, 40, 700], 4, 2, 64, 16, "float32",
+                             {"num_splits": 8, "sliding_window": 100}),
+    "softcap_fp32": (*MIXED_ROWS, 4, 2, 64, 16, "float32", {"softcap": 5.0}),
 }
 TOLERANCE = {"float32": 1e-3, "float16": 5e-3}
 
@@ -63,17 +74,21 @@ def _run_attention_case(name: str) -> dict:
     extra = dict(extra)
     num_splits = extra.pop("num_splits", None)
     q_view = extra.pop("q_view", False)
+    window, softcap = extra.pop("sliding_window", None), extra.pop("softcap", None)
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; reported for a rerun
-    b = make_paged_batch(qls, sls, nh, nkv, hd, bs, dtype=getattr(torch, dtype), seed=seed, **extra)
+    b = make_paged_batch(qls, sls, nh, nkv, hd, bs, dtype=getattr(torch, dtype), seed=seed, sliding_window=window,
+                         **extra)
     md = b.attn_metadata
     if q_view:
         qkv = torch.randn(b.q.shape[0], (nh + 2 * nkv) * hd, dtype=b.q.dtype)
         qkv[:, :nh * hd] = b.q.reshape(-1, nh * hd)
         b.q = qkv[:, :nh * hd].view(-1, nh, hd)
         assert not b.q.is_contiguous()
-    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, b.scale)
+    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, b.scale,
+                              sliding_window=window, softcap=softcap)
     out = torch.full(b.q.shape, float("nan"), dtype=b.q.dtype)
-    got = paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out, num_splits=num_splits)
+    got = paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out, num_splits=num_splits,
+                                 sliding_window=window, softcap=softcap)
     return {"nan": bool(torch.isnan(got).any()), "rel_err": _rel_err(got, ref), "same_out": got is out,
             "max_block_id": int(md.block_table.max()), "seed": seed}
 

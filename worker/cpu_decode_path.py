@@ -159,7 +159,7 @@ class CPUDecodePath:
             fused.rotary(qk, qkv[:, :qk_size].view(n, -1, hd), cos, sin)
             k_cache, v_cache = layer.kv
             attn.write_kv(qk[:, nh:], qkv[:, qk_size:].view(n, -1, hd), k_cache, v_cache, slots)
-            attn.decode_attention(qk[:, :nh], k_cache, v_cache, bt, lens, scale, o, groups)
+            attn.decode_attention(qk[:, :nh], k_cache, v_cache, bt, lens, scale, o, groups, 0, 0.0)
             o_in = o.view(n, q_size)
             h = layer.o(o_in)
             if lora is not None:

@@ -8,7 +8,8 @@ blocks; with ``high_block_ids`` they come from the end of the pool, where an int
 memory is NaN (``poison``): reading a block or slot the batch does not own poisons the
 output instead of passing silently. With ``kv_dtype`` (a quantised format, kv_quant.py) the
 caches are quantised after filling and come with their scales; unused slots then have NaN
-scale codes (255), which poison the same way.
+scale codes (255), which poison the same way. With ``sliding_window`` the blocks no row's
+window reaches are NaN too (a hybrid KV cache has freed them).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def make_paged_batch(
     seed: int = 0,
     poison: bool = True,  # False: torch.empty pool, so a multi-GB pool costs only the pages written
     kv_dtype: torch.dtype | None = None,  # a quantised cache format (float8_e4m3fn, float8_e5m2, int8)
+    sliding_window: int | None = None,  # blocks wholly before every row's window are poisoned (freed)
 ) -> PagedBatch:
     assert len(query_lens) == len(seq_lens)
     assert all(0 <= ql <= sl for ql, sl in zip(query_lens, seq_lens))
@@ -84,6 +86,13 @@ def make_paged_batch(
     slots_d = slots.to(device)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, k_vals.to(device))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots_d, v_vals.to(device))
+    if sliding_window and poison:
+        # A hybrid KV cache frees a sliding layer's blocks that no row's window reaches any
+        # more: another request may own them. NaN there: a kernel that reads them fails.
+        for i, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+            for b in range(max(0, sl - ql - sliding_window + 1) // block_size):
+                k_cache[int(block_table[i, b])] = float("nan")
+                v_cache[int(block_table[i, b])] = float("nan")
 
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(dtype).to(device)
