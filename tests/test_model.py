@@ -173,7 +173,7 @@ def test_unsupported_architecture_is_refused_naming_supported(tmp_path):
     (dict(num_key_value_heads=3), "multiple of num_key_value_heads"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
     (dict(hidden_size=None), "lacks required field 'hidden_size'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type 'yarn'"),
+    (dict(rope_scaling={"rope_type": "proportional", "factor": 4.0}), "rope type 'proportional'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "needs 'low_freq_factor'"),
     (dict(vocab_size=0), "vocab_size must be >= 1"),
 ])

@@ -9,6 +9,11 @@ builds, from its own config class, and writes as a Hugging Face directory:
     mixtral     4 experts, top-2, renormalised
     qwen3-moe   8 experts, top-2, not renormalised (norm_topk_prob false); layer 0 dense
                 (mlp_only_layers), layer 1 routed
+    gemma2      4 layers alternating sliding (window 12) and global, scores and logits
+                soft-capped, GeGLU, (1 + w) norms, embeddings x sqrt(hidden), scores x
+                query_pre_attn_scalar ** -0.5 (24, not head_dim 16)
+    gemma3      4 layers, local (window 8) / local / global / local, q/k norms, the local
+                layers' rope base 10,000, the global one's 1,000,000 linear-scaled by 8
 
 Each family runs the engine's paths over the same paged KV cache: everything at once, then
 the longest prompt again from the prefix cache; chunked prefill (a 16-token budget); and
@@ -38,6 +43,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
 LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(8)],
                 long_factor=[1.0 + 0.5 * i for i in range(8)])
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+GEMMA = dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24)  # Gemma's config defaults to head_dim 256
 FAMILIES = {  # name -> (make_random_llama arch, config overrides)
     "qwen3": ("qwen3", dict(head_dim=32)),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),
@@ -45,6 +52,10 @@ FAMILIES = {  # name -> (make_random_llama arch, config overrides)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3-moe": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                     mlp_only_layers=[0], norm_topk_prob=False)),
+    "gemma2": ("gemma2", dict(GEMMA, sliding_window=12, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)),
+    "gemma3": ("gemma3", dict(GEMMA, sliding_window=8, layer_types=[LOCAL, LOCAL, GLOBAL, LOCAL], rope_parameters={
+        LOCAL: dict(rope_type="default", rope_theta=10000.0),
+        GLOBAL: dict(rope_type="linear", factor=8.0, rope_theta=1000000.0)})),
 }
 PROMPT_LENS = [3, 17, 33, 40]
 MAX_TOKENS = 12  # the longest request: 52 tokens, within Phi-3's 64-token short-factor range
@@ -152,6 +163,94 @@ def test_phi3_long_factors_past_the_original_length(model_root):
     assert short["ext_factors"] == LONGROPE["short_factor"] and short["attention_factor"] > 1.0
 
 
+# ---- Gemma: prompts many windows long -----------------------------------------------------------
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_prompts_many_windows_long(name, model_root):
+    """Prompts of 70 and 100 tokens, 6-12 windows, decoded past them: every path (one pass,
+    16-token chunks whose rows start their windows in different blocks) gives transformers'
+    tokens, and those differ from what the same weights give with no window, so the window
+    is what the local layers computed."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _model_path(name, model_root)
+    prompts = _prompts([70, 100], seed=5)
+    refs = _hf_greedy(path, prompts, 10)
+    assert _run(_engine(path, max_model_len=128), prompts, 10) == refs
+    assert _run(_engine(path, max_model_len=128, max_num_batched_tokens=16), prompts, 10) == refs
+    config = AutoConfig.from_pretrained(path)
+    config.sliding_window = 4096
+    hf = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    x = torch.tensor(prompts[1:])
+    with torch.no_grad():
+        unwindowed = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, 100:].tolist()
+    assert unwindowed != refs[1]
+
+
+def test_gemma_configs_of_the_hub(tmp_path):
+    """The older config.json dialect (transformers 4: sliding_window_pattern, rope_theta +
+    rope_local_base_freq + rope_scaling, no layer_types) reads as the new one does."""
+    import json
+
+    base = dict(hidden_size=64, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                intermediate_size=128, vocab_size=512, sliding_window=512, query_pre_attn_scalar=16)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        base, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", sliding_window_pattern=6,
+        rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.layer_types == (LOCAL,) * 5 + (GLOBAL, LOCAL)
+    assert (cfg.rope_theta, cfg.rope_scaling) == (1000000.0, {"rope_type": "linear", "factor": 8.0})
+    assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (10000.0, None)
+    assert cfg.tie_word_embeddings and cfg.hidden_act == "gelu_pytorch_tanh" and cfg.attn_logit_softcapping is None
+    assert [cfg.layer_window(i) for i in (4, 5)] == [512, None]
+    assert cfg.max_model_len == 2048  # not capped at the window (Mistral's is: no layer of it runs one)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        base, architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_hidden_layers=3,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    assert cfg.layer_types == (LOCAL, GLOBAL, LOCAL) and cfg.sliding_window == 512
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        base, architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True)))
+    with pytest.raises(ValueError, match="bidirectional"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+# ---- rope scalings the families' configs use ----------------------------------------------------
+ROPES = {  # rope_parameters of a tiny Llama (max_position_embeddings 256)
+    "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
+    "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0),
+    "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64),
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_rope_scaling_matches_transformers(rope, model_root):
+    """Linear (positions slowed by the factor), dynamic NTK (plain rope up to
+    max_position_embeddings, which max_model_len never passes) and YaRN (frequencies blended
+    over a ramp, cos/sin scaled by 0.1 ln(factor) + 1): cos and sin bit for bit against
+    transformers' rotary embedding at every position, and greedy tokens of prompts past
+    YaRN's original 64 positions against generate()."""
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from pagedserve.worker.layers.rotary import RotaryEmbedding
+
+    path = build_once(os.path.join(os.fspath(model_root), f"rope-{rope}"),
+                      lambda tmp: make_random_llama(tmp, "llama", **{**SMALL, "rope_parameters": ROPES[rope]}))
+    cfg = ModelConfig.from_pretrained(path, dtype="float32")
+    ours = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    theirs = LlamaRotaryEmbedding(AutoConfig.from_pretrained(path))
+    positions = torch.arange(cfg.max_position_embeddings)
+    cos, sin = ours(positions)
+    hf_cos, hf_sin = theirs(torch.zeros(1, dtype=torch.float32), positions[None])
+    assert torch.equal(cos[:, 0], hf_cos[0]) and torch.equal(sin[:, 0], hf_sin[0])
+    plain, _ = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)(positions)
+    assert torch.equal(cos, plain) == (rope == "dynamic")
+    prompts = _prompts([20, 90], seed=3)
+    assert _run(_engine(path, max_model_len=128), prompts, 10) == _hf_greedy(path, prompts, 10)
+
+
 # ---- tensor parallelism 2: two processes joined by gloo, the model driven directly ----------
 def _greedy_direct(path: str, prompts, max_new: int, tp_size: int) -> list[list[int]]:
     """Each prompt prefilled in one step over scattered paged blocks, then decoded greedily."""
@@ -192,10 +291,11 @@ def _tp_rank(rank: int, world_size: int, init_file: str, path: str, prompts, out
 
 @pytest.mark.slow  # two spawned ranks: about 30-40 s each on 2 cores
 @pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "gemma2", "gemma3"])
 def test_tensor_parallel_2_greedy(name, model_root, tmp_path):
     """Heads, the MLP's and every expert's intermediate features split over two ranks
-    (and Qwen3's per-head norms whole on each): the same greedy tokens as transformers."""
+    (and Qwen3's and Gemma 3's per-head norms whole on each, Gemma's windows per layer):
+    the same greedy tokens as transformers."""
     path, prompts, refs = _case(name, model_root)
     mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), path, prompts[2:], str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
@@ -211,9 +311,9 @@ def test_an_architecture_we_do_not_run_is_a_startup_error_naming_it(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(dict(
-        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=64, num_hidden_layers=2,
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, intermediate_size=128, vocab_size=512)))
-    with pytest.raises(ValueError, match="'Gemma3ForCausalLM'.*supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
+    with pytest.raises(ValueError, match="'GptOssForCausalLM'.*supported: " + ", ".join(SUPPORTED_ARCHITECTURES)):
         ModelConfig.from_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="Gemma3ForCausalLM"):
+    with pytest.raises(ValueError, match="GptOssForCausalLM"):
         LLMEngine(EngineConfig(model=str(tmp_path)), UniProcExecutor)

@@ -25,9 +25,14 @@ from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantCon
 
 # Architecture names in config.json we implement (worker/models registers a class for each).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "longrope")
+                           "SmolLM3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Sliding-window and global layers interleaved (layer_types), GeGLU, (1 + w) RMSNorm, scaled
+# embeddings, query_pre_attn_scalar, soft-capping (worker/models/gemma.py).
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -88,11 +93,29 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    # Per-layer attention (Gemma 2 / 3): layer i is FULL_ATTENTION or SLIDING_ATTENTION
+    # (a row sees its ``sliding_window`` newest keys); () with no window: every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # The sliding layers' own rope (Gemma 3's rope_local_base_freq, default rope); None: the model's.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = None
+    # Gemma: scores scaled by query_pre_attn_scalar ** -0.5 (not head_dim's); attention
+    # scores (Gemma 2) and final logits soft-capped: c * tanh(x / c). None: off.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s sliding window, None where it attends to every key."""
+        if self.layer_types and self.layer_types[layer_idx] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -160,15 +183,22 @@ class ModelConfig:
             if int(value) < 1:
                 raise ValueError(f"config.json field {key} must be >= 1, got {value}.")
         act = hf.get("hidden_act", "silu")
-        if act != "silu":
+        if arch in GEMMA_ARCHITECTURES:  # GeGLU: gelu with the tanh approximation (hidden_activation)
+            act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+            if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+                raise ValueError(f"hidden_activation {act!r} is not supported for {arch} (only 'gelu_pytorch_tanh').")
+            act = "gelu_pytorch_tanh"
+        elif act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only 'silu', SwiGLU).")
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported.")
 
-        rope_theta, rope_scaling = _parse_rope(hf)
+        gemma = _gemma_fields(hf, arch) if arch in GEMMA_ARCHITECTURES else {}
+        rope_theta, rope_scaling = gemma.pop("rope") if gemma else _parse_rope(hf)
         max_pos = int(hf.get("max_position_embeddings") or 2048)
-        # A sliding window we do not implement: stay exact by never exceeding it.
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        # A sliding window we do not implement (Mistral's and Qwen2's, every layer's): stay
+        # exact by never exceeding it. Gemma's sliding layers run theirs (layer_types).
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) and not gemma else None
         limit = min(max_pos, int(window)) if window else max_pos
         if max_model_len is None:
             max_model_len = limit
@@ -177,6 +207,9 @@ class ModelConfig:
                              f"(max_position_embeddings{' / sliding_window' if window else ''}).")
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
             rope_scaling = _pick_longrope_factors(rope_scaling, head_dim, int(max_model_len))
+        if (gemma.get("local_rope_scaling") or {}).get("rope_type") == "longrope":
+            gemma["local_rope_scaling"] = _pick_longrope_factors(gemma["local_rope_scaling"], head_dim,
+                                                                 int(max_model_len))
 
         if dtype == "auto":
             checkpoint = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
@@ -192,12 +225,12 @@ class ModelConfig:
             intermediate_size=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
             rope_scaling=rope_scaling, max_position_embeddings=max_pos, max_model_len=int(max_model_len),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),  # Gemma's default
             # Qwen2 always has q/k/v bias (hard-wired in HF, no config field).
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             hidden_act=act, dtype=torch_dtype, bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids, gguf_file=hf.get("gguf_file") or (path if path.endswith(".gguf") else None),
-            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), hf_config=hf)
+            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), **gemma, hf_config=hf)
 
     # ---- sizes per tensor-parallel rank -------------------------------------------------
     def verify_tensor_parallel(self, tp_size: int) -> None:
@@ -213,6 +246,12 @@ class ModelConfig:
     def get_num_kv_heads(self, tp_size: int = 1) -> int:
         self.verify_tensor_parallel(tp_size)
         return self.num_key_value_heads // tp_size
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Sliding-window and full-attention layers together: the KV cache gives each kind
+        its own block groups (scheduler/kv/hybrid.py)."""
+        return SLIDING_ATTENTION in self.layer_types and FULL_ATTENTION in self.layer_types
 
     def kv_cache_bytes_per_token(self, tp_size: int = 1, cache_dtype: torch.dtype | str | None = None) -> int:
         """Bytes of K and V one token occupies on one rank, all layers together."""
@@ -272,7 +311,13 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if params and any(isinstance(v, dict) for v in params.values()):
         raise ValueError("per-layer-type rope_parameters are not supported.")
     theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    scaling = {**legacy, **params}
+    return _parse_rope_scaling(hf, theta, {**legacy, **params})
+
+
+def _parse_rope_scaling(hf: dict[str, Any], theta: float,
+                        scaling: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """One rope's parameters (config.json's rope_parameters or rope_scaling) -> (theta,
+    None for plain rope, or the dict rotary.compute_inv_freq reads)."""
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in ("su", "yarn") and hf.get("architectures") == ["Phi3ForCausalLM"]:
         rope_type = "longrope"  # Phi-3's old names for it (transformers' Phi3Config says so)
@@ -280,10 +325,20 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
     if hf.get("partial_rotary_factor", 1.0) != 1.0 or scaling.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported.")
+    if rope_type == "dynamic":
+        # Dynamic NTK changes the base only past max_position_embeddings (transformers'
+        # dynamic_rope_update), which max_model_len never exceeds: plain rope, exactly.
+        rope_type = "default"
     if rope_type == "default":
         return theta, None
     if rope_type == "longrope":
         return theta, _parse_longrope(hf, scaling)
+    if rope_type == "linear":
+        if not scaling.get("factor"):
+            raise ValueError("linear rope scaling needs 'factor'.")
+        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
+    if rope_type == "yarn":
+        return theta, _parse_yarn(hf, scaling)
     out = {"rope_type": "llama3"}
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if key not in scaling:
@@ -292,6 +347,67 @@ def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     out["original_max_position_embeddings"] = int(
         scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
     return theta, out
+
+
+def _parse_yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """YaRN (transformers' _compute_yarn_parameters): frequencies blended between the
+    original and the ``factor``-slowed ones over a ramp of dimensions (beta_fast, beta_slow),
+    and cos/sin scaled by attention_factor (0.1 ln(factor) + 1 unless given)."""
+    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    original = int(scaling.get("original_max_position_embeddings") or max_pos)
+    factor = float(scaling.get("factor") or max_pos / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    return {"rope_type": "yarn", "factor": factor, "attention_factor": float(attention_factor),
+            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
+            "original_max_position_embeddings": original, "truncate": bool(scaling.get("truncate", True))}
+
+
+def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 2 / 3: each layer's attention type, the window, both ropes, the query scale and
+    the soft-caps, from either config dialect (transformers 5's layer_types and per-type
+    rope_parameters, or the older sliding_window_pattern, rope_theta + rope_local_base_freq
+    + rope_scaling). ``rope``: the global layers' (theta, scaling)."""
+    n = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if types is None:  # transformers' defaults: Gemma 2 alternates from a sliding layer 0,
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern") or 6)
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]  # Gemma 3: 5 to 1
+    types = tuple(types)
+    if len(types) != n or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ValueError(f"layer_types must list {n} of {FULL_ATTENTION!r} / {SLIDING_ATTENTION!r}, got {types}.")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an encoder) is not supported.")
+    window = hf.get("sliding_window")
+    if SLIDING_ATTENTION in types and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"sliding layers need sliding_window >= 1, got {window!r}.")
+    params = hf.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM":
+        if params and not any(isinstance(v, dict) for v in params.values()):
+            params = {FULL_ATTENTION: params}  # one dict: the global layers' (as rope_scaling was)
+        full = {**(hf.get("rope_scaling") or {}), **(params.get(FULL_ATTENTION) or {})}
+        local = dict(params.get(SLIDING_ATTENTION) or {})
+        rope = _parse_rope_scaling(hf, float(full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0), full)
+        local_theta, local_scaling = _parse_rope_scaling(
+            hf, float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10_000.0), local)
+    else:
+        rope = _parse_rope(hf)
+        local_theta, local_scaling = rope
+    softcap = hf.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None  # Gemma 3's has none
+    return dict(rope=rope, layer_types=types, sliding_window=int(window) if SLIDING_ATTENTION in types else None,
+                local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
+                attn_logit_softcapping=float(softcap) if softcap else None,
+                final_logit_softcapping=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
+                else None)
 
 
 def _parse_longrope(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:

@@ -52,7 +52,9 @@ def _hf_classes(arch: str):
              "smollm3": (tf.SmolLM3Config, tf.SmolLM3ForCausalLM),
              "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
              "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
-             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}
+             "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+             "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}
     if arch not in table:
         raise ValueError(f"arch must be one of {sorted(table)}, got {arch!r}.")
     return table[arch]
@@ -70,15 +72,17 @@ def make_random_llama(path: str | os.PathLike, arch: str = "llama", seed: int = 
     # HF initialises biases to 0 and norm weights to 1; randomise both so a loader that
     # drops a bias or swaps two norms cannot pass the HF comparison by accident.
     g = torch.Generator().manual_seed(seed + 1)
+    # Gemma's norms scale by (1 + w): their w is drawn around 0, so the gain is around 1.
+    one = 0.0 if arch.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * config.initializer_range)
             elif "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+                p.copy_(one + 0.2 * torch.randn(p.shape, generator=g))
         # Small weights inside (float error grows fast with weight scale), logits spread
         # out by the final norm's gain so greedy is decisive (see the module docstring).
-        model.model.norm.weight.mul_(logit_scale)
+        model.model.norm.weight.add_(1.0 - one).mul_(logit_scale).sub_(1.0 - one)
         if config.tie_word_embeddings:
             # Tied, the residual stream ~ the input token's embedding = its own output row,
             # so the model would just repeat its last token. Louder layers break that.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedserve.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedserve.worker.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedserve.worker.models.mixtral import MixtralForCausalLM
 from pagedserve.worker.models.phi3 import Phi3ForCausalLM
@@ -21,6 +22,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -44,8 +44,10 @@ from pagedserve.worker.parallel_state import get_tp_size
 KVCache = tuple[torch.Tensor, ...]
 
 
-def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float) -> torch.Tensor:
-    """Causal attention inside each sequence's chunk only (profile runs, tests)."""
+def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
+    """Causal attention inside each sequence's chunk only (profile runs, tests); ``window``
+    and ``softcap`` as paged_attention takes them."""
     if md is None:
         bounds = [0, q.shape[0]]
     elif md.query_lens_cpu is not None:
@@ -58,14 +60,30 @@ def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float) -> 
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end > start:
             qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, len, d]
-            out[start:end] = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            if window is None and softcap is None:
+                out[start:end] = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+                continue
+            pos = torch.arange(end - start, device=q.device)
+            seen = pos[None, :] <= pos[:, None]
+            if window is not None:
+                seen &= pos[None, :] > pos[:, None] - window
+            group = qs.shape[0] // ks.shape[0]
+            ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+            scores = torch.matmul(qs.float(), ks.float().transpose(-1, -2)) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+            out[start:end] = torch.matmul(probs, vs.float()).transpose(0, 1).to(out.dtype)
     return out
 
 
 class LlamaAttention(nn.Module):
     # The LoRA hook (worker/lora/lora_ops.LayerLoRA), set when LoRA is enabled; None: off.
     lora = None
+    # A sliding-window layer's window and a soft-cap on its scores (worker/models/gemma.py).
+    sliding_window: int | None = None
+    softcap: float | None = None
 
     def __init__(self, cfg: ModelConfig, backend: str, layer_idx: int = 0) -> None:
         super().__init__()
@@ -99,7 +117,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if kv_cache is None:
-            o = _attention_no_cache(q, k, v, md, self.scale)
+            o = _attention_no_cache(q, k, v, md, self.scale, self.sliding_window, self.softcap)
         else:
             k_cache, v_cache, *scales = kv_cache
             k_scale, v_scale = scales or (None, None)
@@ -111,7 +129,7 @@ class LlamaAttention(nn.Module):
                 v = v @ rot
             write_kv_cache(k, v, k_cache, v_cache, md.slot_mapping, self.backend, k_scale, v_scale)
             o = paged_attention(q, k_cache, v_cache, md, self.scale, backend=self.backend, k_scale=k_scale,
-                                v_scale=v_scale)
+                                v_scale=v_scale, sliding_window=self.sliding_window, softcap=self.softcap)
             if rot is not None:
                 o = o @ rot.mT  # o was computed from rotated V: rotate back (R R^T = I)
         o = o.reshape(n, self.q_size)
