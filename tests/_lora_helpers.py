@@ -23,7 +23,8 @@ def make_random_adapter(base_path, out_path, *, r: int = 8, alpha: float = 16, t
     import peft
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets or ALL_MODULES),
+    targets = targets if isinstance(targets, str) else list(targets or ALL_MODULES)  # a str: a regex, as PEFT takes it
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
                           use_rslora=use_rslora, lora_dropout=0.0, **config)
     model = peft.get_peft_model(base, cfg)
     g = torch.Generator().manual_seed(seed)

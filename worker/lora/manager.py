@@ -50,7 +50,8 @@ class LoRAManager:
         for i, layer in enumerate(model.model.layers):
             hook = LayerLoRA(self.ctx, i)
             layer.self_attn.lora = hook
-            layer.mlp.lora = hook
+            if i not in self.model_config.moe_layers:  # experts are not adapted (peft_adapter refuses them)
+                layer.mlp.lora = hook
 
     def add(self, lora_request: LoRARequest) -> None:
         """Read the adapter now, if it is not on the host (LoRAError if it cannot be)."""

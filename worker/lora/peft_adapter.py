@@ -3,7 +3,9 @@
     adapter_config.json         r, lora_alpha, use_rslora, target_modules, alpha_pattern, ...
     adapter_model.safetensors   base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight  [r, in]
                                 base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight  [out, r]
-                                ... for any of q/k/v/o_proj (self_attn), gate/up/down_proj (mlp)
+                                ... for any of q/k/v/o_proj (self_attn), gate/up/down_proj (mlp),
+                                or the fused qkv_proj and gate_up_proj of a checkpoint that fuses
+                                them (Phi-3): one A, one B over the stacked outputs
 
 A module's output gains ``scale * (x @ A^T) @ B^T`` with ``scale = lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with rsLoRA (``use_rslora``), as PEFT computes it; ``alpha_pattern``
@@ -13,7 +15,11 @@ included). ``B`` is kept pre-scaled, in the model's dtype.
 Everything a user can get wrong is a ``LoRAError`` (a ValueError: a 400 where it comes from
 a request) that names the adapter and the problem: files missing or corrupt, a rank over
 ``max_lora_rank``, a module the model lacks or that is not adapted here (embeddings,
-lm_head, DoRA, LoRA biases, modules_to_save), a tensor of the wrong shape.
+lm_head, DoRA, LoRA biases, modules_to_save, a mixture-of-experts layer's experts), a
+tensor of the wrong shape.
+
+A fused module's adapter is split into its modules' (``FUSED_MODULES``): each gets the same
+A and its rows of B, which computes the same delta (``x A^T B^T`` row block by row block).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+# A checkpoint's fused module -> the modules it stacks, in its output order (Phi-3's names).
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+ADAPTABLE = TARGET_MODULES + tuple(FUSED_MODULES)
 
 # Modules the model has that LoRA does not adapt here (their adapters are refused, named).
 NOT_ADAPTED = ("embed_tokens", "lm_head")
@@ -75,6 +84,12 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     kv, inter = cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def _fused_shapes(shapes: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``shapes`` plus each fused module's (in, the sum of its modules' out)."""
+    return {**shapes, **{f: (shapes[subs[0]][0], sum(shapes[m][1] for m in subs))
+                         for f, subs in FUSED_MODULES.items()}}
 
 
 def _alpha(config: dict, module_path: str) -> float:
@@ -123,9 +138,9 @@ def check_target_modules(lora_request: LoRARequest, config: dict) -> None:
         if t in NOT_ADAPTED:
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} targets module {t!r}, which is not adapted "
                             f"here (supported: {', '.join(TARGET_MODULES)}).")
-        if t not in TARGET_MODULES:
+        if t not in ADAPTABLE:
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} targets module {t!r}, which the model "
-                            f"does not have (its adaptable modules: {', '.join(TARGET_MODULES)}).")
+                            f"does not have (its adaptable modules: {', '.join(ADAPTABLE)}).")
 
 
 def _rank_error(name: str, r: int, where: str, max_lora_rank: int) -> LoRAError:
@@ -155,22 +170,27 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
         also = " (adapter_model.bin, a pickle, is not read: save with safe_serialization=True)" \
             if os.path.isfile(os.path.join(lora_request.lora_path, "adapter_model.bin")) else ""
         raise LoRAError(f"LoRA adapter {name!r}: {lora_request.lora_path!r} has no {WEIGHTS_FILE}{also}.")
-    shapes = module_shapes(model_config)
+    shapes = _fused_shapes(module_shapes(model_config))
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     try:
         with safe_open(weights_path, framework="pt") as f:
             for key in f.keys():
                 m = _KEY.match(key)
-                if m is None or m.group(3) not in TARGET_MODULES:
+                if re.search(r"\.(experts|block_sparse_moe)\.", key):
+                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's "
+                                    "experts, which is not supported (adapters on its attention are).")
+                if m is None or m.group(3) not in ADAPTABLE:
                     part = re.search(r"(\w+)\.lora_(?:embedding_)?[AB]\b", key)
                     what = m.group(3) if m else part.group(1) if part else key
                     raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what!r}, which is not "
-                                    f"adapted here (supported: {', '.join(TARGET_MODULES)}).")
+                                    f"adapted here (supported: {', '.join(ADAPTABLE)}).")
                 layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-                if layer >= model_config.num_hidden_layers or \
-                        block != ("self_attn" if module in ATTENTION_MODULES else "mlp"):
+                if layer >= model_config.num_hidden_layers or block != _block(module):
                     raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} names a layer the model lacks (it "
                                     f"has {model_config.num_hidden_layers} layers).")
+                if block == "mlp" and layer in model_config.moe_layers:
+                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts layer {layer}'s MLP, a "
+                                    "mixture of experts, which is not supported (adapters on its attention are).")
                 pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
     except LoRAError:
         raise
@@ -195,11 +215,23 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
                             "model?).")
         if r > max_lora_rank:
             raise _rank_error(name, r, where, max_lora_rank)
-        block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-        alpha = _alpha(config, f"model.layers.{layer}.{block}.{module}")
+        alpha = _alpha(config, f"model.layers.{layer}.{_block(module)}.{module}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         if not torch.isfinite(a).all() or not torch.isfinite(b).all():
             raise LoRAError(f"LoRA adapter {name!r}: {where} holds non-finite weights.")
-        weights[(layer, module)] = (a.to(dtype).contiguous(), (b.double() * scale).to(dtype).contiguous())
+        a, b = a.to(dtype).contiguous(), (b.double() * scale).to(dtype)
+        at = 0
+        for sub in FUSED_MODULES.get(module, (module,)):
+            if (layer, sub) in weights:
+                raise LoRAError(f"LoRA adapter {name!r}: layer {layer} adapts {sub} twice (on its own and "
+                                f"within {module}).")
+            out = shapes[sub][1]
+            weights[(layer, sub)] = (a, b[at:at + out].contiguous())
+            at += out
         rank = max(rank, r)
     return LoRAAdapter(lora_request, rank, weights)
+
+
+def _block(module: str) -> str:
+    """The decoder layer's block that holds ``module``: self_attn or mlp."""
+    return "self_attn" if module in ATTENTION_MODULES or module == "qkv_proj" else "mlp"
