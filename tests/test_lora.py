@@ -22,7 +22,7 @@ from _lora_helpers import hf_greedy, make_random_adapter, merged_model
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.worker.loading.random_models import make_test_model
 from pagedserve.worker.lora.manager import LoRAManager
-from pagedserve.worker.lora.peft_adapter import LoRAError, load_peft_adapter
+from pagedserve.worker.lora.peft_adapter import LoRAError, check_peft_adapter, load_peft_adapter
 from pagedserve.worker.model_config import ModelConfig
 
 NUM_NEW = 12
@@ -183,6 +183,30 @@ def test_bad_adapter_is_refused_naming_the_problem(models, bad_adapters, name):
     with pytest.raises(LoRAError, match=f"LoRA adapter '{name}'.*") as e:
         load_peft_adapter(LoRARequest(name, 1, path), cfg, max_lora_rank=8)
     assert message in str(e.value)
+    # The engine's check (the header, not the weights) refuses it with the same words.
+    with pytest.raises(LoRAError, match=f"LoRA adapter '{name}'.*") as e:
+        check_peft_adapter(LoRARequest(name, 1, path), cfg, max_lora_rank=8)
+    assert message in str(e.value)
+
+
+def test_engine_check_reads_the_header_and_the_worker_the_weights(models, tmp_path):
+    """An adapter whose weights are NaN passes the header check and fails the worker's read,
+    which alone reads the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    base, adapters = models
+    nan = tmp_path / "nan"
+    nan.mkdir()
+    for f in os.listdir(adapters["plain"]):
+        src = os.path.join(adapters["plain"], f)
+        if f == "adapter_model.safetensors":
+            save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(src).items()}, nan / f)
+        else:
+            (nan / f).write_bytes(open(src, "rb").read())
+    cfg = ModelConfig.from_pretrained(base, dtype="float32")
+    check_peft_adapter(LoRARequest("nan", 1, str(nan)), cfg, max_lora_rank=8)
+    with pytest.raises(LoRAError, match="holds non-finite weights"):
+        load_peft_adapter(LoRARequest("nan", 1, str(nan)), cfg, max_lora_rank=8)
 
 
 def test_engine_refuses_bad_modules_at_start_and_bad_requests_alone(models, bad_adapters):

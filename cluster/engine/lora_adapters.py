@@ -6,8 +6,9 @@
     a request's lora_request   ─▶ checked on its first use here (LLMEngine.make_request: a 400)
     POST /v1/load_lora_adapter ─▶ the front asks a replica to check it (``check``) first
 
-The check reads the adapter as the worker will (worker/lora/peft_adapter.py): files,
-rank against ``max_lora_rank``, target modules and shapes against the model; and its
+The check reads the adapter's config and its weights file's header (worker/lora/
+peft_adapter.check_peft_adapter; the weights themselves are read once, by the worker):
+files, rank against ``max_lora_rank``, target modules and shapes against the model; and its
 ``base_model_name``, when given, against the model this engine serves.
 
 It also keeps what the workers report after each step (worker/lora/host_cache.py): the
@@ -21,7 +22,7 @@ import threading
 
 from pagedserve.config import EngineConfig
 from pagedserve.scheduler.lora import LoRARequest
-from pagedserve.worker.lora.peft_adapter import LoRAError, load_peft_adapter
+from pagedserve.worker.lora.peft_adapter import LoRAError, check_peft_adapter
 from pagedserve.worker.model_config import ModelConfig
 
 LOAD_EMA = 0.3  # weight of the newest read in load_s
@@ -59,7 +60,7 @@ class LoRAAdapters:
         if base is not None and self._base_names and base not in self._base_names:
             raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} is for base model {base!r}, but this server "
                             f"serves {self._base_names[0]!r}.")
-        load_peft_adapter(lora_request, self._model_config, self.max_lora_rank)  # raises, naming the problem
+        check_peft_adapter(lora_request, self._model_config, self.max_lora_rank)  # raises, naming the problem
         with self._lock:
             self._checked.add(lora_request.lora_int_id)
 

@@ -149,10 +149,42 @@ def _rank_error(name: str, r: int, where: str, max_lora_rank: int) -> LoRAError:
                      f"max_lora_rank {max_lora_rank}; restart with --max-lora-rank {r} or more.")
 
 
+def check_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_lora_rank: int) -> None:
+    """Every check of ``load_peft_adapter`` that needs no weight: the config, the tensors'
+    names and shapes from the safetensors header, and a file as long as the header says
+    (a truncated one fails here). LoRAError naming the problem. Non-finite weights are found
+    where the worker reads them (that request fails alone). The engine checks this way, so a
+    request's adapter is read from disk once, by the worker."""
+    _read(lora_request, model_config, max_lora_rank, None)
+
+
 def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_lora_rank: int,
                       dtype: torch.dtype | None = None) -> LoRAAdapter:
     """Read and check the adapter at ``lora_request.lora_path``; its weights on the host, B
     pre-scaled, in ``dtype`` (default: the model's). LoRAError naming the problem."""
+    return _read(lora_request, model_config, max_lora_rank, dtype or model_config.dtype)
+
+
+def _header(path: str) -> dict[str, list[int]]:
+    """A safetensors file's tensor names and shapes, from its header; ValueError if the file
+    is shorter than the header's offsets (truncated) or the header is not one."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < n <= size - 8:
+            raise ValueError("not a safetensors file (no header)")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    end = max((int(t["data_offsets"][1]) for t in header.values()), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"the header describes {8 + n + end} bytes, the file has {size} (truncated?)")
+    return {k: list(t["shape"]) for k, t in header.items()}
+
+
+def _read(lora_request: LoRARequest, model_config: ModelConfig, max_lora_rank: int,
+          dtype: torch.dtype | None) -> LoRAAdapter | None:
+    """The adapter's checks, and with a ``dtype`` its weights in it (None: the header only)."""
     from safetensors import safe_open
 
     name = lora_request.lora_name
@@ -171,35 +203,23 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
             if os.path.isfile(os.path.join(lora_request.lora_path, "adapter_model.bin")) else ""
         raise LoRAError(f"LoRA adapter {name!r}: {lora_request.lora_path!r} has no {WEIGHTS_FILE}{also}.")
     shapes = _fused_shapes(module_shapes(model_config))
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    # (layer, module) -> {"A"/"B": a tensor, or its shape where only the header is read}
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor | list[int]]] = {}
     try:
-        with safe_open(weights_path, framework="pt") as f:
-            for key in f.keys():
-                m = _KEY.match(key)
-                if re.search(r"\.(experts|block_sparse_moe)\.", key):
-                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's "
-                                    "experts, which is not supported (adapters on its attention are).")
-                if m is None or m.group(3) not in ADAPTABLE:
-                    part = re.search(r"(\w+)\.lora_(?:embedding_)?[AB]\b", key)
-                    what = m.group(3) if m else part.group(1) if part else key
-                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what!r}, which is not "
-                                    f"adapted here (supported: {', '.join(ADAPTABLE)}).")
-                layer, block, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
-                if layer >= model_config.num_hidden_layers or block != _block(module):
-                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} names a layer the model lacks (it "
-                                    f"has {model_config.num_hidden_layers} layers).")
-                if block == "mlp" and layer in model_config.moe_layers:
-                    raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts layer {layer}'s MLP, a "
-                                    "mixture of experts, which is not supported (adapters on its attention are).")
-                pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key)
+        if dtype is None:
+            for key, shape in _header(weights_path).items():
+                pairs.setdefault(_place(name, key, model_config), {})[_ab(key)] = shape
+        else:
+            with safe_open(weights_path, framework="pt") as f:
+                for key in f.keys():
+                    pairs.setdefault(_place(name, key, model_config), {})[_ab(key)] = f.get_tensor(key)
     except LoRAError:
         raise
     except Exception as e:  # a truncated or garbled file: safetensors' own error, named
         raise LoRAError(f"LoRA adapter {name!r}: {weights_path} cannot be read: {e}") from None
     if not pairs:
         raise LoRAError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights.")
-    dtype = dtype or model_config.dtype
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}  # None: seen, not read
     rank = 0
     for (layer, module), ab in sorted(pairs.items()):
         where = f"layer {layer} {module}"
@@ -207,14 +227,23 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
             raise LoRAError(f"LoRA adapter {name!r}: {where} has lora_{next(iter(ab))} without "
                             f"lora_{'B' if 'A' in ab else 'A'}.")
         a, b = ab["A"], ab["B"]
+        a_shape, b_shape = tuple(a.shape if dtype else a), tuple(b.shape if dtype else b)
         fan_in, fan_out = shapes[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
-            raise LoRAError(f"LoRA adapter {name!r}: {where} has A {tuple(a.shape)} and B {tuple(b.shape)}; the "
+        r = a_shape[0] if a_shape else 0
+        if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[1] != fan_in or b_shape != (fan_out, r):
+            raise LoRAError(f"LoRA adapter {name!r}: {where} has A {a_shape} and B {b_shape}; the "
                             f"model needs A [r, {fan_in}] and B [{fan_out}, r] (an adapter of another base "
                             "model?).")
         if r > max_lora_rank:
             raise _rank_error(name, r, where, max_lora_rank)
+        for sub in FUSED_MODULES.get(module, (module,)):
+            if (layer, sub) in weights:
+                raise LoRAError(f"LoRA adapter {name!r}: layer {layer} adapts {sub} twice (on its own and "
+                                f"within {module}).")
+            weights[(layer, sub)] = None
+        rank = max(rank, r)
+        if dtype is None:
+            continue
         alpha = _alpha(config, f"model.layers.{layer}.{_block(module)}.{module}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         if not torch.isfinite(a).all() or not torch.isfinite(b).all():
@@ -222,14 +251,35 @@ def load_peft_adapter(lora_request: LoRARequest, model_config: ModelConfig, max_
         a, b = a.to(dtype).contiguous(), (b.double() * scale).to(dtype)
         at = 0
         for sub in FUSED_MODULES.get(module, (module,)):
-            if (layer, sub) in weights:
-                raise LoRAError(f"LoRA adapter {name!r}: layer {layer} adapts {sub} twice (on its own and "
-                                f"within {module}).")
             out = shapes[sub][1]
             weights[(layer, sub)] = (a, b[at:at + out].contiguous())
             at += out
-        rank = max(rank, r)
-    return LoRAAdapter(lora_request, rank, weights)
+    return None if dtype is None else LoRAAdapter(lora_request, rank, weights)
+
+
+def _ab(key: str) -> str:
+    return _KEY.match(key).group(4)
+
+
+def _place(name: str, key: str, model_config: ModelConfig) -> tuple[int, str]:
+    """(layer, module) of an adapter tensor, or LoRAError naming why it cannot be served."""
+    m = _KEY.match(key)
+    if re.search(r"\.(experts|block_sparse_moe)\.", key):
+        raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture-of-experts layer's "
+                        "experts, which is not supported (adapters on its attention are).")
+    if m is None or m.group(3) not in ADAPTABLE:
+        part = re.search(r"(\w+)\.lora_(?:embedding_)?[AB]\b", key)
+        what = m.group(3) if m else part.group(1) if part else key
+        raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts {what!r}, which is not "
+                        f"adapted here (supported: {', '.join(ADAPTABLE)}).")
+    layer, block, module = int(m.group(1)), m.group(2), m.group(3)
+    if layer >= model_config.num_hidden_layers or block != _block(module):
+        raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} names a layer the model lacks (it "
+                        f"has {model_config.num_hidden_layers} layers).")
+    if block == "mlp" and layer in model_config.moe_layers:
+        raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} adapts layer {layer}'s MLP, a "
+                        "mixture of experts, which is not supported (adapters on its attention are).")
+    return layer, module
 
 
 def _block(module: str) -> str:
