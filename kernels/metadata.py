@@ -26,3 +26,7 @@ class AttentionMetadata:
     # kernel then reads that context once for all of them. None: every row its own.
     decode_row_groups: torch.Tensor | None = None
     query_lens_cpu: list[int] | None = None
+    # A hybrid KV cache (scheduler/kv/kv_groups.py): per group of layers, this step's
+    # metadata with that group's block table and slot mapping (the rest shared); a layer
+    # reads its group's. None: one group, this metadata is every layer's.
+    groups: tuple["AttentionMetadata", ...] | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from pagedserve.scheduler.kv.kv_groups import KVCacheGroups
+
 SchedulingPolicy = Literal["fcfs", "priority", "static"]
 KVAllocation = Literal["paged", "contiguous"]
 
@@ -20,6 +22,10 @@ class CacheConfig:
     # Fraction of blocks kept free at admission so a new request does not force an
     # immediate preemption of a running one on its next decode step.
     watermark: float = 0.01
+    # A model with sliding-window and full layers: a block table per group of layers, the
+    # sliding ones freeing what their window no longer reaches (kv/kv_groups.py, kv/hybrid.py).
+    # None: one table per request, every layer's K/V in each block.
+    kv_groups: KVCacheGroups | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from pagedserve.scheduler.config import CacheConfig, SchedulerConfig
 from pagedserve.scheduler.fair_queue import DEFAULT_TENANT, FairRequestQueue
-from pagedserve.scheduler.kv.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.kv.kv_cache_manager import make_kv_cache_manager
 from pagedserve.scheduler.ngram_proposer import NgramProposer
 from pagedserve.scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
                                           SchedulerOutput)
@@ -65,10 +65,11 @@ class Scheduler:
         self.policy = scheduler_config.scheduling_policy
         self.max_loras = scheduler_config.max_loras  # None: LoRA off (scheduler/lora.py)
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(cache_config, self.max_model_len)
+        self.kv_cache_manager = make_kv_cache_manager(cache_config, self.max_model_len)
         # No sequence may outgrow the whole pool: alone it could never get its next
         # block and would preempt itself forever. Such a request ends with "length".
-        self.max_seq_len = min(self.max_model_len, cache_config.num_blocks * cache_config.block_size)
+        self.max_seq_len = min(self.max_model_len,
+                               self.kv_cache_manager.max_tokens_per_request(self.max_num_batched_tokens))
         self.requests: dict[str, Request] = {}  # every unfinished request
         sub_queue = PriorityRequestQueue if self.policy == "priority" else FCFSRequestQueue
         # Tenants share by the Virtual Token Counter (fair_queue.py); "static" stays the
@@ -159,7 +160,7 @@ class Scheduler:
     # ---- the step plan ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        blocks_of = kv.req_to_blocks
+        blocks_of = kv.req_to_logical_blocks
         bs = self.block_size
         budget = self.max_num_batched_tokens
         running = self.running

@@ -70,11 +70,11 @@ def record(runner: ModelRunner):
 ARRIVALS = [(0, 9, 14), (0, 12, 20), (0, 5, 12), (4, 17, 12), (4, 3, 25), (9, 8, 10), (9, 11, 16), (9, 6, 22)]
 
 
-def drive(runners, num_steps=40, check=None):
+def drive(runners, num_steps=40, check=None, **cache_kw):
     """One scheduler, the same plan to every runner; the first runner's tokens go back.
     Returns the real batch size of each decode-only step."""
     sched = make_scheduler(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, budget=64, max_seqs=MAX_SEQS,
-                           max_model_len=256)
+                           max_model_len=256, **cache_kw)
     g = torch.Generator().manual_seed(3)
     decode_sizes = []
     for step in range(num_steps):
@@ -183,6 +183,48 @@ def test_step_buffers_fill_exact_values():
         buf.fill([1, 2], [2], [0], [[1]], num_decode=0, pad_to=2)
     with pytest.raises(ValueError, match="exceeds the buffers"):
         buf.fill([1] * 5, [1] * 5, [0] * 5, [[1]] * 5, num_decode=5)
+
+
+def test_step_buffers_split_a_hybrid_caches_ids_by_group():
+    """A hybrid KV cache's plan interleaves each request's ids by group ([g0 b0, g1 b0, g0 b1,
+    ...]); each group gets its own table and slots, padded rows block 0 and slot -1 in each."""
+    from pagedserve.worker.step_buffers import StepBuffers
+
+    buf = StepBuffers(max_num_tokens=16, max_num_seqs=4, max_model_len=32, block_size=4, device=torch.device("cpu"),
+                      num_groups=2)
+    x = buf.fill([11, 21, 22, 23, 24], [1, 4], [5, 2], [[7, 17, 2, 12], [3, 0, 9, 19]], num_decode=1)
+    md = x.attn_metadata
+    g0, g1 = md.groups
+    assert g0 is md and g1.seq_lens is md.seq_lens and g1.groups is None
+    assert md.block_table.tolist() == [[7, 2], [3, 9]] and g1.block_table.tolist() == [[17, 12], [0, 19]]
+    assert md.slot_mapping.tolist() == [9, 14, 15, 36, 37] and g1.slot_mapping.tolist() == [49, 2, 3, 76, 77]
+    x = buf.fill([5, 6], [1, 1], [0, 4], [[1, 11], [4, 14, 2, 12]], num_decode=2, pad_to=4)
+    g0, g1 = x.attn_metadata.groups
+    assert g1.block_table.shape == (4, 8) and g1.block_table[:, :2].tolist() == [[11, 0], [14, 12], [0, 0], [0, 0]]
+    assert g0.slot_mapping.tolist() == [4, 8, -1, -1] and g1.slot_mapping.tolist() == [44, 48, -1, -1]
+    graph = buf.graph_metadata(4)
+    assert len(graph.groups) == 2 and graph.groups[1].block_table.data_ptr() == g1.block_table.data_ptr()
+
+
+def test_hybrid_kv_cache_padded_decode_equals_eager(tmp_path_factory):
+    """Gemma 3's hybrid KV cache (window 8: local, local, global, local, four groups of one
+    layer) through the graph-shaped padded path and the eager one: the same tokens and
+    logits while requests join and leave and the local groups free their blocks."""
+    from pagedserve.worker.loading.model_cache import build_once
+    from pagedserve.worker.loading.random_models import make_random_llama
+
+    path = build_once(str(tmp_path_factory.getbasetemp() / "gemma3-hybrid"), lambda tmp: make_random_llama(
+        tmp, "gemma3", num_hidden_layers=4, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]))
+    groups = ModelConfig.from_pretrained(path, max_model_len=256).kv_cache_groups()
+    assert groups.num_groups == 4
+    padded, eager = (make_runner(path, pad_eager=pad, kv_groups=groups) for pad in (True, False))
+    lp, shapes = record(padded)
+    le, _ = record(eager)
+    drive([padded, eager], kv_groups=groups)
+    assert len(lp) == len(le) > 30 and any(p for _, p, _ in shapes)
+    for a, b in zip(lp, le):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_capture_sizes_and_the_padded_size_of_a_batch(model_path):

@@ -143,11 +143,24 @@ def test_chunked_prefill(case):
     assert _run(engine, prompts) == refs
 
 
-def test_preemption(case):
-    path, prompts, refs = case
+@pytest.mark.parametrize("name", sorted(n for n in FAMILIES if not n.startswith("gemma")))
+def test_preemption(name, model_root):
+    path, prompts, refs = _case(name, model_root)
     # 6 blocks of 16 slots; the four requests need 1 + 2 + 3 + 4 blocks by their end.
     engine = _engine(path, num_gpu_blocks_override=6, max_num_batched_tokens=64)
     assert _run(engine, prompts) == refs
+    assert engine.get_stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("name, num_blocks", [("gemma2", 10), ("gemma3", 28)])
+def test_gemma_preemption(name, num_blocks, model_root):
+    """Gemma's hybrid KV cache takes a block per group of layers (2 groups of 2 layers, 4
+    of 1), and its sliding groups free blocks as decoding moves on, so the full groups'
+    growth over 40 tokens is what preempts; the recomputed requests give the same tokens."""
+    path = _model_path(name, model_root)
+    prompts = _prompts(PROMPT_LENS)
+    engine = _engine(path, num_gpu_blocks_override=num_blocks, max_num_batched_tokens=64, max_model_len=128)
+    assert _run(engine, prompts, 40) == _hf_greedy(path, prompts, 40)
     assert engine.get_stats().num_preemptions > 0
 
 
@@ -185,6 +198,37 @@ def test_gemma_prompts_many_windows_long(name, model_root):
         unwindowed = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=10, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)[0, 100:].tolist()
     assert unwindowed != refs[1]
+
+
+def test_gemma3_local_layers_hold_a_window_of_blocks_at_8x_the_window(model_root):
+    """Gemma 3 (window 8, 3 local layers, 1 global: 4 KV cache groups of one layer each,
+    scheduler/kv/hybrid.py) decoding to 100 tokens, 12 windows: after every step the pool
+    is read. The global group holds every block of the context; each local group never more
+    than the blocks its window reaches (2: the window's first key's block and the newest),
+    the pool's used blocks are exactly those, and the tokens are transformers'."""
+    from pagedserve.scheduler.kv.hybrid import HybridKVCacheManager
+
+    path = _model_path("gemma3", model_root)
+    prompts = _prompts([30, 24], seed=9)
+    refs = _hf_greedy(path, prompts, 70)
+    engine = _engine(path, max_model_len=128, max_num_batched_tokens=64, async_scheduling=False)
+    kv = engine.scheduler.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager) and kv.groups.windows == (None, 8, 8, 8)
+    params = SamplingParams(temperature=0.0, max_tokens=70, ignore_eos=True, detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"long-{i}", prompt, params)
+    done, seen = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        held = {r.req_id: kv.held_blocks(r.req_id) for r in engine.scheduler.running}
+        for rid, (full, *local) in held.items():
+            n = engine.scheduler.requests[rid].num_computed_tokens
+            assert full == -(-n // 16) and all(h <= 2 for h in local), (rid, n, full, local)
+            seen = max(seen, n)
+        assert kv.num_blocks - kv.num_free_blocks == sum(map(sum, held.values()))
+    assert seen >= 8 * 8 + 16 and [done["long-0"], done["long-1"]] == refs
 
 
 def test_gemma_configs_of_the_hub(tmp_path):

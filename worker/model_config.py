@@ -253,6 +253,12 @@ class ModelConfig:
         its own block groups (scheduler/kv/hybrid.py)."""
         return SLIDING_ATTENTION in self.layer_types and FULL_ATTENTION in self.layer_types
 
+    def kv_cache_groups(self, kv_allocation: str = "paged"):
+        """The hybrid KV cache's groups of layers (scheduler/kv/kv_groups.py), or None."""
+        from pagedserve.scheduler.kv.kv_groups import kv_cache_groups
+
+        return kv_cache_groups(self.layer_types, self.sliding_window, kv_allocation)
+
     def kv_cache_bytes_per_token(self, tp_size: int = 1, cache_dtype: torch.dtype | str | None = None) -> int:
         """Bytes of K and V one token occupies on one rank, all layers together."""
         dt = self.dtype if cache_dtype in (None, "auto") else parse_dtype(cache_dtype)

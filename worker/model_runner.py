@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from pagedserve.kernels import AttentionMetadata
+from pagedserve.scheduler.kv.kv_groups import KVCacheGroups
 from pagedserve.scheduler.outputs import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedserve import plugins
 from pagedserve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -70,14 +71,17 @@ class ModelRunner:
                  device: torch.device, seed: int = 0, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
                  pad_eager: bool = False, max_capture_size: int | None = None,
-                 num_speculative_tokens: int = 0, lora: LoRAManager | None = None) -> None:
+                 num_speculative_tokens: int = 0, lora: LoRAManager | None = None,
+                 kv_groups: KVCacheGroups | None = None) -> None:
         """``max_num_batched_tokens``: the scheduler's token budget (None: the default
         budget, or max_model_len if larger), which sizes the step buffers.
         ``pad_eager``: pad decode batches to the graph sizes even where no graph runs
         (tests of the padding on a CPU). ``max_capture_size``: the largest graph size.
         ``num_speculative_tokens``: drafts per request (0: off); a verifying request takes
         that many more rows. ``lora``: the adapters (worker/lora), None: LoRA off; with it
-        decode runs eagerly (a captured graph would replay no adapter's delta)."""
+        decode runs eagerly (a captured graph would replay no adapter's delta). ``kv_groups``:
+        a hybrid KV cache's groups of layers (scheduler/kv/kv_groups.py): the pool holds
+        group_size tensors that the groups' layers share, each group with its own tables."""
         self.model = model
         self.lora = lora
         if lora is not None:
@@ -98,8 +102,10 @@ class ModelRunner:
         max_len = model_config.max_model_len
         budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len)
         max_rows = max_num_seqs * (1 + num_speculative_tokens)
+        self.kv_groups = kv_groups
         self.buffers = StepBuffers(max_num_tokens=max(budget, max_rows), max_num_seqs=max_rows,
-                                   max_model_len=max_len, block_size=block_size, device=device)
+                                   max_model_len=max_len, block_size=block_size, device=device,
+                                   num_groups=kv_groups.num_groups if kv_groups is not None else 1)
         reason = graphs_disabled_reason(device, getattr(model, "attention_backend", "torch"), enforce_eager)
         if reason is not None:
             logger.info("CUDA graphs off (decode runs eagerly): %s", reason)
@@ -482,7 +488,12 @@ class ModelRunner:
                 return kv
             return kv + tuple(torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(2))
 
-        self.kv_caches = [layer() for _ in range(self.model_config.num_hidden_layers)]
+        num_layers = self.model_config.num_hidden_layers
+        if self.kv_groups is None:
+            self.kv_caches = [layer() for _ in range(num_layers)]
+        else:  # group_size tensors; layer i reads the one of its place in its group
+            slots = [layer() for _ in range(self.kv_groups.group_size)]
+            self.kv_caches = [slots[self.kv_groups.layer_slot(i)] for i in range(num_layers)]
 
     def release_cache(self) -> None:
         self.graph_runner.release()

@@ -153,10 +153,13 @@ class Worker:
             lora = LoRAManager(self.model_config, max_loras=self.config.max_loras,
                                max_lora_rank=self.config.max_lora_rank, max_cpu_loras=self.config.max_cpu_loras,
                                device=self.device)
+        # A hybrid KV cache's groups of layers (scheduler/kv/kv_groups.py), as the scheduler's.
+        self.kv_groups = self.model_config.kv_cache_groups(self.config.kv_allocation)
         self.runner = ModelRunner(model, self.model_config, block_size=self.config.block_size,
                                   device=self.device, seed=self.config.seed, max_num_seqs=self.config.max_num_seqs,
                                   max_num_batched_tokens=budget, enforce_eager=self.config.enforce_eager,
-                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0, lora=lora)
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0, lora=lora,
+                                  kv_groups=self.kv_groups)
 
     # ---------------------------------------------------------------- KV sizing
     @property
@@ -167,7 +170,9 @@ class Worker:
     def kv_bytes_per_block(self) -> int:
         """This rank's bytes per block, scales included (what the budget is divided by)."""
         mc = self.model_config
-        per_token = kv_cache_bytes_per_token(mc.num_hidden_layers, mc.get_num_kv_heads(self.world_size),
+        # A hybrid cache's block holds one group's layers (group_size), not every layer's.
+        layers = mc.num_hidden_layers if self.kv_groups is None else self.kv_groups.group_size
+        per_token = kv_cache_bytes_per_token(layers, mc.get_num_kv_heads(self.world_size),
                                              mc.head_dim, self.config.kv_cache_dtype, mc.dtype.itemsize)
         return per_token * self.config.block_size
 

@@ -83,8 +83,11 @@ class LLMEngine:
         self.executor = executor_class(self.config)
         self.num_gpu_blocks = self.executor.determine_num_available_blocks()
         self.executor.initialize_cache(self.num_gpu_blocks)
-        self.scheduler = Scheduler(self.config.scheduler_config(self.max_model_len),
-                                   self.config.cache_config(self.num_gpu_blocks))
+        cache_config = self.config.cache_config(self.num_gpu_blocks)
+        # Sliding-window and full layers: a block table per group (scheduler/kv/hybrid.py),
+        # the same groups the workers lay their KV tensors out by.
+        cache_config.kv_groups = self.model_config.kv_cache_groups(cache_config.kv_allocation)
+        self.scheduler = Scheduler(self.config.scheduler_config(self.max_model_len), cache_config)
         if self.scheduler.proposer is not None:  # a request that finds no draft lets steps pipeline
             self.scheduler.proposer.pause_when_idle = bool(self.config.async_scheduling)
         self.kv_sizing = log_kv_sizing(self.config, self.model_config, self.num_gpu_blocks, self.max_model_len)

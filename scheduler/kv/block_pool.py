@@ -139,7 +139,7 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if self.cached_block_hash_to_block.get(block.block_key) is block:
             del self.cached_block_hash_to_block[block.block_key]
-            if self.kv_events is not None:
+            if self.kv_events is not None and block.block_hash is not None:
                 self.kv_events.removed(block.block_hash)
         # Children keyed under this node id become unreachable; node ids are never
         # reused, so they can only miss, never match a different prefix.
@@ -185,6 +185,13 @@ class BlockPool:
         if self.kv_events is not None:
             self.kv_events.stored(block_hash)
         return block.node_id
+
+    def cache_block_quietly(self, block: KVCacheBlock, key: tuple) -> None:
+        """Index a full, computed block under ``key`` with no hash and no KV event: a
+        hybrid cache's other groups (kv/hybrid.py), whose prefixes group 0's blocks name."""
+        if block.block_key is None and key not in self.cached_block_hash_to_block:
+            block.block_key = key
+            self.cached_block_hash_to_block[key] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; only allowed when no block is in use."""

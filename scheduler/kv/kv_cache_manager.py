@@ -33,6 +33,9 @@ class KVCacheManager:
         self.num_blocks = cache_config.num_blocks
         self.watermark_blocks = math.ceil(cache_config.watermark * cache_config.num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # What the scheduler's fits-the-last-block test reads: here the table itself (a
+        # hybrid cache's, kv/hybrid.py, is its full group's table).
+        self.req_to_logical_blocks = self.req_to_blocks
         # Same tables as plain ids, kept in step so a plan never rebuilds them.
         self.req_to_block_ids: dict[str, list[int]] = {}
         # Trie node ids of each request's cached full blocks, in order; its length is
@@ -49,6 +52,10 @@ class KVCacheManager:
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return list(self.req_to_block_ids.get(req_id, ()))
+
+    def max_tokens_per_request(self, max_chunk: int) -> int:
+        """The longest sequence the whole pool holds alone."""
+        return self.num_blocks * self.block_size
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of ``request``'s tokens, as blocks and a token count.
@@ -162,3 +169,13 @@ class KVCacheManager:
         self.req_to_node_ids.pop(req_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+
+def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
+    """KVCacheManager, or for a model with sliding-window and full layers (cache_config's
+    kv_groups) the hybrid manager, kv/hybrid.py, which gives each group its own tables."""
+    if cache_config.kv_groups is None:
+        return KVCacheManager(cache_config, max_model_len)
+    from pagedserve.scheduler.kv.hybrid import HybridKVCacheManager
+
+    return HybridKVCacheManager(cache_config, max_model_len, cache_config.kv_groups)

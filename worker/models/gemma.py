@@ -129,6 +129,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.local_rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
                                                     cfg.local_rope_scaling, cfg.dtype)
         self.local_layers = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i))
+        # A hybrid KV cache (scheduler/kv/kv_groups.py): each layer's group, whose block
+        # table and slots the step's metadata carries in ``groups``.
+        groups = cfg.kv_cache_groups()
+        self.layer_group = [groups.layer_group(i) if groups else 0 for i in range(cfg.num_hidden_layers)]
 
     def make_layer(self, cfg: ModelConfig, backend: str, layer_idx: int) -> LlamaDecoderLayer:
         return GemmaDecoderLayer(cfg, self.attention_cls(cfg, backend, layer_idx), GemmaMLP(cfg))
@@ -139,9 +143,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         cos, sin = self.rotary_emb(positions)  # once per step, shared by the layers of each rope
         local = (cos, sin) if self.local_rotary_emb is None else self.local_rotary_emb(positions)
         residual = None
+        groups = attn_metadata.groups if attn_metadata is not None else None
         for i, layer in enumerate(self.model.layers):
             c, s = local if i in self.local_layers else (cos, sin)
-            h, residual = layer(h, residual, c, s, None if kv_caches is None else kv_caches[i], attn_metadata)
+            md = groups[self.layer_group[i]] if groups else attn_metadata
+            h, residual = layer(h, residual, c, s, None if kv_caches is None else kv_caches[i], md)
         h, _ = self.model.norm(h, residual)
         return h
 
