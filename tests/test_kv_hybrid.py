@@ -29,6 +29,10 @@ def test_groups_follow_vllms_layout():
     assert kv_cache_groups(gemma2, 4096).layers == (tuple(range(1, 26, 2)), tuple(range(0, 26, 2)))
     near = [S] * 11 + [F] * 9  # within 25%: the larger count, one group each, 2 slots idle
     assert kv_cache_groups(near, 8).group_size == 11
+    # 7 groups of 4 slots for 26 layers: at 512 tokens (the window) the idle slots cost more
+    # than nothing saved; at 8K the local groups keep 33 blocks each instead of 512.
+    assert kv_cache_groups(gemma3_1b, 512, max_model_len=512) is None
+    assert kv_cache_groups(gemma3_1b, 512, max_model_len=8192) == g
     for types, window, alloc in (([F] * 4, None, "paged"), ([S] * 4, 8, "paged"), (gemma2, None, "paged"),
                                  (gemma2, 8, "contiguous")):
         assert kv_cache_groups(types, window, alloc) is None  # one group: every layer keeps every block

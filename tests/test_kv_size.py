@@ -51,6 +51,34 @@ def test_fp8_cache_halves_and_tp_replicates_kv_heads():
     assert tp16.max_num_seqs < 8 * tp4.max_num_seqs
 
 
+GEMMA3_27B = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
+              "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+              "head_dim": 128, "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 1024,
+              "sliding_window_pattern": 6, "query_pre_attn_scalar": 168, "torch_dtype": "bfloat16"}
+
+
+def test_sliding_window_layers_keep_only_their_window_at_long_context():
+    """Gemma 3 27B: 52 local layers (window 1,024) and 10 global ones, the hybrid KV cache's
+    groups of 10 layers (one full, six sliding, the last with 2 of its 10 slots used). At
+    128K tokens a full group holds 8,192 blocks and each sliding one 65 (the window's 64 and
+    the newest): 8,582 blocks of 10 layers instead of 62 layers x 8,192."""
+    r = kv_size(GEMMA3_27B, max_model_len=131072, gpu_memory_gib=80, num_gpus=4)
+    layer_token = 2 * 16 * 128 * 2  # K and V, 16 KV heads, head_dim 128, bf16
+    assert r.kv_bytes_per_token == 62 * layer_token  # a token at short context: every layer
+    assert r.kv_bytes_per_seq_all_layers == 62 * layer_token * 131072
+    assert r.kv_bytes_per_seq == (8192 + 6 * 65) * 16 * 10 * layer_token
+    assert (r.sliding_window, r.num_sliding_layers) == (1024, 52)
+    assert 0.83 < 1 - r.kv_bytes_per_seq / r.kv_bytes_per_seq_all_layers < 0.84
+    per_gpu_seq = r.kv_bytes_per_seq // 4  # 16 KV heads over 4 GPUs
+    assert r.max_num_seqs == r.kv_budget_bytes_per_gpu // per_gpu_seq
+    # Short context: the window covers the whole sequence and the groups' idle slots would
+    # cost more than it saves, so the engine keeps one group (every layer every block).
+    short = kv_size(GEMMA3_27B, max_model_len=1024)
+    assert short.kv_bytes_per_seq == short.kv_bytes_per_seq_all_layers and short.sliding_window is None
+    # A model without sliding layers reads as before.
+    assert kv_size(LLAMA3_70B, max_model_len=4096).sliding_window is None
+
+
 def test_weights_that_do_not_fit_leave_zero_sequences():
     r = kv_size(LLAMA3_70B, max_model_len=4096, gpu_memory_gib=80, num_gpus=1)
     assert r.kv_budget_bytes_per_gpu == 0 and r.max_num_seqs == 0
@@ -82,6 +110,14 @@ def test_param_count_equals_transformers(arch):
         model = transformers.MixtralForCausalLM(cfg)
     expected = sum(p.numel() for p in model.parameters())
     assert count_params(cfg.to_dict()) == expected
+
+
+def test_cli_reports_the_sliding_window_saving(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_27B))
+    out = subprocess.run([sys.executable, "-m", "pagedserve.cluster.cli.kv_size", "--model", str(tmp_path),
+                          "--max-model-len", "131072"], capture_output=True, text=True, check=True).stdout
+    assert "52 of 62 layers slide over 1,024 tokens" in out and "62 GiB if every layer kept every token" in out
+    assert "83.1" in out and "% saved" in out
 
 
 def test_cli_on_a_directory_with_only_config_json(tmp_path):

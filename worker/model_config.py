@@ -247,17 +247,12 @@ class ModelConfig:
         self.verify_tensor_parallel(tp_size)
         return self.num_key_value_heads // tp_size
 
-    @property
-    def is_hybrid(self) -> bool:
-        """Sliding-window and full-attention layers together: the KV cache gives each kind
-        its own block groups (scheduler/kv/hybrid.py)."""
-        return SLIDING_ATTENTION in self.layer_types and FULL_ATTENTION in self.layer_types
-
     def kv_cache_groups(self, kv_allocation: str = "paged"):
-        """The hybrid KV cache's groups of layers (scheduler/kv/kv_groups.py), or None."""
+        """The hybrid KV cache's groups of layers (scheduler/kv/kv_groups.py), or None (also
+        where max_model_len is too short for the windows to save anything)."""
         from pagedserve.scheduler.kv.kv_groups import kv_cache_groups
 
-        return kv_cache_groups(self.layer_types, self.sliding_window, kv_allocation)
+        return kv_cache_groups(self.layer_types, self.sliding_window, kv_allocation, self.max_model_len)
 
     def kv_cache_bytes_per_token(self, tp_size: int = 1, cache_dtype: torch.dtype | str | None = None) -> int:
         """Bytes of K and V one token occupies on one rank, all layers together."""

@@ -15,7 +15,16 @@ weights. A quantized checkpoint (config.json's quantization_config, or ModelOpt'
 hf_quant_config.json) counts its linear layers at their packed size (AWQ / GPTQ int4 with
 their group scales and zeros, fp8 with row scales: worker/loading/quant_config.py), the
 embeddings, LM head and norms at the weight dtype, so the KV budget grows by what the
-weights no longer take. Pure stdlib: no torch, no ray, so ``pagedserve kv-size`` starts instantly. The
+weights no longer take. A model with sliding-window layers (Gemma 2 / 3: layer_types, or
+the older sliding_window_pattern) runs on the hybrid KV cache (scheduler/kv/kv_groups.py):
+its local layers keep only the blocks their window reaches, so a sequence costs
+
+    bytes/seq = 2 x kv_heads x head_dim x dtype bytes x 16 x group_size
+                x (blocks of the full groups + blocks of the sliding groups, each at most
+                   ceil((window - 1 + 1) / 16) + 1 per request)
+
+which the report gives beside what every layer keeping every token would cost. Pure stdlib:
+no torch, no ray, so ``pagedserve kv-size`` starts instantly. The
 quantised formats and their scale layout are scheduler/kv/kv_cache_dtype.py's, the same the
 workers size their pool with.
 """
@@ -33,6 +42,7 @@ from pagedserve.platforms import auto_dtype
 from pagedserve.worker.loading.quant_config import (HFQuantConfig, linear_weight_bytes, parse_quant_config,
                                                     read_quantization_config)
 from pagedserve.scheduler.kv.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
+from pagedserve.scheduler.kv.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, kv_cache_groups
 
 GiB = 1 << 30
 KiB = 1 << 10
@@ -66,6 +76,11 @@ class KVSizeReport:
     max_num_seqs_per_replica: int
     max_num_seqs: int  # across every replica
     quantization: str = "none"  # the checkpoint's quantization_config, described
+    # Sliding-window layers (the hybrid KV cache): their window and count, and what a
+    # sequence would cost if every layer kept every token (kv_bytes_per_seq is the hybrid's).
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
+    kv_bytes_per_seq_all_layers: int = 0
 
     @property
     def kib_per_token(self) -> float:
@@ -74,6 +89,27 @@ class KVSizeReport:
     @property
     def gib_per_seq(self) -> float:
         return self.kv_bytes_per_seq / GiB
+
+
+BLOCK_SIZE = 16  # the engine's default --block-size: the hybrid cache frees whole blocks
+
+
+def layer_types(cfg: dict) -> list[str] | None:
+    """Each layer's attention type where the model mixes sliding-window and full layers
+    (what worker/model_config.py reads: layer_types, else Gemma 2's alternation or Gemma 3's
+    sliding_window_pattern), or None."""
+    types = cfg.get("layer_types")
+    n = int(cfg["num_hidden_layers"])
+    if types is None:
+        model_type = str(cfg.get("model_type", ""))
+        if model_type == "gemma2":
+            pattern = 2
+        elif model_type.startswith("gemma3"):
+            pattern = int(cfg.get("sliding_window_pattern") or 6)
+        else:
+            return None
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+    return list(types) if cfg.get("sliding_window") and SLIDING_ATTENTION in types else None
 
 
 def load_hf_config(model: str | Path) -> dict:
@@ -120,7 +156,8 @@ def count_params(cfg: dict) -> int:
         mlp = 3 * hidden * inter  # gate, up, down
     per_layer = attn + mlp + 2 * hidden  # input and post-attention RMSNorm
     embed = vocab * hidden
-    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    tied_default = str(cfg.get("model_type", "")).startswith("gemma")  # Gemma's configs tie by default
+    lm_head = 0 if cfg.get("tie_word_embeddings", tied_default) else vocab * hidden
     return embed + layers * per_layer + hidden + lm_head
 
 
@@ -181,25 +218,35 @@ def kv_size(cfg: dict, *, max_model_len: int, gpu_memory_gib: float = 80.0, num_
     scale_per_token = 2 * layers * kv_heads * row_scale
     kv_heads_per_gpu = math.ceil(kv_heads / tp)  # replicated when kv_heads < tp
     per_token_per_gpu = 2 * layers * kv_heads_per_gpu * (head_dim * kv_elt + row_scale)
+    per_seq, per_seq_per_gpu = per_token * max_model_len, per_token_per_gpu * max_model_len
+    types = layer_types(cfg)
+    groups = kv_cache_groups(types, int(cfg["sliding_window"]), max_model_len=max_model_len) if types else None
+    if groups is not None:  # a block per group of group_size layers, sliding groups capped at their window
+        blocks = groups.blocks_per_request(max_model_len, BLOCK_SIZE)
+        per_seq = blocks * BLOCK_SIZE * groups.group_size * per_token // layers
+        per_seq_per_gpu = blocks * BLOCK_SIZE * groups.group_size * per_token_per_gpu // layers
     num_params = count_params(cfg)
     qcfg = parse_quant_config(cfg.get("quantization_config"))
     weights = weight_bytes(cfg, w_elt, qcfg)
     weight_per_gpu = math.ceil(weights / tp)
     usable = int(gpu_memory_gib * GiB * gpu_memory_utilization)
     budget = max(0, usable - weight_per_gpu)
-    seqs_per_replica = budget // (per_token_per_gpu * max_model_len)
+    seqs_per_replica = budget // per_seq_per_gpu
     replicas = num_gpus // tp
     return KVSizeReport(
         model_type=str(cfg.get("model_type", "unknown")), num_layers=layers,
         num_attention_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         num_params=num_params, weight_dtype=weight_dtype, kv_cache_dtype=kv_dtype,
-        kv_bytes_per_token=per_token, kv_scale_bytes_per_token=scale_per_token, kv_bytes_per_seq=per_token * max_model_len,
+        kv_bytes_per_token=per_token, kv_scale_bytes_per_token=scale_per_token, kv_bytes_per_seq=per_seq,
         max_model_len=max_model_len, num_gpus=num_gpus, tensor_parallel_size=tp,
         gpu_memory_gib=gpu_memory_gib, gpu_memory_utilization=gpu_memory_utilization,
         weight_bytes=weights, weight_bytes_per_gpu=weight_per_gpu,
         kv_budget_bytes_per_gpu=budget, num_replicas=replicas,
         max_num_seqs_per_replica=seqs_per_replica, max_num_seqs=seqs_per_replica * replicas,
-        quantization=qcfg.describe() if qcfg else "none")
+        quantization=qcfg.describe() if qcfg else "none",
+        sliding_window=int(cfg["sliding_window"]) if groups else None,
+        num_sliding_layers=types.count(SLIDING_ATTENTION) if groups else 0,
+        kv_bytes_per_seq_all_layers=per_token * max_model_len)
 
 
 def _num(x: float) -> str:
@@ -216,7 +263,11 @@ def format_report(r: KVSizeReport) -> str:
         + (f" ({_num((r.kv_bytes_per_token - r.kv_scale_bytes_per_token) / KiB)} KiB of {r.kv_cache_dtype} values"
            f" + {_num(r.kv_scale_bytes_per_token / KiB)} KiB of 1-byte scales, one per token and KV head)"
            if r.kv_scale_bytes_per_token else ""),
-        f"KV cache per sequence: {_num(r.gib_per_seq)} GiB per {r.max_model_len:,}-token sequence",
+        f"KV cache per sequence: {_num(r.gib_per_seq)} GiB per {r.max_model_len:,}-token sequence"
+        + (f" ({r.num_sliding_layers} of {r.num_layers} layers slide over {r.sliding_window:,} tokens and keep only "
+           f"the blocks it reaches: {_num(r.kv_bytes_per_seq_all_layers / GiB)} GiB if every layer kept every token, "
+           f"{_num(100 * (1 - r.kv_bytes_per_seq / r.kv_bytes_per_seq_all_layers))}% saved)"
+           if r.sliding_window else ""),
         f"GPUs: {r.num_gpus} x {_num(r.gpu_memory_gib)} GiB, tensor parallel {r.tensor_parallel_size}, "
         f"{r.num_replicas} replica(s), gpu_memory_utilization {r.gpu_memory_utilization:g}",
         f"weights: {_num(r.weight_bytes / GiB)} GiB total, {_num(r.weight_bytes_per_gpu / GiB)} GiB per GPU"

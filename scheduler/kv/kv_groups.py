@@ -62,9 +62,11 @@ class KVCacheGroups:
 
 
 def kv_cache_groups(layer_types: tuple[str, ...] | list[str], sliding_window: int | None,
-                    kv_allocation: str = "paged") -> KVCacheGroups | None:
+                    kv_allocation: str = "paged", max_model_len: int | None = None,
+                    block_size: int = 16) -> KVCacheGroups | None:
     """The groups of a model with sliding and full layers, or None: one group, every layer
-    keeps every block (all layers of one type, no window, or the contiguous baseline)."""
+    keeps every block (all layers of one type, no window, the contiguous baseline, or a
+    ``max_model_len`` so short that the groups' idle slots cost more than the window saves)."""
     full = tuple(i for i, t in enumerate(layer_types) if t != SLIDING_ATTENTION)
     sliding = tuple(i for i, t in enumerate(layer_types) if t == SLIDING_ATTENTION)
     if not full or not sliding or not sliding_window or kv_allocation != "paged":
@@ -77,4 +79,8 @@ def kv_cache_groups(layer_types: tuple[str, ...] | list[str], sliding_window: in
         for start in range(0, len(members), size):
             windows.append(kind)
             layers.append(members[start:start + size])
-    return KVCacheGroups(size, tuple(windows), tuple(layers))
+    groups = KVCacheGroups(size, tuple(windows), tuple(layers))
+    if max_model_len is not None and (groups.blocks_per_request(max_model_len, block_size) * size
+                                      >= len(layer_types) * -(-max_model_len // block_size)):
+        return None
+    return groups
