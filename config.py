@@ -99,6 +99,11 @@ class EngineConfig:
     # backends that run here on the model's weights at load and keeps the fastest; "panel",
     # "onednn" or "aten" takes that one, no probe.
     cpu_linear: str = "auto"
+    # CPU: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply activations quantized to int8 per 32
+    # (llama.cpp's arithmetic for these types, kernels/cpu_gguf.cpp: faster, and near ties
+    # of the next token may go the other way); False: fp32 activations, the dequantized
+    # model's results to rounding.
+    cpu_int8_activations: bool = False
     # vLLM's --speculative-config: prompt lookup drafts verified in one pass, e.g.
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2}; JSON text, a dict or a SpeculativeConfig. None: off.

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -442,6 +443,190 @@ PS_INLINE void decode(int64_t qtype, C& t, const uint8_t* w, int64_t nb) {
   }
 }
 
+// int8 activations (llama.cpp's way for these types: its q8 dot products). Each row of x is
+// quantized in blocks of 32: dx = max|x| / 127, qx = round(x / dx), and a weight block's dot
+// with it is an integer sum of q_w qx (u8 x s8 pairs: _mm256_maddubs_epi16), times d_w dx;
+// Q4_0's q - 8 subtracts 8 times the sum of qx, Q4_1's min m adds m times the block's fp32
+// sum of x (not of qx: one rounding fewer). Q4_0 / Q4_1 / Q8_0, any number of rows.
+//
+// The weights stay in the packed layout (8 rows' bytes side by side per weight position):
+// one 32-byte load holds 4 positions of 8 rows, and a byte shuffle within each 128-bit lane
+// puts each row's two positions next to each other, [row r: (j, r) (j + 1, r)], so that one
+// maddubs adds a row's two products into one int16 lane per row, the group's 8 rows in the
+// lanes as the fp32 kernels have them; x's side is XPairs. x is quantized once a call.
+struct XQRow {
+  const int8_t* q;       // [nb][32] qx
+  const float* d;        // [nb] dx
+  const float* sum;      // [nb] the fp32 sum of x over the block
+  const int32_t* sumq;   // [nb] the sum of qx over the block
+};
+
+void quantize_row(const float* x, int64_t nb, int8_t* qx, float* d, float* sum, int32_t* sumq) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + 32 * b;
+    int8_t* q = qx + 32 * b;
+    float amax = 0.f, s = 0.f;
+    for (int k = 0; k < 32; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      s += xb[k];
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sq = 0;
+    for (int k = 0; k < 32; ++k) {
+      q[k] = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+      sq += q[k];
+    }
+    d[b] = amax / 127.f;
+    sum[b] = s;
+    sumq[b] = sq;
+  }
+}
+
+// x's side of positions 4u .. 4u + 3 of one block (u < 8): lane 0 holds the pair (qx[4u],
+// qx[4u + 1]) 8 times, lane 1 (qx[4u + 2], qx[4u + 3]); built from the block's 32 bytes as
+// the kernels need them (a pattern a block and u kept for the call would not stay in L1 for
+// many rows of x).
+struct XPairs {
+  __m256i half[2];  // qx[0:16] and qx[16:32], each in both lanes
+  PS_INLINE explicit XPairs(const int8_t* q)
+      : half{_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+             _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))} {}
+  PS_INLINE __m256i operator()(int u) const {
+    const int v = u & 3;
+    const __m256i ctl = _mm256_setr_epi8(4 * v, 4 * v + 1, 4 * v, 4 * v + 1, 4 * v, 4 * v + 1, 4 * v, 4 * v + 1,
+                                         4 * v, 4 * v + 1, 4 * v, 4 * v + 1, 4 * v, 4 * v + 1, 4 * v, 4 * v + 1,
+                                         4 * v + 2, 4 * v + 3, 4 * v + 2, 4 * v + 3, 4 * v + 2, 4 * v + 3, 4 * v + 2,
+                                         4 * v + 3, 4 * v + 2, 4 * v + 3, 4 * v + 2, 4 * v + 3, 4 * v + 2, 4 * v + 3,
+                                         4 * v + 2, 4 * v + 3);
+    return _mm256_shuffle_epi8(half[u >> 2], ctl);
+  }
+};
+
+// Within each 128-bit lane: [(j, r0..r7) (j + 1, r0..r7)] -> [r0: j, j + 1] ... [r7: j, j + 1].
+PS_INLINE __m256i row_pairs(const uint8_t* p) {
+  const __m256i shuf = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                        0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), shuf);
+}
+
+// 16 int16 lanes (two halves of one sum per row) -> 8 int32, the rows in the lanes.
+PS_INLINE __m256i widen_rows(__m256i s16) {
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s16)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
+}
+
+// Q4_0 (MIN false) and Q4_1 (MIN): the u4 q against qx. A row's lane sums 16 products of at
+// most 15 x 127 in int16 (30,480 < 32,767).
+template <int MR, bool MIN>
+PS_INLINE void q4_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  constexpr int64_t bytes = MIN ? 160 : 144, qoff = MIN ? 32 : 16;
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    prefetch_ahead(w, bytes);
+    const __m256 dw = f16x8(w);
+    __m256i lo[4], hi[4];  // weights j and j + 16 of positions 4v .. 4v + 3, paired per row
+    for (int v = 0; v < 4; ++v) {
+      const __m256i t = row_pairs(w + qoff + 32 * v);
+      lo[v] = _mm256_and_si256(t, low);
+      hi[v] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+    }
+    const __m256 mw = MIN ? f16x8(w + 16) : _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) {
+      const XPairs p(xq[m].q + 32 * b);
+      __m256i s16 = _mm256_maddubs_epi16(lo[0], p(0));
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], p(4)));
+      for (int v = 1; v < 4; ++v) {
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[v], p(v)));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[v], p(4 + v)));
+      }
+      __m256i s32 = widen_rows(s16);
+      if (!MIN) s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * xq[m].sumq[b]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xq[m].d[b])), acc[m]);
+      if (MIN) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq[m].sum[b]), acc[m]);
+    }
+  }
+}
+
+// Q8_0: s8 q against s8 qx, as |q| (u8) times qx with q's sign. A pair's sum (at most
+// 2 x 128 x 127) leaves no room in int16: two positions' pairs are interleaved per row and
+// widened to int32 at once (madd with ones), rows 0-3 in `lo`, 4-7 in `hi`.
+template <int MR>
+PS_INLINE void q8_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b, w += 272) {
+    prefetch_ahead(w, 272);
+    const __m256 dw = f16x8(w);
+    __m256i q[8], a[8];
+    for (int u = 0; u < 8; ++u) {
+      q[u] = row_pairs(w + 16 + 32 * u);
+      a[u] = _mm256_abs_epi8(q[u]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const XPairs p(xq[m].q + 32 * b);
+      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      for (int u = 0; u < 8; u += 2) {
+        const __m256i m0 = _mm256_maddubs_epi16(a[u], _mm256_sign_epi8(p(u), q[u]));
+        const __m256i m1 = _mm256_maddubs_epi16(a[u + 1], _mm256_sign_epi8(p(u + 1), q[u + 1]));
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(m0, m1), ones));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(m0, m1), ones));
+      }
+      const __m256i s32 = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                           _mm256_permute2x128_si256(lo, hi, 0x31));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xq[m].d[b])), acc[m]);
+    }
+  }
+}
+
+template <int MR>
+void direct_int8(int64_t qtype, const uint8_t* w, int64_t nb, const XQRow* xq, float* y, int64_t ldy,
+                 const float* bias, int64_t cols) {
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  if (qtype == kQ8_0) q8_int8<MR>(w, nb, xq, acc);
+  else if (qtype == kQ4_1) q4_int8<MR, true>(w, nb, xq, acc);
+  else q4_int8<MR, false>(w, nb, xq, acc);
+  for (int m = 0; m < MR; ++m) store8(acc[m], y + m * ldy, bias, cols);
+}
+
+bool int8_type(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
+
+// Groups [g0, g1) against the M quantized rows xq, kDirectRows rows at a time (a group's
+// blocks stay in L1 across its row tiles; each tile decodes them again, which costs less
+// than the fp32 strip's FMAs).
+void run_groups_int8(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int64_t g0, int64_t g1, int64_t M,
+                     const XQRow* xq, float* y, int64_t ldy, const float* bias, int64_t N) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * nb * bytes;
+    const float* bg = bias ? bias + g * kGroup : nullptr;
+    const int64_t cols = std::min<int64_t>(kGroup, N - g * kGroup);
+    for (int64_t m = 0; m < M; m += kDirectRows) {
+      float* yg = y + m * ldy + g * kGroup;
+      switch (std::min<int64_t>(kDirectRows, M - m)) {
+        case 1: direct_int8<1>(qtype, wg, nb, xq + m, yg, ldy, bg, cols); break;
+        case 2: direct_int8<2>(qtype, wg, nb, xq + m, yg, ldy, bg, cols); break;
+        case 3: direct_int8<3>(qtype, wg, nb, xq + m, yg, ldy, bg, cols); break;
+        default: direct_int8<4>(qtype, wg, nb, xq + m, yg, ldy, bg, cols); break;
+      }
+    }
+  }
+}
+
+// x's M rows quantized (XQRow), in buffers this object owns.
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  std::vector<int32_t> sumq;
+  std::vector<XQRow> rows;
+  XQuant(const float* x, int64_t ldx, int64_t M, int64_t nb)
+      : q(static_cast<size_t>(M * nb * 32)), d(M * nb), sum(M * nb), sumq(M * nb), rows(M) {
+    for (int64_t m = 0; m < M; ++m) {
+      quantize_row(x + m * ldx, nb, q.data() + m * nb * 32, d.data() + m * nb, sum.data() + m * nb,
+                   sumq.data() + m * nb);
+      rows[m] = {q.data() + m * nb * 32, d.data() + m * nb, sum.data() + m * nb, sumq.data() + m * nb};
+    }
+  }
+};
+
 // Up to kDirectRows rows of x take the weights straight from their blocks, dequantized in
 // registers (one pass over the group: a decode step, or a few rows); more rows dequantize
 // each group once into a strip (L1 or L2) and run fp32 tiles over it, kRowBlock rows of x
@@ -527,6 +712,17 @@ void run_groups(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int6
   std::free(buf);
 }
 
+// y = x W^T (+ bias) with x's rows quantized to int8, when the path takes this call.
+bool gemm_int8(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int64_t groups, int64_t M,
+               const float* x, int64_t ldx, float* y, int64_t ldy, const float* bias, int64_t N) {
+  if (!int8_type(qtype)) return false;
+  const XQuant xq(x, ldx, M, nb);
+  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+    run_groups_int8(qtype, w, nb, bytes, gb, ge, M, xq.rows.data(), y, ldy, bias, N);
+  });
+  return true;
+}
+
 }  // namespace
 constexpr const char* kIsa = "avx2";
 #else
@@ -546,6 +742,10 @@ void run_groups(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int6
         y[m * ldy + n] = bias ? s + bias[n] : s;
       }
     }
+}
+bool gemm_int8(int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*, int64_t, float*, int64_t,
+               const float*, int64_t) {
+  return false;  // no int8 path without AVX2: fp32 activations
 }
 }  // namespace
 constexpr const char* kIsa = "scalar";
@@ -576,8 +776,10 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K, torch::Tensor ou
 }
 
 // out [M, N] (rows ldy apart, columns contiguous) = x [M, K] . W^T (+ bias [N]), W packed; the
-// groups split over torch's intra-op threads.
-void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtype, c10::optional<torch::Tensor> bias) {
+// groups split over torch's intra-op threads. int8: x's rows quantized to int8 where the
+// int8 path takes the call (AVX2; Q4_0 / Q4_1 / Q8_0).
+void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtype, c10::optional<torch::Tensor> bias,
+          bool int8) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldx = x.stride(0), ldy = out.stride(0);
   check_packed(packed, qtype, K);
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && x.stride(1) == 1 && out.stride(1) == 1,
@@ -586,6 +788,9 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
   const Format f = format_of(qtype);
   const int64_t nb = K / f.block, groups = packed.size(0);
   const float* xp = x.data_ptr<float>();
+  if (int8 && gemm_int8(qtype, packed.data_ptr<uint8_t>(), nb, f.packed, groups, M, xp, ldx, out.data_ptr<float>(),
+                        ldy, bias.has_value() ? bias->data_ptr<float>() : nullptr, N))
+    return;
   // The sums of x over each 32 weights, for the types with a min (d q + m: m times the sum).
   std::vector<float> xs;
   const int64_t ldxs = K / 32;
@@ -610,10 +815,11 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
 // x [M, K] . W^T (+ bias) into a new [M, N] tensor: gemm with the output allocated here, one
 // call from Python a linear layer (a decode step makes ~120 of them; each Python-side
 // allocation and check costs about as much as a small layer's GEMM).
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N, c10::optional<torch::Tensor> bias) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N, c10::optional<torch::Tensor> bias,
+                     bool int8) {
   TORCH_CHECK(x.dim() == 2, "x must be [M, K]");
   torch::Tensor out = at::empty({x.size(0), N}, x.options());
-  if (x.size(0)) gemm(out, x, packed, qtype, bias);
+  if (x.size(0)) gemm(out, x, packed, qtype, bias, int8);
   return out;
 }
 

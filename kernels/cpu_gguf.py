@@ -31,6 +31,14 @@ dequantized weight (there the FMAs, not the bytes, are the cost). In registers a
 m, the K-quants' dmin mn) multiplies the sum of x over its 32 weights, once a block, instead
 of every weight. Without AVX2 each row is dequantized (scalar C++) and dotted. Results differ
 from ``F.linear`` on the dequantized weight in rounding only (~1e-7 of sum |w x|).
+
+int8 activations (``GGUFWeight.int8``; Q4_0, Q4_1, Q8_0 with AVX2), as llama.cpp computes
+these types: each row of x is quantized per 32 values (dx = max|x| / 127, qx = round(x / dx)),
+and a block's dot is an integer sum of q_w qx (``maddubs``: 32 products in a few instructions
+where the fp32 path converts and multiplies each weight), times d_w dx; Q4_1's min multiplies
+the block's fp32 sum of x. For every number of rows of x (the weight bytes of a group, shuffled
+so that each row's pairs of weights sit side by side, are reused by 4 rows at a time). The error
+is x's rounding: ~1e-3 of sum |w x| (tests/test_gguf_int8.py measures the model's next-token KL).
 """
 
 from __future__ import annotations
@@ -47,8 +55,10 @@ QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 GROUP = 8  # output rows a packed group interleaves (one 256-bit vector of fp32 outputs)
+# The types whose kernels can multiply int8 activations (GGUFWeight.int8; AVX2 builds).
+INT8_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
 
-_EXT = LazyExtension("pagedserve_cpu_gguf_v1", read_source("cpu_gguf.cpp"),
+_EXT = LazyExtension("pagedserve_cpu_gguf_v2", read_source("cpu_gguf.cpp"),
                      # -ffp-contract=off: the scalar dequantization rounds each product as numpy
                      # does (the vector paths use explicit FMAs where they want them)
                      ["-O3", "-march=native", "-ffp-contract=off"],
@@ -90,12 +100,14 @@ class GGUFWeight:
     """W [N, K] as consecutive row ranges, each a GGUFPart (a fused projection whose pieces
     come in different types, e.g. a Q4_K_M file's Q4_K q, k and Q6_K v, is several parts)."""
 
-    __slots__ = ("parts", "n", "k")
+    __slots__ = ("parts", "n", "k", "int8")
 
-    def __init__(self, parts: list[GGUFPart]) -> None:
+    def __init__(self, parts: list[GGUFPart], int8: bool = False) -> None:
+        """``int8``: rows of x quantized to int8 where the kernel has that path (module doc)."""
         if not parts or len({p.k for p in parts}) != 1:
             raise ValueError("a GGUFWeight needs parts of one K.")
         self.parts, self.n, self.k = list(parts), sum(p.n for p in parts), parts[0].k
+        self.int8 = int8
 
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts)
@@ -141,7 +153,7 @@ def linear(x: torch.Tensor,  # [..., K], any float dtype (computed in fp32)
     if x.dim() == 2 and x.dtype == torch.float32 and len(w.parts) == 1 and x.stride(-1) == 1 \
             and (bias is None or bias.dtype == torch.float32):  # a layer of the fp32 engine: one call
         p = w.parts[0]
-        return _EXT.get().linear(x, p.packed, p.qid, w.n, bias)
+        return _EXT.get().linear(x, p.packed, p.qid, w.n, bias, w.int8)
     lead, dtype = x.shape[:-1], x.dtype
     x2 = x.reshape(-1, x.shape[-1])
     if x2.dtype != torch.float32:
@@ -154,7 +166,8 @@ def linear(x: torch.Tensor,  # [..., K], any float dtype (computed in fp32)
     if m:
         mod, start = _EXT.get(), 0
         for p in w.parts:  # a part's columns of out: rows ldy apart, as the kernel takes them
-            mod.gemm(out[:, start:start + p.n], x2, p.packed, p.qid, None if b32 is None else b32[start:start + p.n])
+            mod.gemm(out[:, start:start + p.n], x2, p.packed, p.qid, None if b32 is None else b32[start:start + p.n],
+                     w.int8)
             start += p.n
     out = out.view(*lead, w.n)
     return out if dtype == torch.float32 else out.to(dtype)

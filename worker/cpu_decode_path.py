@@ -42,10 +42,10 @@ def _bind_linear(layer):
     if type(packed) is cpu_gguf.GGUFWeight:
         if len(packed.parts) != 1:
             return None
-        ext, part, n = cpu_gguf._EXT.get(), packed.parts[0], packed.n
+        ext, part, n, int8 = cpu_gguf._EXT.get(), packed.parts[0], packed.n, packed.int8
         if ext is None:
             return None
-        return lambda x: ext.linear(x, part.packed, part.qid, n, bias)
+        return lambda x: ext.linear(x, part.packed, part.qid, n, bias, int8)
     if type(packed) is PanelWeight:
         panels, n = packed.panels, packed.n
         return lambda x: cpu_gemm.gemm(x, panels, n, bias)

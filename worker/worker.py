@@ -141,9 +141,10 @@ class Worker:
         for t in builds:
             t.join()  # before the linear probe, which must not time a machine busy compiling
         if self.device.type == "cpu":
-            from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend
+            from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend, set_int8_activations
 
             self.cpu_linear_backend = apply_cpu_linear_backend(model, self.config.cpu_linear)
+            set_int8_activations(model, self.config.cpu_int8_activations)
         budget = self.config.scheduler_config(self.model_config.max_model_len).max_num_batched_tokens
         spec = self.config.speculative_config
         lora = None

@@ -93,6 +93,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=list(CPU_LINEAR_CHOICES),
                    help="CPU GEMM of the linear layers: auto (probe the backends on the model's weights at "
                         "load, keep the fastest), or panel, onednn, aten (that one, no probe)")
+    g.add_argument("--cpu-int8-activations", default=d.cpu_int8_activations, action=argparse.BooleanOptionalAction,
+                   help="GGUF Q4_0/Q4_1/Q8_0 weights on CPU: activations quantized to int8 per 32 values, as "
+                        "llama.cpp computes them (faster; near ties of the next token may go the other way); "
+                        "default off: fp32 activations, the dequantized model's tokens")
     g.add_argument("--speculative-config", default=None, type=_speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup drafts)')

@@ -46,7 +46,7 @@ def _attention_types(dt: str, kv_dt: str | None = None) -> dict[str, str]:
         elif n in ("part_out_ptr", "part_lse_ptr"):
             types[n] = "*fp32"
         else:
-            types[n] = "fp32" if n == "scale_log2" else "i32"
+            types[n] = "fp32" if n in ("scale_log2", "softcap_log2") else "i32"
     return types
 
 
@@ -61,8 +61,16 @@ def variants(quick: bool = False):
         for group, gpad, hd, bm, split in (shapes[:3] if quick else shapes):
             consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd, BLOCK_SIZE=16,
                           TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split, FP32_DOT=dt == "fp32",
-                          KV_QUANT=False, NUM_KV_HEADS=8, INV_QMAX=0.0)
+                          KV_QUANT=False, NUM_KV_HEADS=8, INV_QMAX=0.0, USE_WINDOW=False, USE_SOFTCAP=False)
             yield (f"attention {dt} group {group} d{hd} BLOCK_M {bm} split {split}",
+                   triton_paged_attention._paged_attention_kernel, _attention_types(dt), consts)
+        # Gemma: a sliding window with Gemma 2's soft-cap, and Gemma 3's window alone (head_dim 256)
+        for group, hd, bm, split, softcap in ((2, 256, 16, True, True), (2, 256, 64, False, False)) * (
+                not quick or dt == "bf16"):
+            consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=group, HEAD_DIM=hd, HEAD_DIM_PAD=hd, BLOCK_SIZE=16,
+                          TILE_N=64, BLOCK_Q=bm // group, BLOCK_M=bm, SPLIT_KV=split, FP32_DOT=dt == "fp32",
+                          KV_QUANT=False, NUM_KV_HEADS=8, INV_QMAX=0.0, USE_WINDOW=True, USE_SOFTCAP=softcap)
+            yield (f"attention {dt} window{' softcap' if softcap else ''} group {group} d{hd} BLOCK_M {bm} split {split}",
                    triton_paged_attention._paged_attention_kernel, _attention_types(dt), consts)
     yield ("split-KV reduce", triton_split_kv_reduce._split_kv_reduce_kernel,
            {"out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "stride_o_tok": "i32",
@@ -89,7 +97,8 @@ def kv_quant_variants():
                                                    (1, 1, 64, 16, True)):
                     consts = dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=gpad, HEAD_DIM=hd, HEAD_DIM_PAD=hd,
                                   BLOCK_SIZE=16, TILE_N=64, BLOCK_Q=bm // gpad, BLOCK_M=bm, SPLIT_KV=split,
-                                  FP32_DOT=False, KV_QUANT=True, NUM_KV_HEADS=8, INV_QMAX=1.0 / qmax)
+                                  FP32_DOT=False, KV_QUANT=True, NUM_KV_HEADS=8, INV_QMAX=1.0 / qmax,
+                                  USE_WINDOW=False, USE_SOFTCAP=False)
                     yield (f"sm_{arch} attention q {dt} kv {kv_dt} group {group} BLOCK_M {bm} split {split}",
                            triton_paged_attention._paged_attention_kernel, _attention_types(dt, ptr), consts, arch)
             types = {n: ("*i64" if n == "slot_mapping_ptr" else "*u8" if "scale" in n else

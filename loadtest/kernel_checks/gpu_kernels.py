@@ -7,8 +7,8 @@ The one prepared GPU script, with the engine's end-to-end sections on top of the
 docstring holds the one-call command for a lent GPU machine.
 
 1. correctness of paged attention (mixed batch, split-KV decode, a pool of 2^31+
-   elements with block ids at its end) and of the cache write, vs the torch reference,
-   fp16 and bf16;
+   elements with block ids at its end, Gemma's sliding windows and soft-cap) and of the
+   cache write, vs the torch reference, fp16 and bf16;
 2. decode-attention time and achieved GB/s (K/V bytes read / time) at batch 64 x 2048
    and batch 8 x 16k (32 q heads, 8 KV heads, head_dim 128, bf16, block 16), default
    config, against a measured device-to-device copy ((read + write bytes) / time); goal
@@ -96,6 +96,12 @@ def check_attention(dev, smoke: bool) -> None:
         "split-KV decode x8": ([1] * 8, [4096, 17, 1000, 3000, 2048, 64, 5000, 1], dict(block_size=16)),
         "pool 2^31+ elems, ids at end": ([1, 9, 1], [70, 40, 300], dict(block_size=16, num_kv_heads=1, head_dim=64,
                                          num_blocks=2**21 + 64, high_block_ids=True, poison=False)),
+        # Gemma: local layers' windows (freed blocks before them are NaN), Gemma 2's soft-cap
+        "Gemma 2 window 64 + softcap 50, head_dim 256": ([1, 1, 40, 129], [700, 33, 90, 463],
+                                                        dict(block_size=16, head_dim=256, sliding_window=64,
+                                                             softcap=50.0)),
+        "split-KV decode x8, window 1024": ([1] * 8, [4096, 17, 1000, 3000, 2048, 64, 5000, 1],
+                                           dict(block_size=16, sliding_window=1024)),
     }
     if smoke:
         cases = {k + " (ctx<=200)": (q, [min(s, 200) for s in sl], kw) for k, (q, sl, kw) in cases.items()}
@@ -103,13 +109,15 @@ def check_attention(dev, smoke: bool) -> None:
         for seed, (name, (qls, sls, kw)) in enumerate(cases.items()):
             kw = dict(kw)
             cfg = dict(num_heads=h, num_kv_heads=kw.pop("num_kv_heads", kvh), head_dim=kw.pop("head_dim", d))
+            window = dict(sliding_window=kw.get("sliding_window"), softcap=kw.pop("softcap", None))
             b = make_paged_batch(qls, sls, cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], dtype=dtype,
                                  device=dev, seed=1000 + seed, **kw)
             md = b.attn_metadata
-            ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, b.scale)
+            ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, md.block_table, md.seq_lens, md.cu_seqlens_q, b.scale,
+                                      **window)
             out = torch.full_like(b.q, float("nan"))
             splits = 4 if name.startswith("split") and smoke else None
-            got = paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out, num_splits=splits)
+            got = paged_attention_triton(b.q, b.k_cache, b.v_cache, md, b.scale, out=out, num_splits=splits, **window)
             err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
             ok = err < tol[dtype] and not bool(torch.isnan(got).any())
             key = f"attention {str(dtype)[6:]} {name}"

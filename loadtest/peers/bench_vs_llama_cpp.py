@@ -10,8 +10,17 @@ server on the same file, in one run (issue 57):
                  concurrency 1 and 8; output tok/s (all output tokens over the wall time),
                  mean TTFT, mean time per output token after the first
 
+    int8         with ``--int8``: pagedserve native with ``--cpu-int8-activations`` too (llama.cpp's
+                 arithmetic: activations quantized per 32), offline and over HTTP; and how far
+                 it moves the model from fp32 activations, teacher-forced over ``--text``
+                 (default: this repository's README.md): next-token top-1 agreement, mean
+                 |d logprob| of the text's tokens, and the mean KL over each position's top-20
+                 (the fp32 run's 20 most likely tokens; one missing from the int8 run's 20 is
+                 given that run's 20th logprob; the tail beyond them as one outcome): an
+                 approximation of llama.cpp's full-vocabulary KL
+
     python -m pagedserve.loadtest.peers.bench_vs_llama_cpp [--model PATH.gguf] [--requests-c1 6]
-        [--requests-c8 32] [--max-tokens 128] [--no-llama-cpp] [--no-dequantized]
+        [--requests-c8 32] [--max-tokens 128] [--no-llama-cpp] [--no-dequantized] [--int8]
 
 The last line is one JSON object: ``offline`` {native, dequantized: {tok_s, weight_bytes}},
 ``http`` {server: {"1": {...}, "8": {...}}}, the ratios ``c1_vs_llama_cpp``,
@@ -48,13 +57,13 @@ def default_gguf() -> str:
     return str(default_model_file())
 
 
-def offline_b1(model: str, quantization: str, n_tokens: int) -> dict:
+def offline_b1(model: str, quantization: str, n_tokens: int, int8: bool = False) -> dict:
     """Batch-1 greedy decode tok/s (after the first token) and the bytes a step reads."""
     from pagedserve import LLM, SamplingParams
     from pagedserve.loadtest.offline.bench_offline import decode_weight_bytes
 
     llm = LLM(model=model, quantization=quantization, max_model_len=1024, max_num_seqs=1,
-              enable_prefix_caching=False, kv_cache_memory_bytes=1 << 28)
+              enable_prefix_caching=False, kv_cache_memory_bytes=1 << 28, cpu_int8_activations=int8)
     try:
         warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         llm.generate([[5, 6, 7, 8]], warm, use_tqdm=False)
@@ -66,6 +75,42 @@ def offline_b1(model: str, quantization: str, n_tokens: int) -> dict:
     finally:
         llm.shutdown()
     return {"tok_s": tok_s, "weight_bytes": weight_bytes}
+
+
+def text_logprobs(model: str, text: str, int8: bool, window: int = 512) -> list[list[tuple[int, float]]]:
+    """Per position of the text (after the first of each window): the top-20 (token, logprob)
+    of the next-token distribution, the text's own token first, teacher-forced."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(model=model, max_model_len=window + 8, enable_prefix_caching=False, cpu_int8_activations=int8)
+    try:
+        token_ids = llm.engine.tokenizer(text, add_special_tokens=True).input_ids
+        chunks = [token_ids[i:i + window] for i in range(0, len(token_ids) - 1, window)]
+        outs = llm.generate(chunks, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20, detokenize=False),
+                            use_tqdm=False)
+        return [list(zip(p.token_ids, p.logprobs)) for o in outs for p in o.prompt_logprobs[1:]]
+    finally:
+        llm.shutdown()
+
+
+def int8_agreement(model: str, text: str) -> dict:
+    """How far int8 activations move the model from fp32 ones over ``text`` (module doc)."""
+    import math
+
+    ref, q8 = text_logprobs(model, text, False), text_logprobs(model, text, True)
+    top1 = dlp = kl = 0.0
+    for p, q in zip(ref, q8):
+        top1 += max(p[1:], key=lambda t: t[1])[0] == max(q[1:], key=lambda t: t[1])[0]
+        dlp += abs(p[0][1] - q[0][1])
+        qd, floor = dict(q[1:]), min(lp for _, lp in q[1:])
+        pt = [(tok, lp) for tok, lp in p[1:]]
+        p_in = sum(math.exp(lp) for _, lp in pt)
+        q_in = sum(math.exp(qd.get(tok, floor)) for tok, _ in pt)
+        kl += sum(math.exp(lp) * (lp - qd.get(tok, floor)) for tok, lp in pt)
+        if p_in < 1 and q_in < 1:
+            kl += (1 - p_in) * math.log((1 - p_in) / (1 - q_in))
+    n = len(ref)
+    return {"positions": n, "top1_agreement": top1 / n, "mean_abs_dlogprob": dlp / n, "kl_top20": kl / n}
 
 
 async def _one(client: httpx.AsyncClient, base: str, model: str, question: str, max_tokens: int) -> dict:
@@ -127,21 +172,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--no-dequantized", action="store_true")
     p.add_argument("--no-offline", action="store_true")
+    p.add_argument("--int8", action="store_true", help="also pagedserve native with --cpu-int8-activations")
+    p.add_argument("--text", default=None, help="text for --int8's agreement figures (default: README.md)")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
     gguf = a.model or default_gguf()
     print(f"bench_vs_llama_cpp: {gguf}; {cpu_name()}", flush=True)
-    kinds = ["gguf"] + ([] if a.no_dequantized else ["none"])
+    # (name, --quantization, --cpu-int8-activations)
+    kinds = [("native", "gguf", False)] + ([("native-int8", "gguf", True)] if a.int8 else []) \
+        + ([] if a.no_dequantized else [("dequantized", "none", False)])
     report: dict = {"model": gguf, "cpu": cpu_name(), "offline": {}, "http": {}}
+    if a.int8:
+        from pathlib import Path
+
+        text = Path(a.text).read_text() if a.text else (Path(__file__).resolve().parents[2] / "README.md").read_text()
+        r = report["int8_agreement"] = int8_agreement(gguf, text)
+        print(f"  int8 vs fp32 activations over {r['positions']} positions: top-1 agreement {r['top1_agreement']:.4f}, "
+              f"mean |d logprob| {r['mean_abs_dlogprob']:.4f}, KL (top-20) {r['kl_top20']:.4f}", flush=True)
     if not a.no_offline:
-        for q in kinds:
-            r = report["offline"]["native" if q == "gguf" else "dequantized"] = offline_b1(gguf, q, a.max_tokens)
-            print(f"  offline b1 --quantization {q:5s}: {r['tok_s']:.1f} tok/s, {r['weight_bytes'] / 1e6:.0f} MB "
-                  f"read a step", flush=True)
-    for q in kinds:
+        for name, q, int8 in kinds:
+            r = report["offline"][name] = offline_b1(gguf, q, a.max_tokens, int8)
+            print(f"  offline b1 {name:12s}: {r['tok_s']:.1f} tok/s, {r['weight_bytes'] / 1e6:.0f} MB read a step",
+                  flush=True)
+    for name, q, int8 in kinds:
         server = pagedserve_server(gguf, quantization=q, max_num_seqs=a.max_num_seqs, max_model_len=2048,
-                                   log_dir=a.log_dir)
-        server.name = f"pagedserve-{'native' if q == 'gguf' else 'dequantized'}"
+                                   log_dir=a.log_dir, **({"cpu_int8_activations": True} if int8 else {}))
+        server.name = f"pagedserve-{name}"
         report["http"][server.name] = serve_and_measure(server, None, a)
     if not a.no_llama_cpp:
         from pagedserve.loadtest.peers.llama_cpp import llama_server, setup_llama_server
@@ -153,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         for c in ("1", "8"):
             report[f"c{c}_vs_llama_cpp"] = native[c]["output_tok_s"] / llama[c]["output_tok_s"]
             print(f"  c={c}: pagedserve native / llama-server = {report[f'c{c}_vs_llama_cpp']:.2f}x", flush=True)
+            if "pagedserve-native-int8" in report["http"]:
+                r = report[f"c{c}_int8_vs_llama_cpp"] = (report["http"]["pagedserve-native-int8"][c]["output_tok_s"]
+                                                         / llama[c]["output_tok_s"])
+                print(f"  c={c}: pagedserve native-int8 / llama-server = {r:.2f}x", flush=True)
     if "native" in report["offline"]:
         report["serving_share_c1"] = (report["http"]["pagedserve-native"]["1"]["output_tok_s"]
                                       / report["offline"]["native"]["tok_s"])

@@ -164,3 +164,20 @@ def apply_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> str:
                 torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                 f"; {quantized} GEMMs on GGUF blocks" if quantized else "")
     return backend
+
+
+def set_int8_activations(model: nn.Module, on: bool) -> int:
+    """GGUF weights whose type has the int8 path multiply int8-quantized activations (``on``)
+    or fp32 ones (EngineConfig.cpu_int8_activations); the number of GEMMs that take it. Not
+    the LM head: its logits would carry x's rounding straight into the next token, and at a
+    few rows a step it reads its bytes at the memory's speed either way."""
+    n = 0
+    for m in model.modules():
+        packed = getattr(m, "_packed", None)
+        if isinstance(packed, GGUFWeight):
+            packed.int8 = on and not isinstance(m, ParallelLMHead) and \
+                all(q in cpu_gguf.INT8_QTYPES for q in packed.qtypes())
+            n += packed.int8
+    if n:
+        logger.info("CPU GGUF: %d GEMMs multiply int8 activations (--cpu-int8-activations)", n)
+    return n
