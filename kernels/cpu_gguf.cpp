@@ -447,7 +447,8 @@ PS_INLINE void decode(int64_t qtype, C& t, const uint8_t* w, int64_t nb) {
 // quantized in blocks of 32: dx = max|x| / 127, qx = round(x / dx), and a weight block's dot
 // with it is an integer sum of q_w qx (u8 x s8 pairs: _mm256_maddubs_epi16), times d_w dx;
 // Q4_0's q - 8 subtracts 8 times the sum of qx, Q4_1's min m adds m times the block's fp32
-// sum of x (not of qx: one rounding fewer). Q4_0 / Q4_1 / Q8_0, any number of rows.
+// sum of x (not of qx: one rounding fewer). Every type here (the K-quants per sub-block: d sc,
+// dmin mn); any number of rows, but Q5_K and Q6_K up to kDirectRows (gemm_int8 says why).
 //
 // The weights stay in the packed layout (8 rows' bytes side by side per weight position):
 // one 32-byte load holds 4 positions of 8 rows, and a byte shuffle within each 128-bit lane
@@ -459,9 +460,10 @@ struct XQRow {
   const float* d;        // [nb] dx
   const float* sum;      // [nb] the fp32 sum of x over the block
   const int32_t* sumq;   // [nb] the sum of qx over the block
+  const int32_t* sumq16; // [nb][2] the sums of qx over its halves (Q6_K's sub-blocks of 16)
 };
 
-void quantize_row(const float* x, int64_t nb, int8_t* qx, float* d, float* sum, int32_t* sumq) {
+void quantize_row(const float* x, int64_t nb, int8_t* qx, float* d, float* sum, int32_t* sumq, int32_t* sumq16) {
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + 32 * b;
     int8_t* q = qx + 32 * b;
@@ -471,14 +473,16 @@ void quantize_row(const float* x, int64_t nb, int8_t* qx, float* d, float* sum, 
       s += xb[k];
     }
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int32_t sq = 0;
+    int32_t sq[2] = {0, 0};
     for (int k = 0; k < 32; ++k) {
       q[k] = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
-      sq += q[k];
+      sq[k / 16] += q[k];
     }
     d[b] = amax / 127.f;
     sum[b] = s;
-    sumq[b] = sq;
+    sumq[b] = sq[0] + sq[1];
+    sumq16[2 * b] = sq[0];
+    sumq16[2 * b + 1] = sq[1];
   }
 }
 
@@ -577,18 +581,120 @@ PS_INLINE void q8_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&a
   }
 }
 
+// Q4_K and Q5_K (HIGH: the fifth bit from qh): per chunk i of 64 weights, sub-blocks 2i (low
+// nibbles) and 2i + 1 (high), each 32 weights against x's block 8b + s: an integer sum per row
+// (Q4_K: 16 products of at most 15 x 127 in int16; Q5_K's 31 x 127 leaves room for 8, so its
+// sum is widened every 4 vectors), then times d sc[s] dx, less dmin mn[s] times the fp32 sum of x.
+template <int MR, bool HIGH>
+PS_INLINE void q45k_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  constexpr int64_t bytes = HIGH ? 1440 : 1184;
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    prefetch_ahead(w, bytes);
+    const __m256 d = f16x8(w), dmin = f16x8(w + 16);
+    for (int i = 0; i < 4; ++i) {
+      __m256i lo[8], hi[8];
+      const uint8_t* q = w + 160 + 32 * i * kGroup;
+      for (int v = 0; v < 8; ++v) {
+        const __m256i t = row_pairs(q + 32 * v);
+        lo[v] = _mm256_and_si256(t, low);
+        hi[v] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+        if (HIGH) {  // bits 2i and 2i + 1 of qh[l] are the fifth bits of the two sub-blocks
+          const __m256i h = row_pairs(w + 1184 + 32 * v);
+          lo[v] = _mm256_or_si256(lo[v], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i), one), 4));
+          hi[v] = _mm256_or_si256(hi[v], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * i + 1), one), 4));
+        }
+      }
+      const __m256 s_lo = _mm256_mul_ps(d, cvt(u8x8(w + 32 + 16 * i))), s_hi = _mm256_mul_ps(d, cvt(u8x8(w + 40 + 16 * i)));
+      const __m256 m_lo = _mm256_mul_ps(dmin, cvt(u8x8(w + 96 + 16 * i))), m_hi = _mm256_mul_ps(dmin, cvt(u8x8(w + 104 + 16 * i)));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t blk = 8 * b + 2 * i;
+        const XPairs pl(xq[m].q + 32 * blk), ph(xq[m].q + 32 * (blk + 1));
+        __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();
+        for (int v0 = 0; v0 < 8; v0 += HIGH ? 4 : 8) {
+          __m256i al = _mm256_maddubs_epi16(lo[v0], pl(v0)), ah = _mm256_maddubs_epi16(hi[v0], ph(v0));
+          for (int v = v0 + 1; v < v0 + (HIGH ? 4 : 8); ++v) {
+            al = _mm256_add_epi16(al, _mm256_maddubs_epi16(lo[v], pl(v)));
+            ah = _mm256_add_epi16(ah, _mm256_maddubs_epi16(hi[v], ph(v)));
+          }
+          sl = _mm256_add_epi32(sl, widen_rows(al));
+          sh = _mm256_add_epi32(sh, widen_rows(ah));
+        }
+        const __m256 dx = _mm256_set1_ps(xq[m].d[blk]), dx1 = _mm256_set1_ps(xq[m].d[blk + 1]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sl), _mm256_mul_ps(s_lo, dx), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sh), _mm256_mul_ps(s_hi, dx1), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(m_lo, _mm256_set1_ps(xq[m].sum[blk]), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(m_hi, _mm256_set1_ps(xq[m].sum[blk + 1]), acc[m]);
+      }
+    }
+  }
+}
+
+// Q6_K: per half h of 128 weights, the four 32-weight runs r (weights 128h + 32r + l, l < 32:
+// x's block 8b + 4h + r), each two sub-blocks of 16 (scale sc[8h + 2r + l / 16]); q is 6 bits
+// (0..63) against qx in int16 two vectors at a time (2 x 2 x 63 x 127 < 32,767), its - 32 as
+// 32 times the sub-block's sum of qx.
+template <int MR>
+PS_INLINE void q6k_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  for (int64_t b = 0; b < nb; ++b, w += 1680) {
+    prefetch_ahead(w, 1680);
+    const __m256 d = f16x8(w);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = w + 144 + 64 * h * kGroup;
+      const uint8_t* qh = w + 1168 + 32 * h * kGroup;
+      __m256i q6[4][8];  // [run r][vector v: l = 4v .. 4v + 3]
+      for (int v = 0; v < 8; ++v) {
+        const __m256i a = row_pairs(ql + 32 * v), c = row_pairs(ql + 32 * (v + 8)), hb = row_pairs(qh + 32 * v);
+        q6[0][v] = _mm256_or_si256(_mm256_and_si256(a, low), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+        q6[1][v] = _mm256_or_si256(_mm256_and_si256(c, low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4));
+        q6[2][v] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), two), 4));
+        q6[3][v] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), two), 4));
+      }
+      for (int r = 0; r < 4; ++r) {
+        const __m256 s0 = _mm256_mul_ps(d, cvt(i8x8(w + 16 + 8 * (8 * h + 2 * r)))),
+                     s1 = _mm256_mul_ps(d, cvt(i8x8(w + 16 + 8 * (8 * h + 2 * r + 1))));
+        for (int m = 0; m < MR; ++m) {
+          const int64_t blk = 8 * b + 4 * h + r;
+          const XPairs p(xq[m].q + 32 * blk);
+          __m256i sub[2];
+          for (int half = 0; half < 2; ++half) {  // l in [16 half, 16 half + 16): v in [4 half, 4 half + 4)
+            const int v = 4 * half;
+            const __m256i a0 = _mm256_add_epi16(_mm256_maddubs_epi16(q6[r][v], p(v)),
+                                                _mm256_maddubs_epi16(q6[r][v + 1], p(v + 1)));
+            const __m256i a1 = _mm256_add_epi16(_mm256_maddubs_epi16(q6[r][v + 2], p(v + 2)),
+                                                _mm256_maddubs_epi16(q6[r][v + 3], p(v + 3)));
+            sub[half] = _mm256_sub_epi32(_mm256_add_epi32(widen_rows(a0), widen_rows(a1)),
+                                         _mm256_set1_epi32(32 * xq[m].sumq16[2 * blk + half]));
+          }
+          const __m256 dx = _mm256_set1_ps(xq[m].d[blk]);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sub[0]), _mm256_mul_ps(s0, dx), acc[m]);
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sub[1]), _mm256_mul_ps(s1, dx), acc[m]);
+        }
+      }
+    }
+  }
+}
+
 template <int MR>
 void direct_int8(int64_t qtype, const uint8_t* w, int64_t nb, const XQRow* xq, float* y, int64_t ldy,
                  const float* bias, int64_t cols) {
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  if (qtype == kQ8_0) q8_int8<MR>(w, nb, xq, acc);
-  else if (qtype == kQ4_1) q4_int8<MR, true>(w, nb, xq, acc);
-  else q4_int8<MR, false>(w, nb, xq, acc);
+  switch (qtype) {
+    case kQ8_0: q8_int8<MR>(w, nb, xq, acc); break;
+    case kQ4_0: q4_int8<MR, false>(w, nb, xq, acc); break;
+    case kQ4_1: q4_int8<MR, true>(w, nb, xq, acc); break;
+    case kQ4_K: q45k_int8<MR, false>(w, nb, xq, acc); break;
+    case kQ5_K: q45k_int8<MR, true>(w, nb, xq, acc); break;
+    case kQ6_K: q6k_int8<MR>(w, nb, xq, acc); break;
+  }
   for (int m = 0; m < MR; ++m) store8(acc[m], y + m * ldy, bias, cols);
 }
 
-bool int8_type(int64_t qtype) { return qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0; }
 
 // Groups [g0, g1) against the M quantized rows xq, kDirectRows rows at a time (a group's
 // blocks stay in L1 across its row tiles; each tile decodes them again, which costs less
@@ -615,14 +721,15 @@ void run_groups_int8(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes,
 struct XQuant {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
-  std::vector<int32_t> sumq;
+  std::vector<int32_t> sumq, sumq16;
   std::vector<XQRow> rows;
   XQuant(const float* x, int64_t ldx, int64_t M, int64_t nb)
-      : q(static_cast<size_t>(M * nb * 32)), d(M * nb), sum(M * nb), sumq(M * nb), rows(M) {
+      : q(static_cast<size_t>(M * nb * 32)), d(M * nb), sum(M * nb), sumq(M * nb), sumq16(2 * M * nb), rows(M) {
     for (int64_t m = 0; m < M; ++m) {
       quantize_row(x + m * ldx, nb, q.data() + m * nb * 32, d.data() + m * nb, sum.data() + m * nb,
-                   sumq.data() + m * nb);
-      rows[m] = {q.data() + m * nb * 32, d.data() + m * nb, sum.data() + m * nb, sumq.data() + m * nb};
+                   sumq.data() + m * nb, sumq16.data() + 2 * m * nb);
+      rows[m] = {q.data() + m * nb * 32, d.data() + m * nb, sum.data() + m * nb, sumq.data() + m * nb,
+                 sumq16.data() + 2 * m * nb};
     }
   }
 };
@@ -715,8 +822,10 @@ void run_groups(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int6
 // y = x W^T (+ bias) with x's rows quantized to int8, when the path takes this call.
 bool gemm_int8(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int64_t groups, int64_t M,
                const float* x, int64_t ldx, float* y, int64_t ldy, const float* bias, int64_t N) {
-  if (!int8_type(qtype)) return false;
-  const XQuant xq(x, ldx, M, nb);
+  // Q5_K's and Q6_K's high bits cost more to unpack than a row tile of 4 saves over the fp32
+  // strip, which decodes a group once for all rows: theirs take int8 at decode's few rows only.
+  if (M > kDirectRows && (qtype == kQ5_K || qtype == kQ6_K)) return false;
+  const XQuant xq(x, ldx, M, nb * format_of(qtype).block / 32);  // x in blocks of 32 whatever the type's block
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
     run_groups_int8(qtype, w, nb, bytes, gb, ge, M, xq.rows.data(), y, ldy, bias, N);
   });

@@ -32,11 +32,11 @@ m, the K-quants' dmin mn) multiplies the sum of x over its 32 weights, once a bl
 of every weight. Without AVX2 each row is dequantized (scalar C++) and dotted. Results differ
 from ``F.linear`` on the dequantized weight in rounding only (~1e-7 of sum |w x|).
 
-int8 activations (``GGUFWeight.int8``; Q4_0, Q4_1, Q8_0 with AVX2), as llama.cpp computes
-these types: each row of x is quantized per 32 values (dx = max|x| / 127, qx = round(x / dx)),
+int8 activations (``GGUFWeight.int8``; every type here, with AVX2), as llama.cpp computes
+them: each row of x is quantized per 32 values (dx = max|x| / 127, qx = round(x / dx)),
 and a block's dot is an integer sum of q_w qx (``maddubs``: 32 products in a few instructions
-where the fp32 path converts and multiplies each weight), times d_w dx; Q4_1's min multiplies
-the block's fp32 sum of x. For every number of rows of x (the weight bytes of a group, shuffled
+where the fp32 path converts and multiplies each weight), times d_w dx (the K-quants: per
+sub-block, d sc dx); a min (Q4_1's m, the K-quants' dmin mn) multiplies the fp32 sum of x. For every number of rows of x (the weight bytes of a group, shuffled
 so that each row's pairs of weights sit side by side, are reused by 4 rows at a time). The error
 is x's rounding: ~1e-3 of sum |w x| (tests/test_gguf_int8.py measures the model's next-token KL).
 """
@@ -56,7 +56,7 @@ BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 GROUP = 8  # output rows a packed group interleaves (one 256-bit vector of fp32 outputs)
 # The types whose kernels can multiply int8 activations (GGUFWeight.int8; AVX2 builds).
-INT8_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+INT8_QTYPES = tuple(QTYPES)
 
 _EXT = LazyExtension("pagedserve_cpu_gguf_v2", read_source("cpu_gguf.cpp"),
                      # -ffp-contract=off: the scalar dequantization rounds each product as numpy
