@@ -99,8 +99,8 @@ class EngineConfig:
     # backends that run here on the model's weights at load and keeps the fastest; "panel",
     # "onednn" or "aten" takes that one, no probe.
     cpu_linear: str = "auto"
-    # CPU: GGUF Q4_0 / Q4_1 / Q8_0 weights multiply activations quantized to int8 per 32
-    # (llama.cpp's arithmetic for these types, kernels/cpu_gguf.cpp: faster, and near ties
+    # CPU: GGUF weights multiply activations quantized to int8 per 32 (llama.cpp's
+    # arithmetic, kernels/cpu_gguf.cpp: faster, and near ties
     # of the next token may go the other way); False: fp32 activations, the dequantized
     # model's results to rounding.
     cpu_int8_activations: bool = False

@@ -94,7 +94,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CPU GEMM of the linear layers: auto (probe the backends on the model's weights at "
                         "load, keep the fastest), or panel, onednn, aten (that one, no probe)")
     g.add_argument("--cpu-int8-activations", default=d.cpu_int8_activations, action=argparse.BooleanOptionalAction,
-                   help="GGUF Q4_0/Q4_1/Q8_0 weights on CPU: activations quantized to int8 per 32 values, as "
+                   help="GGUF weights on CPU: activations quantized to int8 per 32 values, as "
                         "llama.cpp computes them (faster; near ties of the next token may go the other way); "
                         "default off: fp32 activations, the dequantized model's tokens")
     g.add_argument("--speculative-config", default=None, type=_speculative_config,
