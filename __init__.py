@@ -4,6 +4,7 @@ The public offline API, as vLLM users know it::
 
     from pagedserve import LLM, SamplingParams
     from pagedserve import LoRARequest   # an adapter per request (vLLM's vllm.lora.request)
+    from pagedserve import PoolingParams # LLM(..., runner="pooling").embed(prompts, PoolingParams(dimensions=...))
 
 The installed distribution has this one top-level name. Its sub-packages are the
 repository's top-level folders (setuptools maps them in pyproject.toml):
@@ -39,6 +40,7 @@ del _checkout
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 from pagedserve.scheduler.lora import LoRARequest  # noqa: E402
+from pagedserve.scheduler.pooling_params import PoolingParams  # noqa: E402
 from pagedserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 
@@ -61,4 +63,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "LoRARequest", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "LoRARequest", "PoolingParams", "RequestOutput",
+           "CompletionOutput"]

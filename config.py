@@ -20,6 +20,12 @@ CPU_LINEAR_CHOICES = ("auto", "panel", "onednn", "aten")
 QUANTIZATION_CHOICES = ("gguf", "awq", "gptq", "fp8", "compressed-tensors", "modelopt", "none")
 
 
+# vLLM's --runner (worker/model_config.RUNNERS, resolved against the checkpoint there) and
+# its older --task names for them.
+RUNNERS = ("auto", "generate", "pooling")
+TASK_RUNNERS = {"embed": "pooling", "embedding": "pooling", "generate": "generate"}
+
+
 def check_quantization(value: str | None) -> None:
     if value not in (None, *QUANTIZATION_CHOICES):
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)} (or unset: implied "
@@ -108,6 +114,11 @@ class EngineConfig:
     # {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
     # "prompt_lookup_min": 2}; JSON text, a dict or a SpeculativeConfig. None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's --reasoning-parser: "deepseek_r1" or "qwen3" (cluster/text/reasoning.py). A chat
+    # answer's thinking goes to the message's ``reasoning`` (and the Responses API's reasoning
+    # item), and its structured outputs / tool-call grammar start where the thinking ends.
+    # None: the text is all content.
+    reasoning_parser: str | None = None
     # Where the TP workers go, as Ray Serve LLM's LLMConfig says it: the accelerator they
     # need (e.g. "H100", "L4": Ray's accelerator_type:<name> resource on each worker's
     # bundle) and the placement group, {"bundles": [one per TP worker], "strategy": ...} or
@@ -128,9 +139,22 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     dynamic_lora_loading_path: str | None = None
+    # vLLM's --runner: "generate" samples tokens; "pooling" serves embeddings (each prompt's
+    # pooled hidden state: /v1/embeddings, worker/pooler.py); "auto": pooling for a
+    # sentence-transformers checkpoint (modules.json) or a bare decoder's (Qwen3Model), else
+    # generate. task: vLLM's older --task, "embed" (= runner pooling) or "generate".
+    # pooler_config: vLLM's --pooler-config over the checkpoint's own, {"pooling_type":
+    # "LAST" | "MEAN" | "CLS", "normalize": bool} (JSON text or a dict).
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from pagedserve.cluster.text.reasoning import check_reasoning_parser
+
+        check_reasoning_parser(self.reasoning_parser)
+        self._check_runner()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -160,6 +184,39 @@ class EngineConfig:
         if self.device == "cpu":  # refuses a GPU placement on the CPU
             decide_device("cpu", placement_asks_gpus=placement_asks_gpus(self.placement_group_config,
                                                                          self.accelerator_type))
+
+    def _check_runner(self) -> None:
+        import json
+
+        if self.task is not None:
+            runner = TASK_RUNNERS.get(self.task)
+            if runner is None:
+                raise ValueError(f"task must be one of {', '.join(TASK_RUNNERS)} (vLLM's older name for --runner: "
+                                 f"embed is --runner pooling), got {self.task!r}.")
+            if self.runner not in ("auto", runner):
+                raise ValueError(f"task {self.task!r} means runner {runner!r}, but runner is {self.runner!r}.")
+            self.runner, self.task = runner, None
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}.")
+        if isinstance(self.pooler_config, str):
+            try:
+                self.pooler_config = json.loads(self.pooler_config)
+            except ValueError as e:
+                raise ValueError(f"pooler_config is not JSON: {e}") from None
+        if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {self.pooler_config!r}.")
+        if self.pooler_config and self.runner == "generate":
+            raise ValueError("pooler_config applies to runner pooling (--runner pooling) only.")
+        if self.runner == "pooling":
+            self.check_pooling()
+
+    def check_pooling(self) -> None:
+        """What the pooling runner does not combine with (the engine asks again once
+        runner "auto" is resolved)."""
+        if self.enable_lora:
+            raise ValueError("LoRA adapters (enable_lora) are not supported with the pooling runner (embeddings).")
+        if self.speculative_config is not None:
+            raise ValueError("speculative decoding has nothing to draft with the pooling runner (embeddings).")
 
     def _check_lora(self) -> None:
         self.lora_modules = parse_lora_modules(self.lora_modules) or None

@@ -1,4 +1,5 @@
-"""The offline API, vLLM-style: ``LLM(...).generate(prompts, sampling_params)``."""
+"""The offline API, vLLM-style: ``LLM(...).generate(prompts, sampling_params)``, and
+``LLM(..., runner="pooling").embed(prompts)`` for an embedding model."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Sequence
 
 from pagedserve.cluster.engine.llm_engine import LLMEngine
 from pagedserve.cluster.executors import executor_class_for
-from pagedserve.cluster.wire.outputs import RequestOutput
+from pagedserve.cluster.wire.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagedserve.scheduler.lora import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.config import EngineConfig
 
@@ -64,6 +66,28 @@ class LLM:
         except BaseException:
             self.engine.abort_request(ids)
             raise
+
+    def embed(self, prompts: str | Sequence[str] | Sequence[list[int]],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed`` (the pooling runner: ``runner="pooling"``, or a checkpoint
+        that implies it): each prompt's pooled hidden state, in input order, as
+        ``out.outputs.embedding``. ``pooling_params``: ``dimensions`` (Matryoshka models) and
+        ``normalize`` (None: the model's)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = SamplingParams(max_tokens=None, detokenize=False, truncate_prompt_tokens=truncate_prompt_tokens)
+        ids = []
+        try:
+            for prompt in prompts:
+                rid = f"offline-{next(self._counter)}"
+                self.engine.add_request(rid, prompt, params, pooling=pooling_params or PoolingParams())
+                ids.append(rid)
+            outs = self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+        return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.embedding), o.prompt_token_ids) for o in outs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)

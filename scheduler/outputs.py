@@ -14,7 +14,9 @@ Token accounting for one request in one step (``num_computed_tokens`` = c, sched
                cached K/V     computed now    not yet (next steps)
 
 A row samples a token only when ``c + s`` reaches the request's current token count
-(prompt + outputs so far); a partial prefill chunk samples nothing.
+(prompt + outputs so far); a partial prefill chunk samples nothing. A pooling request
+(``pooling_params``) samples nothing at all: the step that computes its last prompt token
+returns its pooled hidden state instead (``ModelRunnerOutput.pooled``), and it ends there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.lora import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -40,6 +43,8 @@ class NewRequestData:
     # Its LoRA adapter (None: the base model): the worker loads it from the path on first
     # use and gives it a slot (worker/lora).
     lora_request: LoRARequest | None = None
+    # A pooling request (its type and normalize resolved by the engine); None: it samples.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -153,6 +158,10 @@ class ModelRunnerOutput:
     # adapter that read.
     lora_resident: tuple[int, ...] | None = None
     lora_load_s: tuple[float, ...] = ()
+    # Pooling requests whose last prompt token this step computed: req_id -> the pooled
+    # vector, float32 little-endian bytes (dimensions and normalize applied). None: no such
+    # request in the step (every generation step).
+    pooled: dict[str, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -168,6 +177,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     new_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    pooled: bytes | None = None  # a pooling request's vector (float32 LE), on its final output
 
     @property
     def finished(self) -> bool:

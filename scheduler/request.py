@@ -17,6 +17,7 @@ import enum
 import time
 
 from pagedserve.scheduler.lora import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -56,7 +57,7 @@ class Request:
         "arrival_time", "priority", "cache_salt", "status", "stop_reason", "max_tokens",
         "num_cached_tokens", "num_preemptions", "block_hashes", "stop_token_ids",
         "min_tokens", "ignore_eos", "tenant", "resumed_step", "preempted_step", "cache_tenant",
-        "num_output_placeholders", "lora_request",
+        "num_output_placeholders", "lora_request", "pooling_params",
     )
 
     def __init__(
@@ -70,6 +71,7 @@ class Request:
         cache_salt: str | None = None,
         tenant: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {req_id!r}: the prompt must contain at least one token.")
@@ -98,6 +100,9 @@ class Request:
         # The LoRA adapter it runs with (None: the base model): salts its block hashes and
         # takes one of the step's max_loras slots while it runs (scheduler/lora.py).
         self.lora_request = lora_request
+        # A pooling request (scheduler/pooling_params.py): its prompt only, then it ends with
+        # its pooled hidden state instead of a sampled token; None: a generation request.
+        self.pooling_params = pooling_params
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Resolved by Scheduler.add_request against max_model_len and the pool size;

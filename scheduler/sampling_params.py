@@ -25,6 +25,7 @@ def sample_seed(seed: int, index: int) -> int:
 
 # OpenAI's bound on a logit_bias value ("-100 bans, +100 forces in practice").
 LOGIT_BIAS_MAX = 100.0
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -82,6 +83,9 @@ class SamplingParams:
     # top-N logprobs per sampled token (0: only the sampled one; -1: the whole vocabulary,
     # resolved by the engine, which also bounds N by --max-logprobs: vocab_limits.py)
     logprobs: int | None = None
+    # vLLM's: with logprobs, each sampled token's entry holds these ids' logprobs (after the
+    # sampled one's) instead of the top N.
+    logprob_token_ids: list[int] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -140,6 +144,14 @@ class SamplingParams:
             bad(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < -1):
             bad(f"logprobs must be -1 (the whole vocabulary) or >= 0, got {self.logprobs!r}.")
+        if self.logprob_token_ids is not None:
+            if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logprob_token_ids):
+                bad("logprob_token_ids must be a list of non-negative token ids.")
+            if not 0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
+                bad(f"logprob_token_ids must name 1 to {MAX_LOGPROB_TOKEN_IDS} token ids, "
+                    f"got {len(self.logprob_token_ids)}.")
+            if self.logprobs is None:
+                bad("logprob_token_ids needs logprobs (they replace its top N).")
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= 20):
             bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs!r}.")

@@ -96,22 +96,27 @@ class Scheduler:
         rid, n = request.req_id, request.num_prompt_tokens
         if rid in self.requests:
             raise ValueError(f"request {rid!r} already exists.")
-        if n >= self.max_model_len:
+        # A pooling request ends with its prompt: it may fill max_model_len, and its one
+        # "output" (the pooled vector) takes no slot.
+        pooling = request.pooling_params is not None
+        if n >= self.max_model_len + pooling:
             raise ValueError(
                 f"request {rid!r}: the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
                 f"and at least one token must be left for the output (prompt <= {self.max_model_len - 1}).")
-        if n >= self.max_seq_len:
+        if n >= self.max_seq_len + pooling:
             num_blocks = self.cache_config.num_blocks
             raise ValueError(
-                f"request {rid!r}: the prompt has {n} tokens and with one output token needs "
-                f"{-(-(n + 1) // self.block_size)} KV cache blocks, but the whole pool holds "
+                f"request {rid!r}: the prompt has {n} tokens and with {'no' if pooling else 'one'} output token "
+                f"needs {-(-(n + 1 - pooling) // self.block_size)} KV cache blocks, but the whole pool holds "
                 f"{num_blocks} blocks of {self.block_size} tokens ({num_blocks * self.block_size} tokens).")
         limit = self.scheduler_config.max_waiting_requests
         if limit is not None and len(self.waiting) >= limit:
             raise QueueFullError(f"the waiting queue is full ({limit} requests); retry later.")
         room = self.max_seq_len - n
         user_max = request.sampling_params.max_tokens
-        request.max_tokens = room if user_max is None else min(user_max, room)
+        # A pooling request's one step that "samples" is the one that pools: max_tokens 1
+        # keeps a plan made while it is in flight from scheduling anything after it.
+        request.max_tokens = 1 if pooling else room if user_max is None else min(user_max, room)
         self.tenant_policy.check_fits_outside_reservations(request)
         request.status = RequestStatus.WAITING
         if self.scheduler_config.isolate_tenant_prefix_cache and request.tenant != DEFAULT_TENANT:
@@ -427,7 +432,7 @@ class Scheduler:
                     req_id=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
                     sampling_params=req.sampling_params,
                     block_ids=list(kv.req_to_block_ids[req.req_id]), num_computed_tokens=num_hit,
-                    lora_request=req.lora_request))
+                    lora_request=req.lora_request, pooling_params=req.pooling_params))
         return None
 
     def _preempt(self, index: int, ledger: Ledger | None = None) -> None:

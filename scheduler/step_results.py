@@ -1,6 +1,6 @@
 """The step result: what one ModelRunnerOutput does to the Scheduler's requests. Sampled
 tokens in, stop conditions checked, finished requests out, full blocks offered to the
-prefix cache.
+prefix cache; a pooling request's vector ends it (finish_reason "stop").
 
 Scheduler.update_from_output calls ``update_from_output(self, plan, result)``. The
 scheduler is passed whole because a result touches much of it: its requests, running
@@ -42,12 +42,17 @@ def update_from_output(sched: Scheduler, plan: SchedulerOutput, result: ModelRun
     get_request = sched.requests.get
     all_sampled = result.sampled_token_ids
     all_logprobs = result.logprobs
+    all_pooled = result.pooled
     spec_tokens = plan.scheduled_spec_decode_tokens
     outputs: list[EngineCoreOutput] = []
     num_finished = 0
     for idx, rid in enumerate(result.req_ids):
         req = get_request(rid)
         if req is None:
+            continue
+        if all_pooled is not None and rid in all_pooled:
+            outputs.append(_pooled(sched, req, all_pooled[rid]))
+            num_finished += 1
             continue
         sampled = all_sampled[idx]
         if req.status is not _RUNNING:
@@ -111,6 +116,24 @@ def _late_tokens(sched: Scheduler, req: Request, sampled: list[int], all_logprob
         sched.waiting.remove_request(req)
         sched._free_request(req)
     return _core_output(req, kept, all_logprobs, idx)
+
+
+def _pooled(sched: Scheduler, req: Request, vector: bytes) -> EngineCoreOutput:
+    """A pooling request whose prompt the step finished: it ends with its vector. Its full
+    blocks go to the prefix cache first (their K/V serve any later request). Preempted
+    after its step was planned (async scheduling), it ends all the same: the step ran with
+    its blocks, so the vector is right."""
+    if req.status is _RUNNING:
+        kv = sched.kv_cache_manager
+        if kv.enable_caching and req.num_computed_tokens // sched.block_size > len(kv.req_to_node_ids[req.req_id]):
+            kv.cache_full_blocks(req)
+    else:
+        sched.waiting.remove_request(req)
+    req.status = _STOPPED
+    req.num_output_placeholders = 0
+    sched.num_prompt_tokens += req.num_prompt_tokens
+    sched._free_request(req)
+    return EngineCoreOutput(req.req_id, [], req.finish_reason, None, None, req.num_cached_tokens, pooled=vector)
 
 
 def _core_output(req: Request, kept: list[int], all_logprobs, idx: int) -> EngineCoreOutput:

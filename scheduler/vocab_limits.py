@@ -20,6 +20,10 @@ def check_vocab_limits(params: SamplingParams, vocab_size: int, max_logprobs: in
         if not 0 <= t < vocab_size:
             raise ValueError(f"stop_token_ids: token id {t} is outside the vocabulary "
                              f"[0, {vocab_size}).")
+    bad = [t for t in params.logprob_token_ids or () if t >= vocab_size]
+    if bad:  # vLLM's words
+        raise ValueError(f"token_id(s) {bad} in logprob_token_ids contain out-of-vocab token ids. "
+                         f"Vocabulary size: {vocab_size}")
     n = params.logprobs
     if n is None:
         return params

@@ -39,6 +39,8 @@ SAMPLING = {"model", "n", "temperature", "top_p", "seed", "stop", "stream", "str
             "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
             # tests/test_prompt_logprobs.py, tests/test_serve_batch_echo.py
             "prompt_logprobs", "truncate_prompt_tokens",
+            # tests/test_vllm_api.py (vLLM's test_batched_chat_completions_logprob_token_ids)
+            "logprob_token_ids",
             # tests/test_serve_vllm_parity.py
             "truncation_side", "use_beam_search", "length_penalty", "add_special_tokens"}
 
@@ -49,7 +51,9 @@ IMPLEMENTED: dict[str, set[str]] = {
     "ChatCompletionRequest": SAMPLING | {"messages", "max_tokens", "max_completion_tokens",
                                          "logprobs", "top_logprobs", "add_generation_prompt",
                                          "continue_final_message", "echo",
-                                         "tools", "tool_choice", "parallel_tool_calls"},
+                                         "tools", "tool_choice", "parallel_tool_calls",
+                                         # tests/test_serve_reasoning.py
+                                         "chat_template_kwargs", "include_reasoning"},
     "ChatMessage": {"role", "content", "tool_calls", "tool_call_id", "name",
                     # to the chat template, as vLLM passes them (tests/test_serve_vllm_parity.py)
                     "reasoning", "reasoning_content", "refusal"},
@@ -150,7 +154,7 @@ def test_unknown_fields_are_named_known_unimplemented_ones_refused_nested_ones_r
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x", "x_trace": 1}], "logit_bias_typo": {}})
     assert body.unknown_fields() == ["logit_bias_typo", "messages[0].x_trace"]
-    for known in ("service_tier", "logprob_token_ids", "chat_template_kwargs"):
+    for known in ("service_tier", "bad_words", "allowed_token_ids"):
         with pytest.raises(pydantic.ValidationError) as e:
             CompletionRequest.model_validate({"prompt": "x", known: 1})
         assert e.value.errors()[0]["type"] == "not_implemented" and known in e.value.errors()[0]["msg"]

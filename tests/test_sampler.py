@@ -255,6 +255,23 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert math.isclose(sum(math.exp(x) for x in ref[0].tolist()), 1.0, rel_tol=1e-6)
 
 
+def test_logprob_token_ids_replace_the_top_n():
+    """vLLM's logprob_token_ids: the row's entries are the sampled token, then the asked ids
+    (their raw logprobs), not the top N; a row beside it keeps its top N."""
+    raw = torch.tensor([[3.0, 2.5, 1.5, 0.0, -1.0],
+                        [0.0, 1.0, 4.0, 2.0, 3.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=3, logprob_token_ids=[4, 1]),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    out = Sampler(torch.Generator().manual_seed(0))(raw, build(params, logits=raw))
+    ref = raw.log_softmax(-1)
+    asked, top = out.logprobs
+    assert asked.token_ids == [0, 4, 1] and asked.sampled_rank == 1
+    assert asked.logprobs == pytest.approx([ref[0, 0].item(), ref[0, 4].item(), ref[0, 1].item()], abs=1e-6)
+    assert top.token_ids == [2, 2, 4]
+    with pytest.raises(ValueError, match="logprob_token_ids needs logprobs"):
+        SamplingParams(logprob_token_ids=[1])
+
+
 def _bench() -> None:
     """Build + sample for 256 rows, vocab 8192. Best of 5 rounds (the box is shared)."""
     import time

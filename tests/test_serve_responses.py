@@ -169,7 +169,8 @@ def test_text_format_json_schema(client, model):
     (dict(tools=[{"type": "function", "parameters": {}}]), 400, "tools[0].name", "Field required"),
     (dict(tool_choice={"type": "file_search"}), 400, "tool_choice", "not implemented"),
     (dict(tools=[WEATHER_TOOL]), 400, None, "does not render tools"),  # tool_choice "auto" on this model
-    (dict(input=[{"type": "reasoning", "summary": []}]), 400, "input[0].type", "'reasoning' is not implemented"),
+    (dict(input=[{"type": "reasoning", "summary": [], "encrypted_content": "x"}]), 400, "input[0].encrypted_content",
+     "encrypted reasoning is not implemented"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]), 400,
      "input[0].content[0].type", "'input_image' is not implemented"),
     (dict(input=[{"type": "function_call_output", "output": "x"}]), 400, "input[0].call_id", "Field required"),

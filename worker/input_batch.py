@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.scheduler.lora import LoRARequest
+from pagedserve.scheduler.pooling_params import PoolingParams
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class CachedRequestState:
     # EOS and stop_token_ids, masked by the sampler while len(outputs) < min_tokens.
     stop_token_ids: set[int] = field(default_factory=set)
     lora_request: LoRARequest | None = None  # its adapter (worker/lora); None: the base model
+    pooling: PoolingParams | None = None  # a pooling request (worker/pooler.py); None: it samples
 
     @property
     def num_tokens(self) -> int:

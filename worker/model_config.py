@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import check_quantization
+from pagedserve.config import RUNNERS, check_quantization
 from pagedserve.platforms import auto_dtype
 from pagedserve.worker.loading.gguf_loader import check_native_types, find_gguf_file, gguf_hf_config, open_gguf
 from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantConfig, parse_quant_config,
@@ -27,6 +27,10 @@ from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantCon
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "SmolLM3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# A checkpoint of the bare decoder, without its LM head (transformers' AutoModel, what
+# sentence-transformers saves: Qwen3-Embedding's weights are named so): "<X>Model" runs as
+# "<X>ForCausalLM" without lm_head, for embeddings only (--runner pooling).
+HEADLESS_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in SUPPORTED_ARCHITECTURES}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Sliding-window and global layers interleaved (layer_types), GeGLU, (1 + w) RMSNorm, scaled
@@ -105,6 +109,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # config.json names the bare decoder (HEADLESS_ARCHITECTURES): no LM head in the weights.
+    headless: bool = False
+    # "generate" or "pooling" (RUNNERS, resolved); pooling: the model has no LM head and
+    # ``pooler`` says how it pools (worker/pooler.py).
+    runner: str = "generate"
+    pooler: Any = None  # worker.pooler.PoolerConfig with the pooling runner, else None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -120,16 +130,19 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = "auto",
                         max_model_len: int | None = None, device: str = "cpu",
-                        quantization: str | None = None) -> "ModelConfig":
+                        quantization: str | None = None, runner: str = "auto",
+                        pooler_config: dict[str, Any] | None = None) -> "ModelConfig":
         """``device``: where the model runs, for what ``dtype="auto"`` means there
         (platforms.auto_dtype: a float32 checkpoint or a GGUF runs in bfloat16 on CUDA) and
-        for what ``quantization`` (None: implied by the checkpoint) resolves to."""
+        for what ``quantization`` (None: implied by the checkpoint) resolves to. ``runner``
+        (RUNNERS) and ``pooler_config`` (--pooler-config): see ``resolve_runner``."""
         path = os.fspath(path)
         gguf = find_gguf_file(path)
         if gguf is not None:
             cfg = cls.from_dict(gguf_hf_config(open_gguf(gguf), gguf), gguf, dtype=dtype,
                                 max_model_len=max_model_len, device=device)
             cfg.quantization = resolve_quantization(quantization, cfg.gguf_file, device)
+            cfg.resolve_runner(runner, pooler_config)
             return cfg
         cfg_file = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_file):
@@ -147,16 +160,40 @@ class ModelConfig:
                     cfg.eos_token_ids.append(int(e))
         cfg.quant_config = parse_quant_config(read_quantization_config(hf, path))
         cfg.quantization = resolve_quantization(quantization, cfg.gguf_file, device, cfg.quant_config)
+        cfg.resolve_runner(runner, pooler_config)
         return cfg
+
+    def resolve_runner(self, runner: str = "auto", pooler_config: dict[str, Any] | None = None) -> None:
+        """Set ``runner`` and, for pooling, ``pooler`` (worker/pooler.py). "auto" is pooling
+        for a sentence-transformers checkpoint (modules.json with a Pooling module, as vLLM
+        decides) or a headless one, else generate. A headless checkpoint cannot generate."""
+        from pagedserve.worker.pooler import has_st_pooling, resolve_pooler_config
+
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
+        if runner == "auto":
+            runner = "pooling" if self.headless or has_st_pooling(self.model_path) else "generate"
+        if runner == "generate" and self.headless:
+            raise ValueError(f"{self.model_path or 'the model'}: config.json names the bare decoder "
+                             f"({self.hf_config.get('architectures')}), which has no LM head to generate with; "
+                             "serve it for embeddings with --runner pooling.")
+        if runner == "generate" and pooler_config:
+            raise ValueError("--pooler-config applies to --runner pooling only.")
+        self.runner = runner
+        self.pooler = resolve_pooler_config(self.model_path, pooler_config) if runner == "pooling" else None
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any], path: str = "", dtype: str | torch.dtype = "auto",
                   max_model_len: int | None = None, device: str = "cpu") -> "ModelConfig":
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        headless = arch is None and any(a in HEADLESS_ARCHITECTURES for a in archs)
+        if headless:
+            arch = HEADLESS_ARCHITECTURES[next(a for a in archs if a in HEADLESS_ARCHITECTURES)]
         if arch is None:
             raise ValueError(f"unsupported model architecture {archs or hf.get('model_type')!r} in "
-                             f"{path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}.")
+                             f"{path or 'config'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+                             f"(and their bare decoders, {', '.join(HEADLESS_ARCHITECTURES)}, for embeddings).")
 
         def need(key: str) -> Any:
             if hf.get(key) is None:
@@ -230,7 +267,8 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             hidden_act=act, dtype=torch_dtype, bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids, gguf_file=hf.get("gguf_file") or (path if path.endswith(".gguf") else None),
-            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), **gemma, hf_config=hf)
+            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), **gemma, headless=headless,
+            hf_config=hf)
 
     # ---- sizes per tensor-parallel rank -------------------------------------------------
     def verify_tensor_parallel(self, tp_size: int) -> None:

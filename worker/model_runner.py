@@ -12,6 +12,11 @@ Batch layout of one step (decode rows first so attention can batch them):
     logits:   one row per request that samples (last row of a request whose
               computed tokens reach its token count); partial chunks sample nothing.
 
+A pooling request (the pooling runner, embeddings) samples nothing: its rows of the hidden
+states are pooled instead (worker/pooler.py: LAST, MEAN summed over its chunks, CLS), and
+the step that computes its last prompt position returns its vector in
+``ModelRunnerOutput.pooled``. A generation step never looks at pooling (``pooled`` None).
+
 Speculative decoding: a request with drafts in the plan runs [last token, d1 .. dk] as
 k + 1 decode rows (row j: one token at position start + j, the request's block table), so
 the batched decode attention verifies them, and every one of them samples: row j sees the
@@ -49,6 +54,7 @@ from pagedserve.worker.cuda_graphs import MAX_CAPTURE_SIZE, CudaGraphRunner, cap
 from pagedserve.worker.input_batch import CachedRequestState
 from pagedserve.worker.lora.manager import LoRAManager
 from pagedserve.worker.model_config import ModelConfig
+from pagedserve.worker.pooler import PoolRows, pool_step
 from pagedserve.worker.prompt_logprobs import PromptLogprobsRows, compute_prompt_logprobs, rows_for
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sampling_metadata import SamplingMetadata, make_generator
@@ -57,7 +63,7 @@ from pagedserve.worker.step_buffers import StepBuffers
 logger = logging.getLogger(__name__)
 
 
-_PUT, _TABLE, _GROW, _TOKEN, _GENS = range(5)  # the journal's entry kinds
+_PUT, _TABLE, _GROW, _TOKEN, _GENS, _POOL = range(6)  # the journal's entry kinds
 
 
 def _describe(e: BaseException) -> str:
@@ -87,6 +93,12 @@ class ModelRunner:
         if lora is not None:
             lora.attach(model)
             enforce_eager = True
+        # The pooling runner: prompts only, no LM head; decode graphs would never replay.
+        self.pooling = model_config.runner == "pooling"
+        if self.pooling:
+            enforce_eager = True
+        # req_id -> the running MEAN sum / the CLS row of a pooling prompt still in chunks.
+        self._pool_partial: dict[str, torch.Tensor] = {}
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
@@ -124,6 +136,7 @@ class ModelRunner:
     #   _GROW   state, num_blocks, num_computed  (its table was extended in place)
     #   _TOKEN  state                            (a sampled token was appended)
     #   _GENS   generators, states               (their states before this step's draws)
+    #   _POOL   partial                          (the pooling sums before this step's rows)
     def _rollback(self, journal: list) -> None:
         for entry in reversed(journal):
             kind = entry[0]
@@ -140,6 +153,8 @@ class ModelRunner:
             elif kind == _TOKEN:
                 entry[1].output_token_ids.pop()
                 entry[1].token_ids.pop()
+            elif kind == _POOL:
+                self._pool_partial = entry[1]
             else:
                 for g, state in zip(entry[1], entry[2]):
                     g.set_state(state)
@@ -151,6 +166,8 @@ class ModelRunner:
             state = requests.pop(req_id, None)
             if state is not None:
                 journal.append((_PUT, req_id, state))
+                if state.pooling is not None:
+                    self._pool_partial.pop(req_id, None)  # aborted mid-prompt
         for req_id in plan.preempted_req_ids:
             state = requests.get(req_id)
             if state is not None:
@@ -189,6 +206,9 @@ class ModelRunner:
                 raise ValueError(f"LoRA adapter {new.lora_request.lora_name!r}: LoRA is not enabled "
                                  "(--enable-lora).")
             self.lora.add(new.lora_request)  # read now: a bad adapter fails this request alone
+        if (new.pooling_params is not None) != self.pooling:
+            raise ValueError("a pooling request needs the pooling runner, and the pooling runner runs only "
+                             "pooling requests (--runner).")
         return CachedRequestState(
             req_id=new.req_id,
             prompt_token_ids=new.prompt_token_ids,
@@ -200,6 +220,7 @@ class ModelRunner:
             token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
             stop_token_ids=stop_ids,
             lora_request=new.lora_request,
+            pooling=new.pooling_params,
         )
 
     # ------------------------------------------------------------------ inputs
@@ -225,6 +246,8 @@ class ModelRunner:
         sample_rows: list[int] = []  # row in hidden_states of each sampling request
         sample_reqs: list[CachedRequestState] = []
         prompt_lp = []  # PromptLogprobsRows of requests that asked (worker/prompt_logprobs.py)
+        pool_rows: list[PoolRows] = []  # pooling requests' rows (worker/pooler.py)
+        pooling = self.pooling
         row = 0
         num_decode = 0
         groups = [0]  # boundaries of the decode rows, one group per request
@@ -261,6 +284,10 @@ class ModelRunner:
             query_lens.append(n)
             starts.append(start)
             tables.append(st.block_ids)
+            if pooling:  # the pooling runner: every request pools, none samples
+                pool_rows.append(PoolRows(req_id, st.pooling, row, n, start, st.num_tokens))
+                row += n
+                continue
             share = rows_for(req_id, st.prompt_token_ids, st.sampling_params.prompt_logprobs, row, start, end)
             if share is not None:
                 prompt_lp.append(share)
@@ -275,7 +302,7 @@ class ModelRunner:
         inputs = self.buffers.fill(input_ids, query_lens, starts, tables, num_decode, pad_to, row_groups)
         if self.lora is not None:
             self.lora.begin_step(lora_rows)
-        return inputs, sample_rows, sample_reqs, prompt_lp
+        return inputs, sample_rows, sample_reqs, prompt_lp, pool_rows
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -297,9 +324,11 @@ class ModelRunner:
         raises if this worker can no longer compute. The engine asks after a failed step
         that no split of its batch explained (a broken worker, not a bad request)."""
         ids = torch.zeros(1, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(self.model(ids, torch.zeros_like(ids), None, None))
-        if not bool(torch.isfinite(logits).all()):
-            raise RuntimeError("the probe step produced non-finite logits")
+        out = self.model(ids, torch.zeros_like(ids), None, None)
+        if not self.pooling:
+            out = self.model.compute_logits(out)
+        if not bool(torch.isfinite(out).all()):
+            raise RuntimeError(f"the probe step produced non-finite {'hidden states' if self.pooling else 'logits'}")
 
     def _execute(self, plan: SchedulerOutput, journal: list) -> ModelRunnerOutput:
         failed: dict[str, str] = {}
@@ -318,11 +347,17 @@ class ModelRunner:
                 failed=failed or None))
         spec = plan.scheduled_spec_decode_tokens
         try:
-            inputs, sample_rows, sample_reqs, prompt_lp = self._prepare_inputs(num_scheduled, spec)
+            inputs, sample_rows, sample_reqs, prompt_lp, pool_rows = self._prepare_inputs(num_scheduled, spec)
             hidden = self.graph_runner.forward(inputs, self.kv_caches)
         finally:
             if self.lora is not None:
                 self.lora.end_step()  # the probe and profile runs see no adapter
+        if pool_rows:
+            journal.append((_POOL, dict(self._pool_partial)))
+            pooled = pool_step(hidden, pool_rows, self._pool_partial)
+            return self._with_lora_report(ModelRunnerOutput(
+                req_ids=req_ids, sampled_token_ids=[[] for _ in req_ids], step_id=plan.step_id,
+                failed=failed or None, pooled=pooled or None))
         prompt_logprobs = (compute_prompt_logprobs(hidden, self.model.compute_logits, prompt_lp)
                            if prompt_lp else None)
         sampled_by_req: dict[str, list[int]] = {}
@@ -449,6 +484,9 @@ class ModelRunner:
             max_seqlen_q=num_tokens, max_seq_len=num_tokens,
             seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens])
         hidden = self.model(ids, pos, None, md)
+        if self.pooling:  # no logits; the pooled vectors are a few rows of the hidden states
+            del hidden
+            return
         logits = self.model.compute_logits(hidden[-min(num_tokens, num_sample_rows):])
         if logprobs and num_tokens > 1:
             n = num_tokens - 1
@@ -463,6 +501,8 @@ class ModelRunner:
         is what costs; the top-k of it is small)."""
         from pagedserve.scheduler.sampling_params import SamplingParams
 
+        if self.pooling:  # the pooling runner never samples
+            return
         hidden = torch.zeros(num_rows, self.model_config.hidden_size, dtype=self.model_config.dtype,
                              device=self.device)
         logits = self.model.compute_logits(hidden)

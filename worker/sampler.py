@@ -282,6 +282,12 @@ def _gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor,
     ids_l, lps_l, ranks_l = ids.tolist(), lps.tolist(), ranks.tolist()
     out: list[Logprobs | None] = [None] * md.num_rows
     for j, (row, num) in enumerate(zip(rows, md.num_logprobs)):
+        asked = md.logprob_token_ids.get(row)
+        if asked is not None:  # the sampled token, then these ids (vLLM's logprob_token_ids)
+            picked = logprobs[j, torch.tensor(asked, device=logprobs.device)].tolist()
+            out[row] = Logprobs(token_ids=[ids_l[j][0], *asked], logprobs=[lps_l[j][0], *picked],
+                                sampled_rank=ranks_l[j])
+            continue
         out[row] = Logprobs(token_ids=ids_l[j][: 1 + num], logprobs=lps_l[j][: 1 + num],
                             sampled_rank=ranks_l[j])
     return out

@@ -89,6 +89,8 @@ class SamplingMetadata:
     logprob_rows: list[int] = field(default_factory=list)
     num_logprobs: list[int] = field(default_factory=list)
     max_num_logprobs: int = -1
+    # row -> the token ids whose logprobs it asked for instead of the top N (logprob_token_ids)
+    logprob_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def needs_penalties(self) -> bool:
@@ -126,7 +128,9 @@ class SamplingMetadata:
         for i, p in enumerate(params):
             if p.logprobs is not None:
                 md.logprob_rows.append(i)
-                md.num_logprobs.append(p.logprobs)
+                md.num_logprobs.append(0 if p.logprob_token_ids else p.logprobs)
+                if p.logprob_token_ids:
+                    md.logprob_token_ids[i] = list(p.logprob_token_ids)
             if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
                     or p.repetition_penalty != 1.0):
                 pen_rows.append(i)

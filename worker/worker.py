@@ -120,7 +120,8 @@ class Worker:
         self.model_path = local_model_path(self.config.model, self.config.revision, self.config.download_dir)
         self.model_config = ModelConfig.from_pretrained(
             self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
-            device=self.device.type, quantization=self.config.quantization)
+            device=self.device.type, quantization=self.config.quantization, runner=self.config.runner,
+            pooler_config=self.config.pooler_config)
         if self.model_config.quantization == "gguf":
             from pagedserve.kernels import cpu_gguf
 

@@ -6,6 +6,7 @@ import argparse
 
 from pagedserve.scheduler.kv.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedserve.config import CPU_LINEAR_CHOICES, QUANTIZATION_CHOICES, EngineConfig
+from pagedserve.cluster.text.reasoning import REASONING_PARSERS
 
 
 def _memory(text: str) -> int:
@@ -59,6 +60,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
                    help="most logprobs a request may ask for per token (default %(default)s; -1: the "
                         "whole vocabulary)")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="a reasoning model's thinking (<think> ... </think>) goes to the chat message's "
+                        "reasoning field and the Responses API's reasoning item, not its content; "
+                        "structured outputs and tool calls start where the thinking ends (vLLM's parsers)")
     g.add_argument("--scheduling-policy", default=d.scheduling_policy,
                    choices=["fcfs", "priority", "static"])
     g.add_argument("--kv-allocation", default=d.kv_allocation, choices=["paged", "contiguous"])
@@ -100,6 +105,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", default=None, type=_speculative_config,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup drafts)')
+    pool = parser.add_argument_group("embeddings (vLLM's pooling runner)")
+    pool.add_argument("--runner", default=d.runner, choices=["auto", "generate", "pooling"],
+                      help="generate: text; pooling: embeddings (POST /v1/embeddings, each prompt's pooled "
+                           "hidden state); auto (default): pooling for a sentence-transformers checkpoint "
+                           "(modules.json) or a bare decoder's (e.g. Qwen3Model), else generate")
+    pool.add_argument("--task", default=None, choices=["embed", "embedding", "generate"],
+                      help="vLLM's older name for --runner: embed is --runner pooling")
+    pool.add_argument("--pooler-config", default=None, type=_json_object,
+                      help='how the pooling runner pools, over the checkpoint\'s sentence-transformers config: '
+                           '\'{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true|false}\' (default: '
+                           'modules.json + 1_Pooling/config.json, else LAST with normalize)')
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)")
     lora.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
@@ -207,8 +223,11 @@ def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     try:
         resolved = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir,
                                  config_only=True)
-        ModelConfig.from_pretrained(resolved.path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                                    device=cfg.device, quantization=cfg.quantization)
+        mc = ModelConfig.from_pretrained(resolved.path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                                         device=cfg.device, quantization=cfg.quantization, runner=cfg.runner,
+                                         pooler_config=cfg.pooler_config)
+        if mc.runner == "pooling":
+            cfg.check_pooling()
     except (OSError, ValueError) as e:
         what = "the default model" if cfg.model is None else f"--model {cfg.model!r}"
         raise SystemExit(f"error: {what}: {e}") from None

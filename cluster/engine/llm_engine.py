@@ -27,6 +27,7 @@ from pagedserve.cluster.engine.request_options import truncate_prompt
 from pagedserve.cluster.engine.step_containment import StepFailedError, contain, subplan
 from pagedserve.cluster.engine.step_timer import StepTimer
 from pagedserve.cluster.engine.structured_output import StructuredOutputManager
+from pagedserve.cluster.text.reasoning import ReasoningParser
 from pagedserve.cluster.text.tokenizer_pool import load_tokenizer
 from pagedserve.cluster.wire.failures import ExecutorDeadError
 from pagedserve.cluster.wire.outputs import RequestOutput
@@ -36,6 +37,7 @@ from pagedserve.platforms import decide_here
 from pagedserve.scheduler import Scheduler
 from pagedserve.scheduler.lora import LoRARequest
 from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan
+from pagedserve.scheduler.pooling_params import PoolingParams, check_dimensions, runner_mismatch
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.vocab_limits import check_vocab_limits
 from pagedserve.worker.model_config import ModelConfig
@@ -61,8 +63,15 @@ class LLMEngine:
             self.config.model, self.config.revision = engine_config.model, resolved.revision
         self.model_config = ModelConfig.from_pretrained(
             path, dtype=self.config.dtype, max_model_len=self.config.max_model_len, device=self.config.device,
-            quantization=self.config.quantization)
+            quantization=self.config.quantization, runner=self.config.runner,
+            pooler_config=self.config.pooler_config)
         self.model_config.verify_tensor_parallel(self.config.tensor_parallel_size)
+        # "generate" or "pooling" (embeddings), resolved for this checkpoint; the workers get
+        # it resolved, so every process reads the checkpoint the same way.
+        self.runner = self.config.runner = self.model_config.runner
+        if self.runner == "pooling":
+            self.config.check_pooling()
+            logger.info("Pooling runner (embeddings): %s", self.model_config.pooler.describe())
         self.max_model_len = self.model_config.max_model_len
         self.config.max_model_len = self.max_model_len
         # vLLM's naming: the id is --served-model-name, else --model as given; root is
@@ -77,6 +86,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(local_model_path(self.config.tokenizer, download_dir=self.config.download_dir,
                                                          config_only=True) or path)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
+        # --reasoning-parser on this tokenizer (ValueError: its tags are not tokens of it).
+        self.reasoning = (ReasoningParser.for_tokenizer(self.config.reasoning_parser, self.tokenizer)
+                          if self.config.reasoning_parser else None)
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                   self.eos_token_ids)
 
@@ -118,10 +130,18 @@ class LLMEngine:
                              f"[0, {vocab}).")
         return ids
 
-    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """ValueError unless the prompt and max_tokens fit max_model_len. Reads config
-        only, so any thread may call it (the serving layer's tokenizer pool does)."""
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None, pooling: bool = False) -> None:
+        """ValueError unless the prompt and max_tokens fit max_model_len (``pooling``: the
+        prompt alone, which may fill it). Reads config only, so any thread may call it (the
+        serving layer's tokenizer pool does)."""
         n = num_prompt_tokens
+        if pooling:
+            if n > self.max_model_len:
+                raise ValueError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your input "
+                    f"contains {n} tokens, which exceeds this limit (an embedding takes no output tokens). Please "
+                    "reduce the length of the input, or ask for truncation with truncate_prompt_tokens.")
+            return
         if n >= self.max_model_len or (max_tokens is not None and n + max_tokens > self.max_model_len):
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -141,13 +161,35 @@ class LLMEngine:
             return self.structured.compile(params.structured_outputs)
         return None
 
+    def matryoshka(self) -> tuple[bool, list[int] | None]:
+        """(whether ``dimensions`` may be asked, the sizes allowed or None for any)."""
+        from pagedserve.worker.pooler import matryoshka_dimensions
+
+        return matryoshka_dimensions(self.model_config.hf_config)
+
+    def check_pooling(self, pooling: PoolingParams) -> PoolingParams:
+        """``pooling`` with the model's pooling type and normalize filled in; ValueError for
+        ``dimensions`` the model does not support (vLLM's words)."""
+        check_dimensions(pooling.dimensions, self.served_model_name, self.model_config.hidden_size,
+                         *self.matryoshka())
+        pooler = self.model_config.pooler
+        return PoolingParams(dimensions=pooling.dimensions, pooling_type=pooling.pooling_type or pooler.pooling_type,
+                             normalize=pooler.normalize if pooling.normalize is None else pooling.normalize)
+
     def make_request(self, req: EngineRequest) -> EngineRequest:
         """Every check a request can fail, once (cluster/wire/request.py): ValueError naming
         the problem. Fills in ``req``'s token ids (tokenizing a text prompt that is still
         text, offline), its vocabulary-limited params, the text the model sees and the
         compiled grammar; returns it. Reads configuration and the tokenizer only: any thread
         may call it (a replica's tokenizer pool encodes with its own tokenizer copy first)."""
-        params = check_vocab_limits(req.params, self.model_config.vocab_size, self.config.max_logprobs)
+        if (req.pooling is not None) != (self.runner == "pooling"):
+            raise ValueError(runner_mismatch(self.served_model_name, req.pooling is not None,
+                                             "Chat Completions" if req.messages is not None else "Completions"))
+        params = req.params
+        if req.pooling is not None:  # nothing is sampled or decoded: only the truncation counts
+            params = SamplingParams(max_tokens=None, detokenize=False, truncation_side=params.truncation_side,
+                                    truncate_prompt_tokens=params.truncate_prompt_tokens)
+        params = check_vocab_limits(params, self.model_config.vocab_size, self.config.max_logprobs)
         prompt = req.prompt
         if req.messages is not None and req.prompt_token_ids is None:
             raise ValueError("a chat request must be rendered and tokenized before make_request.")
@@ -156,8 +198,14 @@ class LLMEngine:
             raise ValueError("the prompt is empty.")
         full_len = len(prompt_ids)
         prompt_ids = truncate_prompt(prompt_ids, params, self.max_model_len)
-        self.check_length(len(prompt_ids), params.max_tokens)
-        req.grammar = self.check_params(params)
+        self.check_length(len(prompt_ids), params.max_tokens, pooling=req.pooling is not None)
+        if req.pooling is not None:
+            req.pooling = self.check_pooling(req.pooling)
+        else:
+            req.grammar = self.check_params(params)
+            if req.grammar is not None and req.reasoning and self.reasoning is not None \
+                    and self.reasoning.starts_in_reasoning(prompt_ids, req.chat_template_kwargs):
+                req.grammar_after_token = self.reasoning.end_token_id  # the thinking is free
         if req.lora_request is not None:
             self.loras.check(req.lora_request)
         if len(prompt_ids) < full_len:  # RequestOutput.prompt is what the model saw
@@ -170,10 +218,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
                     cache_salt: str | None = None, tenant: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
-        """vLLM's offline entry: one EngineRequest, ``make_request`` then ``add_engine_request``."""
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
+        """vLLM's offline entry: one EngineRequest, ``make_request`` then ``add_engine_request``.
+        ``pooling``: an embedding request (the pooling runner); ``params`` then only truncate."""
         req = EngineRequest(request_id, prompt, params, priority, cache_salt, tenant=tenant,
-                            arrival_time=arrival_time, lora_request=lora_request)
+                            arrival_time=arrival_time, lora_request=lora_request, pooling=pooling)
         self.add_engine_request(self.make_request(req))
 
     def add_engine_request(self, req: EngineRequest) -> None:
@@ -186,7 +235,8 @@ class LLMEngine:
         group, requests = self.outputs.make_group(req)
         if params.structured_outputs is not None:  # one matcher per sample, one grammar
             for sample in group.samples:
-                self.structured.add_request(sample.req_id, params.structured_outputs, req.grammar)
+                self.structured.add_request(sample.req_id, params.structured_outputs, req.grammar,
+                                            after_token=req.grammar_after_token)
         try:
             self.scheduler.add_request(requests[0])  # raises ValueError before anything is recorded
         except BaseException:

@@ -55,6 +55,7 @@ class Group:
     params: SamplingParams | None = None  # the user's (n, best_of, logprobs asked)
     prompt_logprobs: list | None = None  # one slot per prompt position, filled by position
     num_outputs: int = 0
+    pooled: bytes | None = None  # an embedding request's vector, once its prompt has run
 
     @property
     def finished(self) -> bool:
@@ -97,7 +98,7 @@ class OutputProcessor:
             group.samples.append(sample)
             requests.append(Request(req_id, prompt_ids, child, eos_token_id=eos, arrival_time=arrival,
                                     priority=req.priority, cache_salt=req.cache_salt, tenant=req.tenant,
-                                    lora_request=req.lora_request))
+                                    lora_request=req.lora_request, pooling_params=req.pooling))
         return group, requests
 
     def add(self, group: Group, pending: list[Request]) -> None:
@@ -172,6 +173,10 @@ class OutputProcessor:
 
     def process(self, group: Group, sample: Sample, out: EngineCoreOutput, now: float):
         new_ids = out.new_token_ids
+        if out.pooled is not None:  # an embedding request: its one output, at the end of its prompt
+            group.pooled = out.pooled
+            group.metrics.first_token_time = now
+            group.num_cached_tokens = out.num_cached_tokens
         if new_ids:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
@@ -225,4 +230,4 @@ class OutputProcessor:
         plp = group.prompt_logprobs if group.num_outputs == 1 or group.finished else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              finished=group.finished, num_cached_tokens=group.num_cached_tokens,
-                             metrics=group.metrics, prompt_logprobs=plp)
+                             metrics=group.metrics, prompt_logprobs=plp, pooled=group.pooled)

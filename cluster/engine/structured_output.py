@@ -9,6 +9,12 @@
         result ──▶ accept(req_id, token ids) advances that request's matcher; a matcher
               that terminated ends the request with finish_reason "stop"
 
+With a reasoning parser (cluster/text/reasoning.py) a chat answer's grammar waits for the
+thinking to end (vLLM's reasoning_ended): its matcher is made at add_request but gets no
+bitmask row, and is fed nothing, until the end-of-thinking token is sampled; the tokens
+after that one in the same step are its first (the thinking is free text, the answer after
+it is what the grammar holds).
+
 The matchers live here, not in the workers: every TP rank then applies the same
 bitmask (no rank can drift), and preemption costs nothing: a recomputed request keeps
 its matcher, which has accepted exactly the tokens the request holds, so nothing is
@@ -87,6 +93,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the compiler's creation and the cache
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
         self.matchers: dict[str, object] = {}  # req_id -> xgrammar.GrammarMatcher
+        # req_id -> the token its matcher waits for (the end of the thinking), until it comes
+        self.waiting: dict[str, int] = {}
 
     # ------------------------------------------------------------ compile (any thread)
     def _get_compiler(self):
@@ -139,14 +147,19 @@ class StructuredOutputManager:
                              f"{msg[-1] if msg else type(e).__name__}") from None
 
     # ------------------------------------------------------------ matchers (engine thread)
-    def add_request(self, req_id: str, so: StructuredOutputsParams, grammar=None) -> None:
-        """``grammar``: ``so`` compiled already (EngineRequest.grammar), else compiled here."""
+    def add_request(self, req_id: str, so: StructuredOutputsParams, grammar=None,
+                    after_token: int | None = None) -> None:
+        """``grammar``: ``so`` compiled already (EngineRequest.grammar), else compiled here.
+        ``after_token``: the grammar applies only after this token (the end of the thinking)."""
         import xgrammar as xgr
 
         self.matchers[req_id] = xgr.GrammarMatcher(grammar if grammar is not None else self.compile(so))
+        if after_token is not None:
+            self.waiting[req_id] = after_token
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.waiting.pop(req_id, None)
 
     def fill_bitmask(self, plan, get_request) -> None:
         """Bitmask rows for the constrained requests of ``plan`` that sample this step:
@@ -155,7 +168,7 @@ class StructuredOutputManager:
         sample nothing and get no row."""
         ids = []
         for rid in plan.num_scheduled_tokens:
-            if rid in self.matchers:
+            if rid in self.matchers and rid not in self.waiting:
                 req = get_request(rid)
                 if req is not None and req.num_computed_tokens >= req.num_tokens:
                     ids.append(rid)
@@ -177,6 +190,12 @@ class StructuredOutputManager:
         m = self.matchers.get(req_id)
         if m is None:
             return False
+        end = self.waiting.get(req_id)
+        if end is not None:  # still thinking: the grammar starts after its end
+            if end not in token_ids:
+                return False
+            del self.waiting[req_id]
+            token_ids = token_ids[token_ids.index(end) + 1:]
         for t in token_ids:
             if m.is_terminated():
                 break

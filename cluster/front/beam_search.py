@@ -112,7 +112,7 @@ async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, 
         if chat:
             messages = [m.template_dict() for m in body.messages]
             prompts = [await engine.tokenize.remote(None, messages, body.add_special_tokens,
-                                                    body.template_mode(), None)]
+                                                    body.template_mode(), None, body.chat_template_kwargs)]
             asked = body.max_completion_tokens or body.max_tokens
         else:
             prompts = [p if isinstance(p, list) else await engine.tokenize.remote(p, None, body.add_special_tokens)
@@ -191,7 +191,7 @@ async def create_beam_search(engine, model: ServedModel, client: ReplicaClient, 
                                       prompt_token_ids=prompts[0] if body.return_token_ids else None)
     else:
         resp = CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage)
-    return JSONResponse(resp.model_dump(exclude_none=True))
+    return JSONResponse(resp.model_dump())
 
 
 async def _stream(rid: str, created: int, model: str, chat: bool, body, finals: list):

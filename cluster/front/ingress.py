@@ -10,6 +10,7 @@ its API family; what every route that generates shares sits in one object each:
                        ─▶ responses/              /v1/responses (OpenAI's Responses API): a body
                                                   becomes a chat request, served by serving_chat
                        ─▶ anthropic/              /v1/messages (Anthropic's), translated to a chat
+                       ─▶ embeddings/             /v1/embeddings: a pooling engine's vectors
                                 │
                                 ▼
                        replica_client.py   the connection to the engine replicas: the door's
@@ -43,6 +44,8 @@ from pagedserve.cluster.front.beam_search import create_beam_search
 from pagedserve.cluster.front.door import DASHBOARD_HTML, LiveRequests, request_object
 from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
                                            install_error_handlers, remote_error)
+from pagedserve.cluster.front.embeddings.protocol import EmbeddingRequest, embedding_id
+from pagedserve.cluster.front.embeddings.serving import OpenAIServingEmbedding
 from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.responses.protocol import ResponsesRequest, response_id
 from pagedserve.cluster.front.responses.serving import OpenAIServingResponses
@@ -55,6 +58,7 @@ from pagedserve.cluster.front.serving_completion import OpenAIServingCompletion
 from pagedserve.cluster.front.anthropic.serving_messages import AnthropicServingMessages
 from pagedserve.cluster.front.serving_models import OpenAIServingModels
 from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip
+from pagedserve.scheduler.pooling_params import runner_mismatch
 
 
 logger = logging.getLogger("pagedserve")
@@ -96,6 +100,7 @@ class OpenAIIngress:
         self._chat = OpenAIServingChat(engine, self._model, self._live, self._client)
         self._responses = OpenAIServingResponses(self._chat, self._model, self._live)
         self._messages = AnthropicServingMessages(engine, self._model, self._live, self._chat)
+        self._embedding = OpenAIServingEmbedding(engine, self._model, self._live, self._client)
         self._models = OpenAIServingModels(engine, self._model, self.config.allow_runtime_lora_updating)
         activate(EdgeGuard(self.config, self._model.max_model_len))
 
@@ -118,6 +123,10 @@ class OpenAIIngress:
         return await self._answer(body, request, rid, lambda b, r, t: self._create(b, chat, r, t))
 
     async def _create(self, body, chat: bool, rid: str, tenant):
+        info = await self._model.info()
+        if info.get("runner") == "pooling":  # an embedding model (the engine refuses it too)
+            return error(400, runner_mismatch(info["served_model_name"], pooling=False,
+                                              api="Chat Completions" if chat else "Completions"), param="model")
         try:
             width = body.beam_width()
         except ValueError as e:
@@ -138,6 +147,10 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions/batch")
     async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request):
         return await self._answer(body, request, random_id("chatcmpl"), self._chat.create_batch)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, body: EmbeddingRequest, request: Request):
+        return await self._answer(body, request, embedding_id(), self._embedding.create)
 
     @app.post("/v1/messages")
     async def messages(self, request: Request):
@@ -282,7 +295,8 @@ class OpenAIIngress:
             return error(400, str(e))
         try:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, template, tools)
+            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, template, tools,
+                                                    body.chat_template_kwargs)
             strs = await self.engine.token_strs.remote(ids) if body.return_token_strs else None
         except Exception as e:  # arrives wrapped (RayTaskError)
             return remote_error(e)

@@ -1,5 +1,7 @@
-"""The engine streams of one response read as one: a batch of prompts (/v1/completions)
-is one engine request per prompt, and its answer takes their outputs as they come.
+"""The engine streams of one response read as one: a batch of prompts (/v1/completions,
+/v1/embeddings) is one engine request per prompt, admitted together (``start_all``: one
+refused, the others are cancelled and that answer is the response), and its answer takes
+their outputs as they come (``merged``).
 
     stream 0 ─┐
     stream 1 ─┼─▶ (prompt index, (RequestOutput, token_text)), in arrival order
@@ -60,3 +62,35 @@ async def merged(streams, finished: list[bool]):
         for s, done in zip(streams, finished):
             if not done:
                 s.cancel()  # the engine aborts that prompt's request
+
+
+async def start_all(client, reqs: list, *, whole: bool, arrival: float | None, ids_shown: bool):
+    """Admit every request of a batch through ``client`` (a ReplicaClient), concurrently;
+    (streams, admissions), or (None, the first refusal's error response) with the admitted
+    ones cancelled. A client that leaves meanwhile cancels them all."""
+    tasks = [asyncio.ensure_future(client.generate(req, whole=whole, arrival=arrival, ids_shown=ids_shown))
+             for req in reqs]
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError:  # the client left while we were admitting
+        _drop(tasks)
+        raise
+    results = [t.result() if not t.exception() else (None, t.exception()) for t in tasks]
+    refused = [r for s, r in results if s is None]
+    if not refused:
+        return [s for s, _ in results], [a for _, a in results]
+    for s, _ in results:
+        if s is not None:
+            s.cancel()
+    if isinstance(refused[0], BaseException):
+        raise refused[0]
+    return None, refused[0]
+
+
+def _drop(tasks) -> None:
+    """Cancel the admissions of a batch whose client left, and the streams already admitted."""
+    for t in tasks:
+        if not t.done():
+            t.cancel()  # ReplicaClient.generate cancels its own stream
+        elif not t.cancelled() and t.exception() is None and t.result()[0] is not None:
+            t.result()[0].cancel()

@@ -58,4 +58,5 @@ class PromptTokens:
             return None
         if messages is None and req.params.truncate_prompt_tokens is None:
             pool.check_chars(prompt)  # O(1), before the pool does any work
-        return await pool.run(pool.encode_prompt, prompt, messages, req.add_generation_prompt, req.tools)
+        return await pool.run(pool.encode_prompt, prompt, messages, req.add_generation_prompt, req.tools,
+                              req.chat_template_kwargs)

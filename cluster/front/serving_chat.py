@@ -7,6 +7,9 @@ what the engine is asked (tool_choice.py), one engine request per conversation.
                                                                   (or the error response)
     ChatStarted ─▶ stream: SSE (sse_stream.py)
                 ─▶ not:    collect, one ChatCompletionResponse
+    With --reasoning-parser (the replicas' info names it) the answer's thinking goes to the
+    message's ``reasoning`` (openai_format.ReasoningPlan); the engine request says so, and its
+    grammar (structured outputs, a tool choice) then starts where the thinking ends.
     (the Responses API, cluster/front/responses/, starts and collects chat requests too)
     batch: every conversation started, then read, concurrently; one refused or failed
            conversation is the answer, and the others are cancelled.
@@ -29,6 +32,7 @@ from pagedserve.cluster.front.openai.schemas import ChatCompletionResponse, Usag
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.sse_stream import sse_events
 from pagedserve.cluster.front.openai.tool_choice import constrain_to_schema, tool_plan
+from pagedserve.cluster.text.reasoning import ReasoningParser
 from pagedserve.cluster.wire.request import EngineRequest
 
 
@@ -44,6 +48,7 @@ class ChatStarted:
     model: str
     created: int
     headers: dict
+    reasoning: object = None  # openai_format.ReasoningPlan (--reasoning-parser) or None
 
 
 class OpenAIServingChat:
@@ -61,14 +66,15 @@ class OpenAIServingChat:
         if body.stream:
             state = fmt.StreamState(rid, started.created, started.model, True, body.return_token_ids,
                                     body.return_tokens_as_token_ids, body.continuous_usage, started.plan,
-                                    started.echo)
+                                    started.echo, started.reasoning,
+                                    logprobs_with_sampled=bool(body.logprob_token_ids))
             self._live.hold(rid)
             events = sse_events([started.stream], state, body.include_usage, self._model, self._live)
             return StreamingResponse(events, media_type="text/event-stream", headers=started.headers)
         resp = await self.collect(body, started)
         if not isinstance(resp, ChatCompletionResponse):
             return resp
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=started.headers)
+        return JSONResponse(resp.model_dump(), headers=started.headers)
 
     async def create_batch(self, body, rid: str, tenant):
         """vLLM's batched chat: each conversation an engine request of its own, admitted
@@ -114,7 +120,7 @@ class OpenAIServingChat:
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         resp = ChatCompletionResponse(id=rid, created=started[0].created, model=started[0].model,
                                       choices=choices, usage=usage)
-        return JSONResponse(resp.model_dump(exclude_none=True),
+        return JSONResponse(resp.model_dump(),
                             headers={REQUEST_ID_HEADER: rid, REPLICA_HEADER: started[0].headers[REPLICA_HEADER]})
 
     async def start(self, body, rid: str, tenant, arrival: float | None = None):
@@ -135,21 +141,25 @@ class OpenAIServingChat:
         except ValueError as e:
             return error(400, str(e))
         tools = plan.tools if plan is not None else None
+        kwargs = body.chat_template_kwargs
         if body.add_special_tokens:  # the tokenizer's BOS etc. on top of the template's (vLLM)
             try:
-                prompt = await self._engine.tokenize.remote(None, messages, True, template, tools)
+                prompt = await self._engine.tokenize.remote(None, messages, True, template, tools, kwargs)
             except Exception as e:  # arrives wrapped (RayTaskError)
                 return remote_error(e)
             messages = None
+        parser = info.get("reasoning_parser")  # cluster/text/reasoning.py
+        reasoning = None if parser is None else fmt.ReasoningPlan(ReasoningParser.from_description(parser), kwargs,
+                                                                  body.include_reasoning)
         req = EngineRequest(rid, prompt, params, body.priority, body.cache_salt, messages, template, tenant, tools,
-                            lora_request=lora)
+                            chat_template_kwargs=kwargs, reasoning=reasoning is not None, lora_request=lora)
         stream, adm = await self._client.generate(req, whole=not body.stream,
                                                   arrival=arrival if arrival is not None else self._live.arrival(rid),
                                                   ids_shown=body.return_token_ids)
         if stream is None:
             return adm
         return ChatStarted(rid, stream, params, plan, echo, self._model.response_name(info, lora), int(time.time()),
-                            admitted_headers(rid, adm))
+                           admitted_headers(rid, adm), reasoning)
 
     async def collect(self, body, started: ChatStarted):
         """The whole answer of an admitted, unstreamed chat request, or the error response."""
@@ -168,7 +178,8 @@ class OpenAIServingChat:
             return generation_error(rid, e)
         self._model.observe(final)
         resp = fmt.chat_response(rid, started.created, started.model, final, token_text, body.return_token_ids,
-                                 body.return_tokens_as_token_ids, started.plan, started.echo)
+                                 body.return_tokens_as_token_ids, started.plan, started.echo, started.reasoning,
+                                 logprobs_with_sampled=bool(body.logprob_token_ids))
         resp.prompt_logprobs = prompt_logprobs_json(plp, params.prompt_logprobs or 0, token_text)
         if body.return_token_ids:
             resp.prompt_token_ids = list(final.prompt_token_ids)

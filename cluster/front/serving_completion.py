@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedserve.cluster.front.openai import openai_format as fmt
 from pagedserve.cluster.front.door import LiveRequests, admitted_headers
 from pagedserve.cluster.front.edge import error, generation_error, remote_error
-from pagedserve.cluster.front.merged_streams import merged
+from pagedserve.cluster.front.merged_streams import merged, start_all
 from pagedserve.cluster.front.openai.openai_format import ChoiceShaper, batch_response
 from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.served_model import ServedModel
@@ -75,7 +75,8 @@ class OpenAIServingCompletion:
             shapers.append(ChoiceShaper(i, params.n, echo, body.logprobs, body.prompt_only))
         if body.stream:
             state = fmt.StreamState(rid, created, model, False, body.return_token_ids,
-                                    body.return_tokens_as_token_ids, body.continuous_usage)
+                                    body.return_tokens_as_token_ids, body.continuous_usage,
+                                    logprobs=body.logprobs is not None)
             self._live.hold(rid)
             events = sse_events(streams, state, body.include_usage, self._model, self._live, shapers)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
@@ -96,39 +97,13 @@ class OpenAIServingCompletion:
             self._model.observe(out)
         resp = batch_response(rid, created, model, finals, shapers, token_text, body.return_token_ids,
                               params.prompt_logprobs, body.return_tokens_as_token_ids)
-        return JSONResponse(resp.model_dump(exclude_none=True), headers=headers)
+        return JSONResponse(resp.model_dump(), headers=headers)
 
     async def _start_all(self, rid: str, prompts: list, params, body, tenant, lora):
         """Admit every prompt (concurrently); (streams, admissions) or (None, error response).
         ``lora``: the adapter the body's model names (None: the base model)."""
         ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-        arrival = self._live.arrival(rid)
         reqs = [EngineRequest(sub, p, params, body.priority, body.cache_salt, tenant=tenant, lora_request=lora)
                 for sub, p in zip(ids, prompts)]
-        tasks = [asyncio.ensure_future(self._client.generate(req, whole=not body.stream, arrival=arrival,
-                                                             ids_shown=body.return_token_ids))
-                 for req in reqs]
-        try:
-            await asyncio.wait(tasks)
-        except asyncio.CancelledError:  # the client left while we were admitting
-            _drop(tasks)
-            raise
-        results = [t.result() if not t.exception() else (None, t.exception()) for t in tasks]
-        refused = [r for s, r in results if s is None]
-        if not refused:
-            return [s for s, _ in results], [a for _, a in results]
-        for s, _ in results:
-            if s is not None:
-                s.cancel()
-        if isinstance(refused[0], BaseException):
-            raise refused[0]
-        return None, refused[0]
-
-
-def _drop(tasks) -> None:
-    """Cancel the admissions of a batch whose client left, and the streams already admitted."""
-    for t in tasks:
-        if not t.done():
-            t.cancel()  # ReplicaClient.generate cancels its own stream
-        elif not t.cancelled() and t.exception() is None and t.result()[0] is not None:
-            t.result()[0].cancel()
+        return await start_all(self._client, reqs, whole=not body.stream, arrival=self._live.arrival(rid),
+                               ids_shown=body.return_token_ids)

@@ -150,7 +150,10 @@ class AsyncEngine:
                     chat_template_tools=renders_tools(e.tokenizer), eos_token_ids=list(e.eos_token_ids),
                     kv_events=self.kv_events_address, enable_lora=e.config.enable_lora,
                     lora_modules=e.loras.describe(),
-                    dynamic_lora_loading_path=e.config.dynamic_lora_loading_path)
+                    dynamic_lora_loading_path=e.config.dynamic_lora_loading_path,
+                    runner=e.runner, embedding_size=e.model_config.hidden_size, matryoshka=e.matryoshka(),
+                    pooler=None if e.model_config.pooler is None else e.model_config.pooler.describe(),
+                    reasoning_parser=e.reasoning.describe() if e.reasoning is not None else None)
 
     def stats(self) -> dict:
         return dict(self._stats, drain_rate=self._drain.rate, dead=self._dead)
@@ -165,11 +168,11 @@ class AsyncEngine:
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        add_special_tokens: bool | None = None, add_generation_prompt: bool | str = True,
-                       tools: list[dict] | None = None) -> list[int]:
+                       tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         if prompt is not None:
             self._tok.check_chars(prompt)
         return await self._tok.run(self._tok.tokenize, prompt, messages, add_special_tokens,
-                                   add_generation_prompt, tools)
+                                   add_generation_prompt, tools, chat_template_kwargs)
 
     async def token_strs(self, tokens: list[int]) -> list[str]:
         return await self._tok.run(self._tok.token_strs, tokens)
@@ -321,7 +324,7 @@ class AsyncEngine:
         validation of the request (LLMEngine.make_request); the engine thread trusts it."""
         if req.needs_encoding:
             req.prompt_token_ids = self._tok.encode_prompt(req.prompt, req.messages, req.add_generation_prompt,
-                                                           req.tools)
+                                                           req.tools, req.chat_template_kwargs)
         return self.engine.make_request(req)
 
     async def _prepare(self, req: EngineRequest) -> EngineRequest:
@@ -333,7 +336,7 @@ class AsyncEngine:
             self._tok.check_chars(prompt)
         elif (isinstance(prompt, list) and len(prompt) >= self.engine.max_model_len
               and params.truncate_prompt_tokens is None):
-            self.engine.check_length(len(prompt), params.max_tokens)
+            self.engine.check_length(len(prompt), params.max_tokens, pooling=req.pooling is not None)
         return await self._tok.run(self._make_request, req)
 
     async def generate(self, req: EngineRequest, *, output_route: tuple[str, bytes]):

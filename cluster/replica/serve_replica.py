@@ -93,9 +93,9 @@ class EngineReplica:
         await self.core.check_lora(lora_request)
 
     async def tokenize(self, prompt=None, messages=None, add_special_tokens=None,
-                       add_generation_prompt=True, tools=None) -> list[int]:
+                       add_generation_prompt=True, tools=None, chat_template_kwargs=None) -> list[int]:
         return await self.core.tokenize(prompt, messages, add_special_tokens, add_generation_prompt,
-                                        tools)
+                                        tools, chat_template_kwargs)
 
     async def token_strs(self, tokens: list[int]) -> list[str]:
         return await self.core.token_strs(tokens)

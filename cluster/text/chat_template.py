@@ -1,10 +1,12 @@
 """What the chat template sees of a conversation's tools (the prompt side of
 ``tools`` / ``tool_choice``; the constraint side is cluster/front/openai/tool_choice.py): does the
-template render tools, and the earlier tool calls fitted to what it can render."""
+template render tools, and the earlier tool calls fitted to what it can render. And a
+request's ``chat_template_kwargs`` (vLLM's), fitted to the variables the template reads."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 
@@ -67,3 +69,30 @@ def _with_parsed_arguments(call: dict) -> dict:
         return call  # not JSON: the template gets the text as it came
     fn["arguments"] = args
     return call
+
+
+# What render_chat passes the template from the request's own fields: those win over a
+# chat_template_kwargs of the same name (as vLLM's request fields do).
+SET_BY_THE_REQUEST = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message"})
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str]:
+    """The names a Jinja template reads from its context (its undeclared variables)."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+    except jinja2.TemplateError:  # the template's own error comes when it is applied
+        return frozenset()
+
+
+def template_kwargs(tokenizer, kwargs: dict | None) -> dict:
+    """The part of a request's ``chat_template_kwargs`` the template reads (as vLLM's
+    resolve_chat_template_kwargs keeps it): the rest would reach the tokenizer's own
+    apply_chat_template keywords (``tokenize``, ``return_dict``, ...), not the template."""
+    if not kwargs:
+        return {}
+    names = _template_variables(template_source(tokenizer)) - SET_BY_THE_REQUEST
+    return {k: v for k, v in kwargs.items() if k in names}

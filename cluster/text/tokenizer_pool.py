@@ -39,7 +39,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from pagedserve.cluster.text.chat_template import adapt_messages, renders_tools
+from pagedserve.cluster.text.chat_template import adapt_messages, renders_tools, template_kwargs
 
 logger = logging.getLogger("pagedserve")
 
@@ -57,17 +57,20 @@ def load_tokenizer(path: str):
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool | str = True,
-                tools: list[dict] | None = None) -> str:
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
     """The model's chat template, or a plain "role: content" transcript when the
     tokenizer has none (tiny test models ship without one). Tool turns are fitted to
     what the template renders first (tool_choice.adapt_messages); ``tools`` go to a
     template that renders them and nowhere else. ``add_generation_prompt`` "continue" is
     vLLM's continue_final_message: the last message is left open (no end-of-turn after
-    it, no generation prompt), so the model carries on writing it."""
+    it, no generation prompt), so the model carries on writing it. ``chat_template_kwargs``:
+    more variables for the template (vLLM's, e.g. {"enable_thinking": False}), those it reads."""
     messages = adapt_messages(messages, tokenizer)
     cont = add_generation_prompt == "continue"
     if getattr(tokenizer, "chat_template", None):
-        extra = {"tools": tools} if tools and renders_tools(tokenizer) else {}
+        extra = template_kwargs(tokenizer, chat_template_kwargs)
+        if tools and renders_tools(tokenizer):
+            extra["tools"] = tools
         if cont:  # only when asked: not every tokenizer takes the keyword
             extra["continue_final_message"] = True
         return tokenizer.apply_chat_template(messages, tokenize=False,
@@ -134,11 +137,12 @@ class TokenizerPool:
 
     # -------------------------------------------------- bodies (pool threads)
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None,
-                      add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+                      add_generation_prompt: bool, tools: list[dict] | None = None,
+                      chat_template_kwargs: dict | None = None) -> list[int]:
         """The prompt ids of a generation request (what ``LLMEngine.tokenize`` gives)."""
         tok = self._tok()
         if messages is not None:
-            prompt = render_chat(tok, messages, add_generation_prompt, tools)
+            prompt = render_chat(tok, messages, add_generation_prompt, tools, chat_template_kwargs)
             self.check_chars(prompt)
             # The template holds BOS etc. itself (vLLM's chat default): encoding with special
             # tokens gave a template that starts with {{ bos_token }} two BOS.
@@ -147,12 +151,12 @@ class TokenizerPool:
 
     def tokenize(self, prompt: str | None, messages: list[dict] | None,
                  add_special_tokens: bool | None, add_generation_prompt: bool | str,
-                 tools: list[dict] | None = None) -> list[int]:
+                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
         """/tokenize's ids. ``add_special_tokens`` None: vLLM's defaults, True for a prompt
         and False for messages (the chat template writes BOS itself)."""
         tok = self._tok()
         if messages is not None:
-            prompt = render_chat(tok, messages, add_generation_prompt, tools)
+            prompt = render_chat(tok, messages, add_generation_prompt, tools, chat_template_kwargs)
         if add_special_tokens is None:
             add_special_tokens = messages is None
         prompt = prompt or ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import sys
 from dataclasses import dataclass, field
 
 
@@ -48,3 +50,34 @@ class RequestOutput:
     # first (nothing precedes it) and for positions not computed yet (the prompt's own
     # token first, then the top-N; ``sampled_rank`` is its rank). As vLLM's, as lists.
     prompt_logprobs: list | None = None
+    # An embedding request's vector (the pooling runner), float32 little-endian bytes, on its
+    # final (and only) output; ``embedding`` reads it as floats. None for generation.
+    pooled: bytes | None = None
+
+    @property
+    def embedding(self) -> list[float] | None:
+        return None if self.pooled is None else decode_vector(self.pooled)
+
+
+def decode_vector(data: bytes) -> list[float]:
+    """float32 little-endian bytes -> Python floats."""
+    vec = array.array("f")
+    vec.frombytes(data)
+    if sys.byteorder != "little":
+        vec.byteswap()
+    return vec.tolist()
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt, as vLLM's: ``out.outputs.embedding``."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -64,7 +64,10 @@ class KVCacheManager:
         reference; ``allocate_slots`` does, if the request is admitted."""
         # Prompt logprobs need logits at every prompt position: a hit would skip them
         # (vLLM skips the cache for such requests too). Its blocks are still cached after.
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        # So does MEAN or CLS pooling, which needs positions a hit skips (pooling_params.py).
+        pooling = request.pooling_params
+        if (not self.enable_caching or request.sampling_params.prompt_logprobs is not None
+                or (pooling is not None and not pooling.reads_prefix_cache)):
             return [], 0
         bs = self.block_size
         tokens = request.all_token_ids

@@ -103,3 +103,61 @@ def make_test_model(name: str, root: str | os.PathLike) -> str:
         raise KeyError(f"unknown test shape {name!r}; known: {sorted(TEST_SHAPES)}.")
     arch, overrides = TEST_SHAPES[name]
     return build_once(os.path.join(os.fspath(root), name), lambda tmp: make_random_llama(tmp, arch, **overrides))
+
+
+# sentence-transformers' module list, as its checkpoints write modules.json (worker/pooler.py reads it).
+_ST_MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+_ST_NORMALIZE = {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+_ST_MODE_KEYS = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token"}
+
+
+def make_random_embedder(path: str | os.PathLike, arch: str = "qwen3", pooling: str = "LAST",
+                         normalize: bool = True, headless: bool = True, seed: int = 0,
+                         config_updates: dict[str, Any] | None = None, **config_overrides: Any) -> str:
+    """A random decoder embedding model, as sentence-transformers ships one: the weights of
+    the bare decoder (``headless``: transformers' ``<X>Model``, names without ``model.`` and
+    no lm_head, as Qwen3-Embedding's; else the ``<X>ForCausalLM`` checkpoint), config.json
+    naming ``<X>ForCausalLM`` (Qwen3-Embedding's does), modules.json with its Pooling module
+    (``pooling``: LAST / MEAN / CLS) and a Normalize module if ``normalize``.
+    ``config_updates``: keys written into config.json as they are (``is_matryoshka``, ...)."""
+    import json
+
+    import transformers as tf
+
+    cfg_cls, causal_cls = _hf_classes(arch)
+    model_cls = getattr(tf, causal_cls.__name__.replace("ForCausalLM", "Model")) if headless else causal_cls
+    kwargs = {**_BASE, **config_overrides}
+    kwargs.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    config = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # as make_random_llama: no zero bias or unit norm weight passes by accident
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * config.initializer_range)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+    path = os.fspath(path)
+    model.save_pretrained(path, safe_serialization=True)
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file) as f:
+        hf = json.load(f)
+    hf.update({"architectures": [causal_cls.__name__], **(config_updates or {})})
+    with open(cfg_file, "w") as f:
+        json.dump(hf, f, indent=2)
+    modules = _ST_MODULES + ([_ST_NORMALIZE] if normalize else [])
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f, indent=2)
+    os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+    pool_cfg = {"word_embedding_dimension": config.hidden_size, "include_prompt": True,
+                **{key: pooling == mode for mode, key in _ST_MODE_KEYS.items()},
+                "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False,
+                "pooling_mode_weightedmean_tokens": False}
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump(pool_cfg, f, indent=2)
+    if normalize:
+        os.makedirs(os.path.join(path, "2_Normalize"), exist_ok=True)
+    save_tokenizer(path, config.vocab_size, model_max_length=config.max_position_embeddings)
+    return path

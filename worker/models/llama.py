@@ -7,7 +7,10 @@ and decode rows described by ``AttentionMetadata``; the numerics follow transfor
 ``LlamaForCausalLM`` so fp32 greedy decoding is token-identical to ``generate()``.
 
 With LoRA on (worker/lora), each projection's output gains its rows' adapter deltas
-through the layer's ``lora`` hook; off, the hooks are None.
+through the layer's ``lora`` hook; off, the hooks are None. For the pooling runner
+(embeddings, worker/pooler.py) the model has no LM head: ``forward``'s final normed hidden
+states are what it pools, and a bare decoder's checkpoint (``embed_tokens.weight``,
+``layers.N...``, as transformers' AutoModel saves it) loads under ``model.``.
 
 Parameter names match the HF checkpoint except for the fused projections:
 
@@ -198,9 +201,12 @@ class LlamaForCausalLM(nn.Module):
                                       for i in range(cfg.num_hidden_layers)))
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, cfg.dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        # The pooling runner (embeddings) reads the final hidden states: no LM head at all.
+        self.lm_head = None
+        if cfg.runner != "pooling":
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, cfg.dtype)
+            if cfg.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_layer(self, cfg: ModelConfig, backend: str, layer_idx: int) -> LlamaDecoderLayer:
         return LlamaDecoderLayer(cfg, LlamaAttention(cfg, backend, layer_idx), LlamaMLP(cfg))
@@ -217,6 +223,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] fp32, the full vocabulary on every rank."""
+        if self.lm_head is None:
+            raise RuntimeError("this model runs for embeddings (--runner pooling): it has no LM head.")
         return self.lm_head.compute_logits(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
@@ -224,11 +232,14 @@ class LlamaForCausalLM(nn.Module):
         Returns the names of the parameters that were written."""
         params = dict(self.named_parameters())  # tied lm_head.weight is listed once, as embed
         loaded: set[str] = set()
+        pooling = self.lm_head is None
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints store this buffer; we recompute it
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # some tied checkpoints still ship a copy of the embedding
+            if name.startswith("lm_head.") and (pooling or self.config.tie_word_embeddings):
+                continue  # no head to fill; some tied checkpoints still ship a copy of the embedding
+            if pooling and not name.startswith("model."):
+                name = "model." + name  # a bare decoder's checkpoint (AutoModel's names), as vLLM maps it
             target, shard_id = self.map_checkpoint_name(name)
             param = params.get(target)
             if param is None:

@@ -54,11 +54,16 @@ class PromptTokensDetails(OpenAIBase):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (this tenant's own)
 
 
+class CompletionTokensDetails(OpenAIBase):
+    reasoning_tokens: int = 0  # the thinking's tokens (with --reasoning-parser, as vLLM counts them)
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(OpenAIBase):
@@ -91,12 +96,16 @@ class CompletionChoice(OpenAIBase):
     prompt_logprobs: PromptLogprobsList | None = None
 
 
+# A whole (not streamed) completion or chat response is sent with every field below, null
+# included, as vLLM sends them: clients read the attributes (the openai SDK has an extra one
+# only if it was sent), and vLLM's test_invocations holds the JSON's keys to the SDK's.
 class CompletionResponse(OpenAIBase):
     id: str = Field(default_factory=lambda: random_id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
 
     @model_serializer(mode="wrap")
@@ -141,7 +150,16 @@ def tool_call_id() -> str:
 class ChatResponseMessage(OpenAIBase):
     role: str = "assistant"
     content: str | None = None
+    # OpenAI's, never set here (no refusals, annotations, audio or legacy function calls).
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
     tool_calls: list[ToolCall] | None = None
+    # The thinking, with --reasoning-parser (vLLM's field; reasoning_content is its older
+    # name, still read by clients written for it: both carry the same text).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _keep_null_content(self, handler):
@@ -166,6 +184,11 @@ class ChatCompletionResponse(OpenAIBase):
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionChoice]
+    # OpenAI's, never set here.
+    metadata: dict | None = None
+    moderation: dict | None = None
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsList | None = None  # vLLM: per response, not per choice
     prompt_token_ids: list[int] | None = None  # with return_token_ids, as vLLM
@@ -193,6 +216,8 @@ class DeltaToolCall(OpenAIBase):
 class DeltaMessage(OpenAIBase):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # with --reasoning-parser: the thinking's delta (and, the same,
+    reasoning_content: str | None = None  # under its older name)
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -212,6 +237,7 @@ class ChatCompletionStreamResponse(OpenAIBase):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunk only (vLLM)
 
 
 class CompletionStreamResponse(OpenAIBase):
@@ -336,9 +362,9 @@ NOT_IMPLEMENTED = frozenset({
     "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "service_tier", "verbosity",
     "web_search_options",
     # vLLM's completions and chat completions
-    "allowed_token_ids", "bad_words", "chat_template", "chat_template_kwargs", "documents",
-    "early_stopping", "ec_transfer_params", "include_reasoning", "kv_transfer_params", "logits_processors",
-    "logprob_token_ids", "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
+    "allowed_token_ids", "bad_words", "chat_template", "documents",
+    "early_stopping", "ec_transfer_params", "kv_transfer_params", "logits_processors",
+    "media_io_kwargs", "mm_payload", "mm_processor_kwargs", "prompt_embeds",
     "repetition_detection", "request_id", "return_mm_kwargs", "return_prompt_text", "return_token_offsets",
     "routed_experts_prompt_start", "session_id", "spaces_between_special_tokens", "stream_interval",
     "thinking_token_budget", "watermarking",
@@ -494,6 +520,9 @@ class _SamplingFields(_IgnoredFields):
     guided_decoding_backend: Text | None = None
     guided_whitespace_pattern: Text | None = None
     prompt_logprobs: Int | None = None
+    # vLLM's: the logprobs of these token ids at each generated position, with the sampled
+    # one's, instead of the top N (logprobs must be asked).
+    logprob_token_ids: list[TokenId] | None = Field(None, max_length=128)
     truncate_prompt_tokens: Int | None = None
     # Which end truncate_prompt_tokens keeps: "left" (vLLM's default) cuts the start,
     # keeping the last tokens; "right" keeps the first.
@@ -552,7 +581,7 @@ class _SamplingFields(_IgnoredFields):
         "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature",
         "ignore_eos", "length_penalty", "use_beam_search", "include_stop_str_in_output", "return_token_ids",
         "skip_special_tokens", "priority", "cache_salt", "add_generation_prompt", "continue_final_message",
-        "add_special_tokens", "stream", "stream_options",
+        "add_special_tokens", "stream", "stream_options", "chat_template_kwargs",
     }) | ACCEPTED_AND_IGNORED
 
     def beam_width(self) -> int | None:
@@ -588,7 +617,7 @@ class _SamplingFields(_IgnoredFields):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=[] if self.stop is None else self.stop,
             stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, logprob_token_ids=self._logprob_token_ids(logprobs),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -597,6 +626,15 @@ class _SamplingFields(_IgnoredFields):
             prompt_logprobs=self._prompt_logprobs(logprobs),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side or "left")
+
+    def _logprob_token_ids(self, logprobs: int | None) -> list[int] | None:
+        if not self.logprob_token_ids:
+            return None
+        if logprobs is None:  # vLLM's words
+            raise ValueError("when using `logprob_token_ids`, `logprobs` must be set (true in a chat request).")
+        if self.use_beam_search:
+            raise ValueError("`logprob_token_ids` is not supported with beam search.")
+        return list(self.logprob_token_ids)
 
     def _prompt_logprobs(self, logprobs: int | None) -> int | None:
         # vLLM refuses prompt logprobs on a stream (they would all come in the first chunk).
@@ -748,6 +786,18 @@ class ChatCompletionRequest(_SamplingFields):
     # checked in tool_choice.tool_plan, which names what is wrong.
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template (e.g. {"enable_thinking": false}: Qwen3's
+    # switch), those it reads; and whether the thinking (--reasoning-parser) is sent back.
+    chat_template_kwargs: dict[Text, Any] | None = None
+    include_reasoning: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_leave_the_template_alone(cls, v):
+        unexpected = sorted({"chat_template", "tokenize"} & set(v or ()))
+        if unexpected:  # vLLM's words
+            raise ValueError(f"Found unexpected chat template kwargs from request: {unexpected}")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -814,6 +864,7 @@ class TokenizeRequest(_OpenBody):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[ChatTool] | None = None  # rendered as a chat request's would be (if the template does)
+    chat_template_kwargs: dict[Text, Any] | None = None  # as a chat request's
     # None: vLLM's defaults, True for a prompt and False for messages (the template has them).
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True

@@ -8,6 +8,9 @@ them), and the translation of a body into the chat route's one request type.
           │                 {type: function_call, ...}      -> assistant {tool_calls: [...]}
           │                                                    (consecutive calls: one message)
           │                 {type: function_call_output}    -> {role: tool, tool_call_id, content}
+          │                 {type: reasoning, content: [reasoning_text]}
+          │                                                 -> assistant {reasoning} (the message or
+          │                                                    calls after it join that turn, as vLLM's)
           └──────────────▶ to_chat(history): ChatCompletionRequest
                             [system: instructions] + history + the items, tools, tool_choice,
                             text.format -> response_format, max_output_tokens -> max_tokens
@@ -18,7 +21,8 @@ value asks for what the server does anyway (``background: false``, ``truncation:
 the other routes. Input items, tools and tool_choice are checked here (not by pydantic
 unions, whose errors name the union's arms): a bad one is a ``FieldError`` naming its path,
 ``input[2].content[0].type``, and an item or tool type this server does not implement is
-one too (reasoning items, built-in tools such as web_search or file_search).
+one too (built-in tools such as web_search or file_search, a reasoning item's
+encrypted_content).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 TEXT_PARTS = ("input_text", "output_text")
 # vLLM's fields that reach the chat request as they are.
 VLLM_SAMPLING = ("priority", "cache_salt", "seed", "stop", "top_k", "min_p", "repetition_penalty", "ignore_eos")
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def response_id() -> str:
@@ -108,6 +112,27 @@ class _FunctionCallItem(RequestBase):
     status: Text | None = None
 
 
+class _ReasoningText(RequestBase):
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class _ReasoningItem(RequestBase):
+    """A previous response's reasoning item sent back: its text reaches the chat template as
+    the assistant turn's ``reasoning`` (which renders it if it knows it)."""
+
+    type: Literal["reasoning"]
+    summary: list[_ReasoningText] = Field(default_factory=list)
+    content: list[_ReasoningText] | None = None
+    encrypted_content: None = None  # only its absence: this server encrypts nothing
+    id: Text | None = None
+    status: Text | None = None
+
+    def text(self) -> str:
+        parts = self.content or self.summary  # vLLM reads the content, else the summary
+        return parts[0].text if parts else ""
+
+
 class _FunctionCallOutputItem(RequestBase):
     type: Literal["function_call_output"]
     call_id: Text
@@ -163,7 +188,19 @@ def items_to_messages(items: list, at: str = "input") -> list[dict]:
         if kind == "message":
             m = _validated(_MessageItem, item, here)
             role = "system" if m.role == "developer" else m.role  # chat templates know "system"
-            messages.append({"role": role, "content": _text_of(m.content, f"{here}.content")})
+            text = _text_of(m.content, f"{here}.content")
+            prev = messages[-1] if messages else None
+            if role == "assistant" and prev is not None and prev["role"] == "assistant" and prev["content"] is None \
+                    and "reasoning" in prev and not prev.get("tool_calls"):
+                prev["content"] = text  # the answer after its reasoning: one turn
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            if item.get("encrypted_content") is not None:  # vLLM refuses it too
+                raise FieldError(f"{here}.encrypted_content", "encrypted reasoning is not implemented by this "
+                                                              "server (it encrypts none)")
+            r = _validated(_ReasoningItem, item, here)
+            messages.append({"role": "assistant", "content": None, "reasoning": r.text()})
         elif kind == "function_call":
             c = _validated(_FunctionCallItem, item, here)
             call = {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -305,6 +342,21 @@ class OutputMessage(OpenAIBase):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class ReasoningText(OpenAIBase):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(OpenAIBase):
+    """A reasoning item: the model's thinking (--reasoning-parser), before its answer."""
+
+    id: str = Field(default_factory=lambda: item_id("rs"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 class FunctionCallOutput(OpenAIBase):
     """A function_call output item (the model asks the client to call ``name``)."""
 
@@ -338,7 +390,7 @@ class ResponseObject(OpenAIBase):
     created_at: int
     status: Literal["in_progress", "completed", "incomplete"]
     model: str
-    output: list[OutputMessage | FunctionCallOutput] = Field(default_factory=list)
+    output: list[ReasoningOutput | OutputMessage | FunctionCallOutput] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     error: dict | None = None
     incomplete_details: dict | None = None  # {"reason": "max_output_tokens"}

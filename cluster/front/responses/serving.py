@@ -59,7 +59,7 @@ class OpenAIServingResponses:
         shell = body.shell(rid, started.model, started.created)
         keep = partial(self._keep, body.store, tenant, conversation)
         if body.stream:
-            state = events.ResponsesStream(shell, started.plan, keep)
+            state = events.ResponsesStream(shell, started.plan, keep, started.reasoning)
             self._live.hold(rid)
             lines = sse_events([started.stream], state, False, self._model, self._live)
             return StreamingResponse(lines, media_type="text/event-stream", headers=started.headers)
