@@ -173,7 +173,8 @@ class Worker:
         """This rank's bytes per block, scales included (what the budget is divided by)."""
         mc = self.model_config
         # A hybrid cache's block holds one group's layers (group_size), not every layer's.
-        layers = mc.num_hidden_layers if self.kv_groups is None else self.kv_groups.group_size
+        groups = mc.kv_cache_groups(self.config.kv_allocation)
+        layers = mc.num_hidden_layers if groups is None else groups.group_size
         per_token = kv_cache_bytes_per_token(layers, mc.get_num_kv_heads(self.world_size),
                                              mc.head_dim, self.config.kv_cache_dtype, mc.dtype.itemsize)
         return per_token * self.config.block_size
