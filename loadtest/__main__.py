@@ -98,7 +98,7 @@ def bench(args) -> dict:
 BENCHMARKS = (
     "loadtest.offline.bench_offline", "loadtest.offline.bench_scheduler", "loadtest.offline.bench_dispatch",
     "loadtest.offline.bench_structured", "loadtest.offline.bench_kv_quant", "loadtest.offline.bench_kv_dtype",
-    "loadtest.offline.bench_thrash", "loadtest.offline.bench_lora",
+    "loadtest.offline.bench_thrash", "loadtest.offline.bench_lora", "loadtest.offline.bench_moe",
     "loadtest.serving.bench_frontend", "loadtest.serving.bench_door", "loadtest.serving.bench_routing",
     "loadtest.serving.bench_spec", "loadtest.serving.bench_router_decision",
     "loadtest.peers.bench_vs_vllm", "loadtest.peers.bench_vs_llama_cpp",

@@ -1,13 +1,16 @@
 """Write small GGUF files with the ``gguf`` package's writer, as llama.cpp's converter would:
 from one of worker/loading/random_models.py's random HF checkpoints (weights quantized, Llama q/k rows
-permuted to ggml's rope layout, the byte-level BPE tokenizer as metadata), or a bare file of
-another architecture for the refusal test. Used by tests only."""
+permuted to ggml's rope layout, the byte-level BPE tokenizer as metadata; Qwen3's q/k norms,
+Qwen3-MoE's and Mixtral's experts stacked per layer and their router in F32, Phi-3's fused tensors and LongRoPE
+factor tensors under llama.cpp's names), or a bare file of another architecture for the refusal
+test. Used by tests only."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import math
 import os
 
 import numpy as np
@@ -25,6 +28,22 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight
           "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
+# What llama.cpp's converter names differently for the newer families (its TensorNameMap).
+_ARCH_LAYER = {
+    "llama": {"block_sparse_moe.gate.weight": "ffn_gate_inp.weight"},  # Mixtral's router
+    "qwen3": {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"},
+    "qwen3moe": {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+                 "mlp.gate.weight": "ffn_gate_inp.weight"},
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+}
+_ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3"}
+_EXPERT_PROJ = {  # the checkpoint's block and projection names -> llama.cpp's stacked tensor
+    "qwen3moe": ("mlp", {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                         "down_proj": "ffn_down_exps.weight"}),
+    "llama": ("block_sparse_moe", {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight",
+                                   "w2": "ffn_down_exps.weight"}),
+}
 
 
 @contextlib.contextmanager
@@ -43,11 +62,25 @@ def parse_gguf_once():
         yield
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name in _GLOBAL:
         return _GLOBAL[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{layer}.{_LAYER[rest]}"
+    return f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(rest) or _LAYER[rest]}"
+
+
+def _stack_experts(tensors: dict[str, np.ndarray], arch: str, num_layers: int,
+                   num_experts: int) -> dict[str, np.ndarray]:
+    """A MoE checkpoint's per-expert tensors (popped from ``tensors``) -> llama.cpp's
+    [E, out, in] per layer and projection (convert_hf_to_gguf.py's Qwen2MoeModel and
+    LlamaModel for Mixtral), keyed by GGUF name."""
+    block, projs = _EXPERT_PROJ[arch]
+    out = {}
+    for layer in range(num_layers):
+        for proj, gguf_name in projs.items():
+            keys = [f"model.layers.{layer}.{block}.experts.{e}.{proj}.weight" for e in range(num_experts)]
+            out[f"blk.{layer}.{gguf_name}"] = np.stack([tensors.pop(k) for k in keys])
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -63,7 +96,7 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0", types: dict[s
     import gguf
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
-    arch = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}[cfg["architectures"][0]]
+    arch = _ARCHS[cfg["architectures"][0]]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(out, arch)
@@ -71,29 +104,52 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0", types: dict[s
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
+    if arch == "qwen3moe":
+        assert not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1, "llama.cpp routes every layer"
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if not cfg.get("norm_topk_prob", False):
+            w.add_expert_weights_norm(False)  # llama.cpp renormalises unless told
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):  # Qwen3-MoE, Mixtral
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    rope = cfg.get("rope_parameters") or {}
+    if arch == "phi3":  # convert_hf_to_gguf.py's Phi3MiniModel
+        original = cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg["max_position_embeddings"] / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     _add_tokenizer(w, hf_dir)
 
-    for name, t in load_file(os.path.join(hf_dir, "model.safetensors")).items():
-        t = t.astype(np.float32)
+    tensors = {k: v.astype(np.float32) for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    stacked = _stack_experts(tensors, arch, cfg["num_hidden_layers"], num_experts) if num_experts else {}
+    named = {**{_gguf_name(k, arch): (k, v) for k, v in tensors.items()}, **{k: (k, v) for k, v in stacked.items()}}
+    for gname, (name, t) in named.items():
         if arch == "llama" and ".q_proj." in name:
             t = _permute(t, heads)
         elif arch == "llama" and ".k_proj." in name:
             t = _permute(t, kv_heads)
-        if t.ndim == 2:
-            tname = next((v for k, v in (types or {}).items() if _gguf_name(name).endswith(k)), qtype)
+        if t.ndim >= 2 and not gname.endswith("ffn_gate_inp.weight"):  # the router stays F32, as llama.cpp keeps it
+            tname = next((v for k, v in (types or {}).items() if gname.endswith(k)), qtype)
+            if tname in ("F32", "F16"):
+                w.add_tensor(gname, t.astype(np.float16 if tname == "F16" else np.float32))
+                continue
             q = getattr(gguf.GGMLQuantizationType, tname)
-            w.add_tensor(_gguf_name(name), quantize(t, tname), raw_dtype=q)
+            w.add_tensor(gname, quantize(t, tname), raw_dtype=q)
         else:
-            w.add_tensor(_gguf_name(name), t)
+            w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -137,10 +193,12 @@ def write_foreign_gguf(out: str, arch: str = "gpt2") -> str:
 
 
 def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
-    """[rows, K] fp32 -> the GGUF rows of ``qtype``: the gguf package's quantizer where it has
+    """[..., rows, K] fp32 -> the GGUF rows of ``qtype``: the gguf package's quantizer where it has
     one (Q8_0, Q4_0, Q4_1, ...), else :func:`quantize_k` (Q4_K, Q5_K, Q6_K)."""
     import gguf
 
+    if w.ndim > 2:  # stacked experts: row by row all the same
+        return quantize(w.reshape(-1, w.shape[-1]), qtype).reshape(*w.shape[:-1], -1)
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         return quantize_k(w, qtype)
     return gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, qtype))

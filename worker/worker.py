@@ -122,6 +122,11 @@ class Worker:
             self.model_path, dtype=self.config.dtype, max_model_len=self.config.max_model_len,
             device=self.device.type, quantization=self.config.quantization, runner=self.config.runner,
             pooler_config=self.config.pooler_config)
+        if builds and self.model_config.moe_layers:  # the experts' kernel (kernels/moe/cpu_experts.py)
+            from pagedserve.kernels.moe import cpu_experts
+
+            builds.append(threading.Thread(target=cpu_experts.available, name="cpu-ext-build", daemon=True))
+            builds[-1].start()
         if self.model_config.quantization == "gguf":
             from pagedserve.kernels import cpu_gguf
 

@@ -10,8 +10,9 @@
 
 Each expert is SwiGLU: w13 [E, 2I, H] holds [gate ; up] rows (silu(gate) * up), w2 [E, H, I].
 With tensor parallelism I is this rank's slice of the intermediate features and the result
-is a partial sum the caller all-reduces. A Triton fused-MoE kernel would sit beside this
-file, with this as its reference.
+is a partial sum the caller all-reduces. This is the reference of triton_fused_moe.py (CUDA)
+and cpu_experts.py (CPU); it reads the per-expert counts on the host (``tolist``), which on
+a GPU is a sync a layer, so a CUDA worker runs it only where triton does not import.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ variable changing type, a bad dot shape, too much shared memory) fail on a CPU b
     python -m pagedserve.loadtest.kernel_checks.aot --kv-quant     # the quantised-cache variants: fp8 e4m3 / e5m2 /
                                                           # int8 at sm_90, and e5m2 / int8 at sm_80
     python -m pagedserve.loadtest.kernel_checks.aot --lora         # the multi-LoRA shrink and expand
+    python -m pagedserve.loadtest.kernel_checks.aot --moe          # the fused-MoE gate/up and down GEMMs
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from triton.compiler import ASTSource
 
 from pagedserve.kernels import (triton_cache_write, triton_lora_expand, triton_lora_shrink, triton_paged_attention,
                                 triton_split_kv_reduce)
+from pagedserve.kernels.moe import triton_fused_moe
 
 
 def _compile(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> dict:
@@ -128,9 +130,27 @@ def lora_variants():
                    dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_R=br, FP32_DOT=dt == "fp32"))
 
 
+def _moe_types(fn, dt: str) -> dict[str, str]:
+    """The block tables int32, the routing weights fp32, activations and weights the model's dtype."""
+    return {n: ("*i32" if n in ("sorted_ids_ptr", "block_expert_ptr") else "*fp32" if n == "topk_weights_ptr"
+                else f"*{dt}" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+
+
+def moe_variants():
+    """(name, fn, types, constexprs): both launches in each dtype, at the BLOCK_M the wrapper
+    picks for decode (16) and prefill (64), its BLOCK_N and BLOCK_K."""
+    for dt in ("bf16", "fp16", "fp32"):
+        for fn, what in ((triton_fused_moe._moe_gate_up_kernel, "gate/up"), (triton_fused_moe._moe_down_kernel, "down")):
+            for bm in (16, 64):
+                yield (f"moe {what} {dt} BLOCK_M {bm}", fn, _moe_types(fn, dt),
+                       dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, FP32_DOT=dt == "fp32"))
+
+
 def _todo(args) -> list:
     if args.lora:
         return [(*v, args.arch) for v in lora_variants()]
+    if args.moe:
+        return [(*v, args.arch) for v in moe_variants()]
     return list(kv_quant_variants() if args.kv_quant else ((*v, args.arch) for v in variants(args.quick)))
 
 
@@ -151,6 +171,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--kv-quant", action="store_true", help="the quantised-cache variants only")
     ap.add_argument("--lora", action="store_true", help="the multi-LoRA kernels only")
+    ap.add_argument("--moe", action="store_true", help="the fused-MoE kernels only")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="compile this many variants at once (each compile is one CPU-bound process)")
     args = ap.parse_args()

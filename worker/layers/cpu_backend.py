@@ -8,6 +8,11 @@
     --cpu-linear aten     plain F.linear (MKL / OpenBLAS), no probe
 
 (EngineConfig.cpu_linear.)
+A mixture-of-experts layer's experts (worker/layers/fused_moe.py) are packed for
+kernels/moe/cpu_experts.py (panels, one C++ call a layer) under auto and panel, whatever the
+probe chose for the dense layers: each expert sees a few rows of a step, where the panels
+beat the other GEMMs most (BENCHMARKS.md, the MoE rows); under aten and onednn, or off fp32 /
+AVX2, they run the torch reference.
 The probe is short and its result is logged with the timings, so a
 figure in BENCHMARKS.md can be traced to the kernel that produced it. Its timings are kept in
 $PAGEDSERVE_CACHE/cpu-linear-v1.json, keyed by everything that decides them (the CPU model and
@@ -34,9 +39,11 @@ from pagedserve.kernels import cpu_gemm, cpu_gguf
 from pagedserve.kernels.cpu_gguf import GGUFWeight
 from pagedserve.kernels.cpu_linear import (BACKENDS, onednn_available, panel_available, probe_linear_backends,
                                            relative_time)
+from pagedserve.kernels.moe import cpu_experts
 from pagedserve.worker import cpu_memory
 from pagedserve.worker.loading.model_cache import cache_root
 from pagedserve.worker.layers.embedding import ParallelLMHead
+from pagedserve.worker.layers.fused_moe import FusedMoE
 from pagedserve.worker.layers.linear import PackableLinear
 
 logger = logging.getLogger("pagedserve")
@@ -141,8 +148,20 @@ def _cached_probe(weights: list[torch.Tensor]) -> dict[str, dict[int, float]]:
     return timings
 
 
+def pack_cpu_experts(model: nn.Module, requested: str = "auto") -> int:
+    """Pack every MoE layer's experts for cpu_experts (see the module doc); the number packed."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m._cpu is None]
+    if not layers or requested.lower() not in ("auto", "panel") or not cpu_experts.available(layers[0].w13_weight.dtype):
+        return 0
+    with torch.no_grad():
+        for m in layers:
+            m.pack_for_cpu(_huge_page_alloc)
+    return len(layers)
+
+
 def apply_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> str:
-    """Choose (see module doc) and, for "onednn" or "panel", pack every linear weight in place."""
+    """Choose (see module doc) and, for "onednn" or "panel", pack every linear weight in place;
+    pack the experts of MoE layers."""
     if next(model.parameters()).device.type != "cpu":
         return "device"
     quantized = _num_quantized(model)  # GEMMs that run on GGUF blocks whatever is chosen here
@@ -151,6 +170,9 @@ def apply_cpu_linear_backend(model: nn.Module, requested: str = "auto") -> str:
         with torch.no_grad():
             for m in _packable(model):
                 m.pack_for_cpu(backend, _huge_page_alloc)
+    moe = pack_cpu_experts(model, requested)
+    if moe:
+        logger.info("CPU MoE: the experts of %d layers in panels (kernels/moe/cpu_experts.py)", moe)
     shown = "; ".join(f"{k} " + " ".join(f"M={m} {t * 1e3:.2f}" for m, t in per_m.items()) + " ms"
                       for k, per_m in timings.items()) or "not probed"
     for name in timings:

@@ -1,7 +1,15 @@
 """A sparse mixture-of-experts block (Mixtral, Qwen3-MoE): router + SwiGLU experts.
 
     h [n, H] ─▶ gate (replicated [E, H]) ─▶ softmax fp32, top-k ─▶ experts, grouped by
-    expert (kernels/moe/grouped_torch.py) ─▶ all-reduce ─▶ [n, H]
+    expert ─▶ all-reduce ─▶ [n, H]
+
+The experts run where the tensors are:
+
+    CUDA   kernels/moe/triton_fused_moe.py: two grouped GEMM launches over the pairs sorted by
+           expert, nothing read back to the host (a step can be a CUDA graph)
+    CPU    kernels/moe/cpu_experts.py once the worker packed the experts (fp32 on AVX2 /
+           AVX-512: ``pack_for_cpu``, worker/layers/cpu_backend.py), else the torch reference
+           kernels/moe/grouped_torch.py (one GEMM per active expert)
 
 Tensor parallelism shards each expert as a Megatron MLP: rank r holds the rows
 [r*I/tp, (r+1)*I/tp) of every expert's gate and up (column-parallel) and the same columns of
@@ -26,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.kernels.moe import grouped_experts, select_experts
+from pagedserve.kernels.cpu_linear import Alloc
+from pagedserve.kernels.moe import cpu_experts, grouped_experts, select_experts, triton_fused_moe
 from pagedserve.worker.layers.linear import _divide, _param, copy_checked, read_shard
 from pagedserve.worker.model_config import ModelConfig
 from pagedserve.worker.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
@@ -52,6 +61,11 @@ def map_expert_name(name: str) -> tuple[str, Any] | None:
 class FusedMoE(nn.Module):
     """The experts of one layer, stacked; ``forward`` takes the router's choice."""
 
+    # "auto": Triton for CUDA tensors (where triton imports), torch otherwise; "triton" / "torch"
+    # force one (the interpreter tests run the Triton path on CPU tensors).
+    backend = "auto"
+    _cpu = None  # cpu_experts.CPUExperts once pack_for_cpu ran
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -75,8 +89,20 @@ class FusedMoE(nn.Module):
             copy_checked(param.data[expert].narrow(0, proj * size, size),
                          read_shard(loaded, 0, self.tp_rank * size, size), "expert gate/up_proj")
 
+    def pack_for_cpu(self, alloc: Alloc | None = None) -> None:
+        """The experts into cpu_experts' panels (fp32 on AVX2 / AVX-512: check
+        ``cpu_experts.available`` first); the plain weights are freed."""
+        self._cpu = cpu_experts.CPUExperts(self.w13_weight.data, self.w2_weight.data, alloc)
+        for p in (self.w13_weight, self.w2_weight):  # a 0-element tensor keeps .dtype and .device answering
+            p.data = torch.empty(0, dtype=p.dtype)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self._cpu is not None:
+            out = cpu_experts.cpu_grouped_experts(x, self._cpu, topk_weights, topk_ids)
+        elif self.backend == "triton" or (self.backend == "auto" and x.is_cuda and triton_fused_moe.available()):
+            out = triton_fused_moe.fused_experts_triton(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = grouped_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
 

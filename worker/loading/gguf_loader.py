@@ -9,8 +9,24 @@ rest of the worker already knows:
                                                                 fed to model.load_weights
 
 so the TP weight loaders shard them like any safetensors tensor (each rank copies its rows
-or columns into parameters of the engine dtype). Only the Llama family is accepted; any
-other ``general.architecture`` is refused by name before anything is built.
+or columns into parameters of the engine dtype). The architectures llama.cpp's converter
+writes for the families in worker/models (GGUF_ARCHITECTURES) are accepted; any other
+``general.architecture`` is refused by name before anything is built. What differs by
+architecture, as llama.cpp's convert_hf_to_gguf.py writes it:
+
+    llama     q/k rows permuted to ggml's rope pairs (undone here); Mistral files say "llama";
+              with llama.expert_count, Mixtral: a router blk.N.ffn_gate_inp and stacked experts
+              as qwen3moe's below (w1 gate, w3 up, w2 down), top-k renormalised
+    qwen2     qkv biases
+    qwen3     blk.N.attn_q_norm / attn_k_norm (per-head RMSNorm weights), key_length = head_dim
+    qwen3moe  + blk.N.ffn_gate_inp (the router) and the experts stacked in 3-D tensors
+              ffn_gate_exps / ffn_up_exps [E, I, H], ffn_down_exps [E, H, I], handed on one
+              expert at a time under the checkpoint's names; every layer routed (llama.cpp's
+              graph has no dense layers), top-k renormalised unless expert_weights_norm says
+              not (llama.cpp always renormalises Qwen3-MoE; transformers reads its files so)
+    phi3      fused attn_qkv [q ; k ; v] and ffn_up [gate ; up] (worker/models/phi3.py splits
+              them), LongRoPE as rope_factors_long / rope_factors_short tensors plus
+              rope.scaling.original_context_length and attn_factor: read into the config
 
 With ``--quantization gguf`` (the default for a .gguf on CPU) the 2-D weights stay in their
 blocks instead: ``iter_gguf_native`` hands the loaders QuantTensors (worker/layers/
@@ -24,6 +40,7 @@ row-major ``[out, in]`` (in blocks), and ``gguf.quants.dequantize`` returns ``[o
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Iterator
 
@@ -32,7 +49,9 @@ import torch
 
 # GGUF general.architecture -> the config.json architecture we implement (worker/models).
 # Mistral files say "llama" (same graph; llama.cpp has no separate arch for it).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # config.json's model_type where it differs from the GGUF name
 
 # Per-layer GGUF tensor names -> HF names (llama.cpp's gguf-py TensorNameMap, reversed).
 _LAYER_TENSORS = {
@@ -46,6 +65,24 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# What the newer families add, or name differently, per architecture.
+_QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_ARCH_LAYER_TENSORS = {
+    "llama": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"},  # Mixtral's router
+    "qwen3": _QK_NORM,
+    "qwen3moe": {**_QK_NORM, "ffn_gate_inp.weight": "mlp.gate.weight"},
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+# Stacked experts [E, out, in] -> one tensor per expert under the checkpoint's names:
+# (the block's name, GGUF tensor -> the projection's).
+_EXPERT_TENSORS = {
+    "llama": ("block_sparse_moe", {"ffn_gate_exps.weight": "w1", "ffn_up_exps.weight": "w3",
+                                   "ffn_down_exps.weight": "w2"}),
+    "qwen3moe": ("mlp", {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                         "ffn_down_exps.weight": "down_proj"}),
+}
+# Tensors that are configuration, not weights (read by gguf_hf_config).
+_CONFIG_TENSORS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -106,7 +143,8 @@ def gguf_architecture(reader, path: str) -> str:
     arch = _scalar(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"GGUF file {path!r} is a {arch!r} model; pagedserve runs the Llama family "
-                         f"only (GGUF architectures: {', '.join(GGUF_ARCHITECTURES)}).")
+                         f"and the architectures of worker/models (GGUF architectures: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}).")
     return arch
 
 
@@ -136,9 +174,14 @@ def gguf_hf_config(reader, path: str) -> dict[str, Any]:
         # ignoring them would change every position's rotation.
         raise ValueError(f"GGUF file {path!r} carries per-dimension rope frequency factors "
                          "(rope_freqs.weight, Llama 3.1-style rope scaling), which are not supported.")
+    mixtral = arch == "llama" and bool(_scalar(reader, p + "expert_count"))
     hf: dict[str, Any] = dict(
-        architectures=[GGUF_ARCHITECTURES[arch]], model_type=arch,
-        hidden_size=hidden, intermediate_size=int(need("feed_forward_length")),
+        architectures=["MixtralForCausalLM" if mixtral else GGUF_ARCHITECTURES[arch]],
+        model_type="mixtral" if mixtral else _MODEL_TYPES.get(arch, arch), gguf_architecture=arch,
+        # A Qwen3-MoE file may state only its experts' width: then that is the dense width too.
+        hidden_size=hidden, intermediate_size=int(_scalar(reader, p + "feed_forward_length")
+                                                  or _scalar(reader, p + "expert_feed_forward_length")
+                                                  or need("feed_forward_length")),
         num_hidden_layers=int(need("block_count")), num_attention_heads=num_heads,
         num_key_value_heads=int(_scalar(reader, p + "attention.head_count_kv") or num_heads),
         head_dim=head_dim, rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
@@ -148,9 +191,18 @@ def gguf_hf_config(reader, path: str) -> dict[str, Any]:
         # Weights are dequantized to fp32 (exact for every block format); --dtype casts.
         dtype="float32",
     )
+    if "blk.0.attn_q.bias" in names:
+        hf["attention_bias"] = True
     scaling = _scalar(reader, p + "rope.scaling.type")
     if scaling not in (None, "none"):
         hf["rope_scaling"] = {"rope_type": scaling, "factor": _scalar(reader, p + "rope.scaling.factor")}
+    if arch == "qwen3moe":
+        hf.update(_moe_config(reader, path, p))
+    if mixtral:  # the experts are intermediate_size wide; top-k always renormalised
+        hf.update(num_local_experts=int(_scalar(reader, p + "expert_count")),
+                  num_experts_per_tok=int(need("expert_used_count")))
+    if arch == "phi3":
+        hf.update(_phi3_rope(reader, path, p, hf))
     window = _scalar(reader, p + "attention.sliding_window")
     if window:
         hf["sliding_window"] = int(window)
@@ -169,14 +221,90 @@ def gguf_hf_config(reader, path: str) -> dict[str, Any]:
     return hf
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _moe_config(reader, path: str, p: str) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields: every layer routed (as llama.cpp's graph runs it)."""
+    experts, used = _scalar(reader, p + "expert_count"), _scalar(reader, p + "expert_used_count")
+    if not experts or not used:
+        raise ValueError(f"GGUF file {path!r} lacks metadata key {p}expert_count or {p}expert_used_count.")
+    if _scalar(reader, p + "expert_shared_feed_forward_length"):
+        raise ValueError(f"GGUF file {path!r}: shared experts are not supported.")
+    inter = _scalar(reader, p + "expert_feed_forward_length")
+    if not inter:
+        raise ValueError(f"GGUF file {path!r} lacks metadata key {p + 'expert_feed_forward_length'!r}.")
+    norm = _scalar(reader, p + "expert_weights_norm")
+    return dict(num_experts=int(experts), num_experts_per_tok=int(used), moe_intermediate_size=int(inter),
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True if norm is None else bool(norm))
+
+
+def _phi3_rope(reader, path: str, p: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's LongRoPE from its factor tensors and metadata (absent: plain rope)."""
+    original = _scalar(reader, p + "rope.scaling.original_context_length")
+    out: dict[str, Any] = {"original_max_position_embeddings": int(original or hf["max_position_embeddings"])}
+    tensors = {t.name: t for t in reader.tensors if t.name in _CONFIG_TENSORS["phi3"]}
+    if not tensors:
+        return out
+    if len(tensors) != 2:
+        raise ValueError(f"GGUF file {path!r} has {', '.join(tensors)} without its pair (rope_factors_long "
+                         "and rope_factors_short go together).")
+    from gguf.quants import dequantize
+
+    long, short = ([float(v) for v in np.asarray(dequantize(tensors[f"rope_factors_{k}.weight"].data,
+                                                           tensors[f"rope_factors_{k}.weight"].tensor_type),
+                                                dtype=np.float32).reshape(-1)] for k in ("long", "short"))
+    rope = {"rope_type": "longrope", "long_factor": long, "short_factor": short,
+            "original_max_position_embeddings": out["original_max_position_embeddings"]}
+    attn = _scalar(reader, p + "rope.scaling.attn_factor")
+    if attn is not None:
+        # The converter writes sqrt(1 + ln(s) / ln(original)) in fp32; transformers computes the
+        # same from the config, so the value is kept only where it is another one.
+        scale = hf["max_position_embeddings"] / out["original_max_position_embeddings"]
+        default = math.sqrt(1 + math.log(scale) / math.log(out["original_max_position_embeddings"])) \
+            if scale > 1.0 else 1.0
+        if abs(float(attn) - default) > 1e-6:
+            rope["attention_factor"] = float(attn)
+    out["rope_scaling"] = rope
+    return out
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The checkpoint name of a GGUF tensor of a file of ``arch``; None if it has none (a
+    stacked expert tensor: see ``_expert_tensors``)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     blk, _, rest = gguf_name.partition(".")
     layer, _, suffix = rest.partition(".")
-    if blk == "blk" and layer.isdigit() and suffix in _LAYER_TENSORS:
-        return f"model.layers.{layer}.{_LAYER_TENSORS[suffix]}"
+    if blk == "blk" and layer.isdigit():
+        table = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        if suffix in table:
+            return f"model.layers.{layer}.{table[suffix]}"
     return None
+
+
+def _expert_tensors(gguf_name: str, arch: str) -> tuple[str, str] | None:
+    """(layer prefix, projection) of a stacked expert tensor of a MoE file, else None."""
+    blk, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    block, projs = _EXPERT_TENSORS.get(arch, ("", {}))
+    if blk == "blk" and layer.isdigit() and suffix in projs:
+        return f"model.layers.{layer}.{block}.experts", projs[suffix]
+    return None
+
+
+def _names(gguf_name: str, arch: str, w, path: str, architecture: str) -> Iterator[tuple[str, Any]]:
+    """(checkpoint name, tensor) for one GGUF tensor: itself, or one per expert of a stacked
+    expert tensor (``w`` [E, out, in]); nothing for a configuration tensor."""
+    if gguf_name in _CONFIG_TENSORS.get(arch, ()):
+        return
+    expert = _expert_tensors(gguf_name, arch)
+    if expert is not None:
+        prefix, proj = expert
+        for e in range(w.shape[0]):
+            yield f"{prefix}.{e}.{proj}.weight", w[e]
+        return
+    name = hf_tensor_name(gguf_name, arch)
+    if name is None:
+        raise ValueError(f"GGUF file {path!r} has tensor {gguf_name!r}, which a {architecture} does not have.")
+    yield name, w
 
 
 def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -194,20 +322,20 @@ def iter_gguf_weights(path: str, reader=None) -> Iterator[tuple[str, torch.Tenso
 
     reader = reader if reader is not None else open_gguf(path)
     hf = gguf_hf_config(reader, path)
+    arch = gguf_architecture(reader, path)
     permute = {".self_attn.q_proj.": hf["num_attention_heads"],
-               ".self_attn.k_proj.": hf["num_key_value_heads"]} if hf["model_type"] == "llama" else {}
+               ".self_attn.k_proj.": hf["num_key_value_heads"]} if arch == "llama" else {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
-        if name is None:
-            raise ValueError(f"GGUF file {path!r} has tensor {t.name!r}, which a "
-                             f"{hf['architectures'][0]} does not have.")
+        if t.name in _CONFIG_TENSORS.get(arch, ()):
+            continue
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        for part, heads in permute.items():
-            if part in name:
-                w = _unpermute_rope_rows(w, heads)
-        if not (w.flags.writeable and w.flags.c_contiguous):  # F32 tensors are views of the read-only map
-            w = np.array(w, order="C")
-        yield name, torch.from_numpy(w)
+        for name, part_w in _names(t.name, arch, w, path, hf["architectures"][0]):
+            for part, heads in permute.items():
+                if part in name:
+                    part_w = _unpermute_rope_rows(part_w, heads)
+            if not (part_w.flags.writeable and part_w.flags.c_contiguous):  # F32: views of the read-only map
+                part_w = np.array(part_w, order="C")
+            yield name, torch.from_numpy(part_w)
 
 
 def check_native_types(index, path: str) -> None:
@@ -234,29 +362,36 @@ def iter_gguf_native(path: str, hf: dict[str, Any]) -> Iterator[tuple[str, Any]]
 
     index = read_gguf_index(path)
     check_native_types(index, path)
+    # A prepared directory written before gguf_architecture was recorded: from the architecture.
+    arch = hf.get("gguf_architecture") or next(
+        (a for a, c in GGUF_ARCHITECTURES.items() if [c] == hf.get("architectures")), "llama")
     permute = {".self_attn.q_proj.": hf["num_attention_heads"],
-               ".self_attn.k_proj.": hf["num_key_value_heads"]} if hf.get("model_type", "llama") == "llama" else {}
+               ".self_attn.k_proj.": hf["num_key_value_heads"]} if arch == "llama" else {}
     data = np.memmap(path, dtype=np.uint8, mode="r")
     for t in index.tensors.values():
-        name = hf_tensor_name(t.name)
-        if name is None:
-            raise ValueError(f"GGUF file {path!r} has tensor {t.name!r}, which a "
-                             f"{hf['architectures'][0]} does not have.")
+        if t.name in _CONFIG_TENSORS.get(arch, ()):
+            continue
         raw = data[t.offset:t.offset + t.nbytes]
-        if t.qtype in NATIVE_GGUF_TYPES and len(t.shape) == 2:
+        # The blocks stay blocks for a 2-D weight of a linear layer; a router (its logits pick
+        # the experts, in fp32 as transformers computes them) and stacked experts (the MoE
+        # kernels take plain weights) are dequantized, as --quantization none loads them.
+        native = t.qtype in NATIVE_GGUF_TYPES and len(t.shape) == 2 and not t.name.endswith("ffn_gate_inp.weight")
+        if native:
             w = raw.reshape(t.shape[0], -1)
         elif t.qtype == "F32":
             w = raw.view(np.float32).reshape(t.shape)
-        else:  # F16 / BF16, or a 1-D block tensor: fp32, as --quantization none loads it
+        else:  # F16 / BF16, a 1-D or 3-D block tensor, a router: fp32
             from gguf import GGMLQuantizationType
             from gguf.quants import dequantize
 
-            w = np.asarray(dequantize(raw.reshape(t.shape[0] if len(t.shape) == 2 else 1, -1),
-                                      GGMLQuantizationType[t.qtype]), dtype=np.float32).reshape(t.shape)
-        for part, heads in permute.items():
-            if part in name:
-                w = _unpermute_rope_rows(w, heads)  # whole rows: blocks move with their row
-        if t.qtype in NATIVE_GGUF_TYPES and len(t.shape) == 2:
-            yield name, QuantTensor(t.qtype, t.shape, w)
-        else:
-            yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+            rows = math.prod(t.shape[:-1]) if len(t.shape) > 1 else 1
+            w = np.asarray(dequantize(raw.reshape(rows, -1), GGMLQuantizationType[t.qtype]),
+                           dtype=np.float32).reshape(t.shape)
+        for name, part_w in _names(t.name, arch, w, path, hf["architectures"][0]):
+            for part, heads in permute.items():
+                if part in name:
+                    part_w = _unpermute_rope_rows(part_w, heads)  # whole rows: blocks move with their row
+            if native:
+                yield name, QuantTensor(t.qtype, t.shape, part_w)
+            else:
+                yield name, torch.from_numpy(np.array(part_w, dtype=np.float32, order="C"))
