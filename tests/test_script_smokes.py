@@ -205,6 +205,7 @@ def test_bench_vs_vllm_quick_prints_the_summary(runs):
     assert 220 < summary["weight_mb_per_step"] < 235  # the 63M bench Llama's fp32 weights, packed or not
 
 
+@pytest.mark.scenarios  # a whole private Ray and Serve started and stopped: under -m scenarios
 @pytest.mark.timeout(900)
 def test_serve_cli_answers_paris_streamed_or_not_and_leaves_nothing_behind(runs):
     """``pagedserve serve`` as a user runs it, with no --model: a subprocess that starts its

@@ -28,6 +28,8 @@ import torch
 from conftest import delete_app
 from test_embeddings import embedder_path, reference
 
+pytestmark = pytest.mark.scenarios  # an app of its own deployed for the module: under -m scenarios
+
 MODEL = "qwen3-embed"
 MAX_MODEL_LEN = 64
 TEXTS = ["hello world", "paged attention keeps a block table", "one two three four five six"]

@@ -89,6 +89,7 @@ def _problem(resp, path: str = "") -> str | None:
     return None
 
 
+@pytest.mark.scenarios  # every route's schema fuzzed: the longest call of the default run, under -m scenarios
 def test_openapi_fuzz_no_5xx_and_openai_shaped_4xx(openai_app):
     schema = schemathesis.openapi.from_url(f"{openai_app}/openapi.json")
     strategy = (schema.as_strategy(GenerationMode.POSITIVE)
