@@ -212,7 +212,7 @@ def test_wrappers_reject_bad_inputs_clearly(results):
     assert "cols must be" in e["cols"]
 
 
-@pytest.mark.slow  # twelve ptxas compiles: about 17 s on 2 cores
+@pytest.mark.slow  # twelve ptxas compiles
 @pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Frontend + ptxas for the real target, bf16 included: errors the interpreter cannot see."""

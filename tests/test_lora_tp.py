@@ -18,7 +18,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from test_lora import NUM_NEW, models, oracle  # noqa: F401 (the fixtures: tiny Llama, two adapters, HF's tokens)
 
 
-@pytest.mark.slow  # Ray, two worker actors, the oracle's fixtures: over 40 s on 2 cores
+@pytest.mark.slow  # Ray, two worker actors and the oracle's fixtures
 @pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
 def test_tp2_mixed_batch_equals_peft_merged(models, oracle, ray_session):  # noqa: F811
     base, adapters = models
