@@ -36,7 +36,8 @@ from collections.abc import Sequence
 
 from pagedserve.scheduler.config import CacheConfig
 from pagedserve.scheduler.kv.block_pool import BlockPool, KVCacheBlock
-from pagedserve.scheduler.kv.kv_cache_utils import ROOT_NODE_ID, cdiv, extend_block_hashes, request_salt
+from pagedserve.scheduler.kv.kv_cache_utils import ROOT_NODE_ID, cdiv, request_salt
+from pagedserve.scheduler.kv.kv_cache_manager import cache_new_full_blocks
 from pagedserve.scheduler.kv.kv_groups import KVCacheGroups
 from pagedserve.scheduler.request import Request
 
@@ -233,28 +234,19 @@ class HybridKVCacheManager:
         the trie, the other groups' under (group, that block's trie node)."""
         if not self.enable_caching:
             return
-        req_id = request.req_id
-        node_ids = self.req_to_node_ids.get(req_id)
+        node_ids = self.req_to_node_ids.get(request.req_id)
         if node_ids is None:
             return
-        bs = self.block_size
-        tokens = request.all_token_ids
-        num_full = min(request.num_computed_tokens, len(tokens)) // bs
-        start = len(node_ids)
-        if start >= num_full:
-            return
-        hashes = extend_block_hashes(request, bs, num_full)
-        table = self.req_tables[req_id]
+        table = self.req_tables[request.req_id]
         pool = self.block_pool
-        parent = node_ids[-1] if node_ids else ROOT_NODE_ID
-        for i in range(start, num_full):
-            extra = request_salt(request) if i == 0 else None
-            parent = pool.cache_block(table[0][i], (parent, tuple(tokens[i * bs:(i + 1) * bs]), extra), hashes[i])
-            node_ids.append(parent)
+
+        def other_groups(i: int, node: int) -> None:
             for g in range(1, self.num_groups):
                 block = table[g][i]
                 if block is not NULL_BLOCK:  # freed already (a plan ran ahead of this result)
-                    pool.cache_block_quietly(block, (g, parent))
+                    pool.cache_block_quietly(block, (g, node))
+
+        cache_new_full_blocks(pool, self.block_size, request, node_ids, table[0], other_groups)
 
     def free(self, request: Request) -> None:
         """Return every group's blocks, tail first (see block_pool)."""

@@ -145,24 +145,10 @@ class KVCacheManager:
         Call after the step that computed them (the worker has written their K/V)."""
         if not self.enable_caching:
             return
-        req_id = request.req_id
-        node_ids = self.req_to_node_ids.get(req_id)
-        if node_ids is None:
-            return
-        bs = self.block_size
-        tokens = request.all_token_ids
-        num_full = min(request.num_computed_tokens, len(tokens)) // bs
-        start = len(node_ids)
-        if start >= num_full:
-            return
-        hashes = extend_block_hashes(request, bs, num_full)
-        blocks = self.req_to_blocks[req_id]
-        pool = self.block_pool
-        parent = node_ids[-1] if node_ids else ROOT_NODE_ID
-        for i in range(start, num_full):
-            extra = request_salt(request) if i == 0 else None
-            parent = pool.cache_block(blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]), extra), hashes[i])
-            node_ids.append(parent)
+        node_ids = self.req_to_node_ids.get(request.req_id)
+        if node_ids is not None:
+            cache_new_full_blocks(self.block_pool, self.block_size, request, node_ids,
+                                  self.req_to_blocks[request.req_id])
 
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first (see block_pool)."""
@@ -172,6 +158,29 @@ class KVCacheManager:
         self.req_to_node_ids.pop(req_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+
+def cache_new_full_blocks(pool: BlockPool, block_size: int, request: Request, node_ids: list[int],
+                          blocks: Sequence[KVCacheBlock], also=None) -> None:
+    """Put ``request``'s full blocks whose K/V is computed and that the trie does not hold
+    yet (those past ``node_ids``, its trie nodes so far) into the prefix cache, keyed by
+    their tokens under their parent block's node (the first salted); ``node_ids`` grows.
+    ``also(i, node)``: called after block i is cached as ``node`` (the hybrid manager's
+    other groups)."""
+    bs = block_size
+    tokens = request.all_token_ids
+    num_full = min(request.num_computed_tokens, len(tokens)) // bs
+    start = len(node_ids)
+    if start >= num_full:
+        return
+    hashes = extend_block_hashes(request, bs, num_full)
+    parent = node_ids[-1] if node_ids else ROOT_NODE_ID
+    for i in range(start, num_full):
+        extra = request_salt(request) if i == 0 else None
+        parent = pool.cache_block(blocks[i], (parent, tuple(tokens[i * bs:(i + 1) * bs]), extra), hashes[i])
+        node_ids.append(parent)
+        if also is not None:
+            also(i, parent)
 
 
 def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
