@@ -222,40 +222,72 @@ def engine_deployment_options(engine_config: EngineConfig, **serve_opts: Any) ->
     return opts
 
 
+# The options of the HTTP front (one ingress for every model), not of one model's engines.
+INGRESS_OPTIONS = ("api_key", "max_request_body_bytes", "api_keys_file", "allow_tenant_header")
+
+
 def build_app(engine_config: EngineConfig, name_prefix: str = "", **serve_opts: Any):
-    """The bound Serve application for ``serve.run``. ``serve_opts``: keys of
+    """The bound Serve application for ``serve.run``: one model. ``serve_opts``: keys of
     SERVE_OPTION_DEFAULTS (min/max replicas, target ongoing requests, delays...)."""
+    model_opts = {k: v for k, v in serve_opts.items() if k not in INGRESS_OPTIONS}
+    ingress_opts = {k: v for k, v in serve_opts.items() if k in INGRESS_OPTIONS}
+    return build_openai_app([(engine_config, model_opts)], name_prefix, **ingress_opts)
+
+
+def deployment_suffix(model_id: str) -> str:
+    """A model's part of its deployments' names, as Ray Serve LLM spells it
+    (``LLMServer:<model_id>`` with "/" as "--" and "." as "_")."""
+    return model_id.replace("/", "--").replace(".", "_")
+
+
+def build_openai_app(models: list[tuple[EngineConfig, dict[str, Any]]], name_prefix: str = "",
+                     api_key: str | None = None, max_request_body_bytes: int | None = None,
+                     api_keys_file: str | None = None, allow_tenant_header: bool = False):
+    """One ingress over the engine deployments of ``models`` (engine config, its serve
+    options), Ray Serve LLM's ``build_openai_app``: each model has its own engine deployment
+    (replicas, router, autoscaling) and stats aggregator; the ingress routes a request by
+    its ``model``. One model keeps the plain names (EngineDeployment, StatsAggregator);
+    several get ``:<model id>`` after them."""
     from pagedserve.cluster.front.edge import IngressConfig
     from pagedserve.cluster.front.ingress import OpenAIIngress
-
-    import dataclasses
-
     from pagedserve.cluster.front.tenants import key_weights, load_api_keys
 
-    engine_config = decide_for_cluster(bound_worker_config(engine_config))
-    keys_file = serve_opts.pop("api_keys_file", None)
-    keys = load_api_keys(keys_file) if keys_file else {}
-    if keys:  # the file's weights join the engine's; a flag names a weight the file does not
-        weights = {**key_weights(keys), **(engine_config.tenant_weights or {})}
-        engine_config = dataclasses.replace(engine_config, tenant_weights=weights or None)
-    ingress_config = IngressConfig.from_options(
-        serve_opts.pop("api_key", None), serve_opts.pop("max_request_body_bytes", None),
-        api_keys={k: v.tenant for k, v in keys.items()},
-        allow_tenant_header=serve_opts.pop("allow_tenant_header", False),
-        tokenize_for_router=request_router(serve_options(serve_opts)) == "kv")
+    if not models:
+        raise ValueError("llm_configs: give at least one model.")
+    several = len(models) > 1
+    names = [m.served_model_name or m.model for m, _ in models]
+    if several and (None in names or len(set(names)) < len(names)):
+        raise ValueError(f"each model of an app needs its own model_id (served_model_name); got {names}.")
+    keys = load_api_keys(api_keys_file) if api_keys_file else {}
     on_head = {"num_cpus": 0, "resources": dict(ON_HEAD_NODE)}
-    engine_opts = engine_deployment_options(engine_config, **serve_opts)
-    if ray.is_initialized() and "placement_group_bundles" in engine_opts:  # refused now, not pending for good
-        check_group_fits(engine_opts["placement_group_bundles"], engine_opts["placement_group_strategy"])
-    stats = StatsAggregatorDeployment.options(name=name_prefix + "StatsAggregator", ray_actor_options=on_head,
-                                              graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind()
-    engine = EngineDeployment.options(
-        name=name_prefix + "EngineDeployment",
-        **engine_opts).bind(
-            engine_config, stats, all_cores=int(serve_options(serve_opts)["max_replicas"]) == 1)
-    return OpenAIIngress.options(name=name_prefix + "OpenAIIngress", ray_actor_options=on_head,
-                                 graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind(
-        engine, stats, ingress_config)
+    engines, stats_handles, kv_routed = [], [], []
+    for (engine_config, serve_opts), name in zip(models, names):
+        engine_config = decide_for_cluster(bound_worker_config(engine_config))
+        if keys:  # the file's weights join the engine's; a flag names a weight the file does not
+            weights = {**key_weights(keys), **(engine_config.tenant_weights or {})}
+            engine_config = dataclasses.replace(engine_config, tenant_weights=weights or None)
+        engine_opts = engine_deployment_options(engine_config, **serve_opts)
+        if ray.is_initialized() and "placement_group_bundles" in engine_opts:  # refused now, not pending for good
+            check_group_fits(engine_opts["placement_group_bundles"], engine_opts["placement_group_strategy"])
+        suffix = f":{deployment_suffix(name)}" if several else ""
+        stats = StatsAggregatorDeployment.options(
+            name=name_prefix + "StatsAggregator" + suffix, ray_actor_options=on_head,
+            graceful_shutdown_wait_loop_s=DRAIN_POLL_S).bind()
+        # A lone engine replica may use the node's cores; beside another model's it may not.
+        alone = not several and int(serve_options(serve_opts)["max_replicas"]) == 1
+        engines.append(EngineDeployment.options(name=name_prefix + "EngineDeployment" + suffix, **engine_opts)
+                       .bind(engine_config, stats, all_cores=alone))
+        stats_handles.append(stats)
+        kv_routed.append(request_router(serve_options(serve_opts)) == "kv")
+    ingress_config = IngressConfig.from_options(
+        api_key, max_request_body_bytes, api_keys={k: v.tenant for k, v in keys.items()},
+        allow_tenant_header=allow_tenant_header,
+        tokenize_for_router=tuple(kv_routed) if several else kv_routed[0])
+    ingress = OpenAIIngress.options(name=name_prefix + "OpenAIIngress", ray_actor_options=on_head,
+                                    graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
+    if not several:  # the one-model app's arguments, as before several were served
+        return ingress.bind(engines[0], stats_handles[0], ingress_config)
+    return ingress.bind(engines, stats_handles, ingress_config)
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
@@ -284,8 +316,91 @@ def pinned_model(engine_config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine_config, revision=resolved.revision or engine_config.revision)
 
 
+# Ray Serve LLM's deployment_config.autoscaling_config keys that are serve options here.
+_AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests", "upscale_delay_s",
+                     "downscale_delay_s", "look_back_period_s", "metrics_interval_s")
+# An llm_configs entry's keys (Ray Serve LLM's LLMConfig) that pagedserve serves.
+LLM_CONFIG_KEYS = ("model_loading_config", "engine_kwargs", "deployment_config", "placement_group_config",
+                   "accelerator_type", "lora_config")
+
+
+def _only(where: str, given: dict, allowed) -> None:
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where}: {unknown} not supported by pagedserve; it takes {sorted(allowed)}.")
+
+
+def split_llm_config(entry: dict[str, Any] | str) -> tuple[EngineConfig, dict[str, Any]]:
+    """One ``llm_configs`` entry (Ray Serve LLM's LLMConfig as a dict, or the path of a YAML
+    file of one) -> (EngineConfig, serve options):
+
+        model_loading_config {model_id, model_source, tokenizer_source}
+                                -> served_model_name, model (default: model_id), tokenizer
+        engine_kwargs           -> EngineConfig fields (vLLM's names)
+        deployment_config       -> num_replicas or autoscaling_config {min_replicas, ...},
+                                   max_ongoing_requests, graceful_shutdown_timeout_s,
+                                   ray_actor_options {num_cpus}, and any serve option of
+                                   SERVE_OPTION_DEFAULTS by its own name (request_router, ...)
+        placement_group_config, accelerator_type -> the EngineConfig fields of those names
+        lora_config {dynamic_lora_loading_path, max_num_adapters_per_replica}
+                                -> enable_lora, dynamic_lora_loading_path, max_cpu_loras
+    """
+    if isinstance(entry, str):
+        import yaml
+
+        with open(entry) as f:
+            entry = yaml.safe_load(f)
+    if not isinstance(entry, dict):
+        raise ValueError(f"an llm_configs entry is a mapping (Ray Serve LLM's LLMConfig), got {type(entry).__name__}.")
+    _only("llm_configs entry", entry, LLM_CONFIG_KEYS)
+    loading = dict(entry.get("model_loading_config") or {})
+    _only("model_loading_config", loading, ("model_id", "model_source", "tokenizer_source"))
+    if not loading.get("model_id"):
+        raise ValueError("model_loading_config.model_id is required: the name requests give as `model`.")
+    kwargs = {k.replace("-", "_"): v for k, v in (entry.get("engine_kwargs") or {}).items()}
+    _only("engine_kwargs", kwargs, EngineConfig.field_names() - {"model", "served_model_name"})
+    kwargs.update(served_model_name=loading["model_id"], model=loading.get("model_source") or loading["model_id"])
+    if loading.get("tokenizer_source"):
+        kwargs["tokenizer"] = loading["tokenizer_source"]
+    for key in ("placement_group_config", "accelerator_type"):
+        if entry.get(key) is not None:
+            kwargs[key] = entry[key]
+    lora = dict(entry.get("lora_config") or {})
+    _only("lora_config", lora, ("dynamic_lora_loading_path", "max_num_adapters_per_replica"))
+    if "lora_config" in entry:
+        kwargs["enable_lora"] = True
+        kwargs.setdefault("dynamic_lora_loading_path", lora.get("dynamic_lora_loading_path"))
+        if lora.get("max_num_adapters_per_replica") is not None:
+            kwargs.setdefault("max_cpu_loras", int(lora["max_num_adapters_per_replica"]))
+    return EngineConfig(**kwargs), _deployment_options(dict(entry.get("deployment_config") or {}))
+
+
+def _deployment_options(dep: dict[str, Any]) -> dict[str, Any]:
+    """A deployment_config (Ray Serve's deployment options) -> serve options."""
+    per_model = set(SERVE_OPTION_DEFAULTS) - set(INGRESS_OPTIONS)
+    _only("deployment_config", dep, {"num_replicas", "autoscaling_config", "ray_actor_options"} | per_model)
+    opts = {k: v for k, v in dep.items() if k in per_model}
+    if "num_replicas" in dep:
+        opts.update(min_replicas=int(dep["num_replicas"]), max_replicas=int(dep["num_replicas"]))
+    scaling = dict(dep.get("autoscaling_config") or {})
+    _only("deployment_config.autoscaling_config", scaling, _AUTOSCALING_KEYS)
+    opts.update(scaling)
+    actor = dict(dep.get("ray_actor_options") or {})
+    _only("deployment_config.ray_actor_options", actor, ("num_cpus",))
+    if "num_cpus" in actor:
+        opts["engine_num_cpus"] = float(actor["num_cpus"])
+    return opts
+
+
 def app_builder(args: dict[str, Any]):
-    """``import_path: pagedserve.cluster.app:app_builder`` in a Serve config file."""
+    """``import_path: pagedserve.cluster.app:app_builder`` in a Serve config file: one
+    model's args (EngineConfig fields and serve options), or Ray Serve LLM's
+    ``llm_configs: [...]`` (split_llm_config) beside the HTTP front's options."""
+    args = {k.replace("-", "_"): v for k, v in (args or {}).items()}
+    if "llm_configs" in args:
+        _only("args beside llm_configs (engine fields and serve options go in each entry)", args,
+              ("llm_configs", *INGRESS_OPTIONS))
+        models = [split_llm_config(e) for e in args.pop("llm_configs") or ()]
+        return build_openai_app([(pinned_model(cfg), opts) for cfg, opts in models], **args)
     cfg, opts = split_args(args)
     return build_app(pinned_model(cfg), **opts)
-

@@ -64,14 +64,15 @@ class IngressConfig:
     api_keys: dict[str, str] | None = None
     allow_tenant_header: bool = False  # x-tenant names the tenant of an unmapped key
     # The router needs token ids (the KV router): the front tokenizes (prompt_tokens.py).
-    tokenize_for_router: bool = False
+    # A tuple: one flag per model of an app of several (app.py build_openai_app).
+    tokenize_for_router: bool | tuple[bool, ...] = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (serving_models.py).
     allow_runtime_lora_updating: bool = False
 
     @classmethod
     def from_options(cls, api_key: str | None = None, max_request_body_bytes: int | None = None,
                      api_keys: dict[str, str] | None = None, allow_tenant_header: bool = False,
-                     tokenize_for_router: bool = False) -> "IngressConfig":
+                     tokenize_for_router: bool | tuple[bool, ...] = False) -> "IngressConfig":
         """``api_key`` falls back to $PAGEDSERVE_API_KEY of the process that builds the app
         (the CLI, or ``serve run``), so a key need not be written into a config file; the
         LoRA routes follow that process's VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's opt-in)."""
@@ -81,7 +82,8 @@ class IngressConfig:
         lora_updates = os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
         return cls(api_key=key or None, max_request_body_bytes=max_request_body_bytes,
                    api_keys=api_keys or None, allow_tenant_header=bool(allow_tenant_header),
-                   tokenize_for_router=bool(tokenize_for_router), allow_runtime_lora_updating=lora_updates)
+                   tokenize_for_router=(tokenize_for_router if isinstance(tokenize_for_router, tuple)
+                                        else bool(tokenize_for_router)), allow_runtime_lora_updating=lora_updates)
 
 
 class EdgeGuard:

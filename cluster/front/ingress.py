@@ -16,8 +16,13 @@ its API family; what every route that generates shares sits in one object each:
                        replica_client.py   the connection to the engine replicas: the door's
                                            checks, the output channel, lifelines, failover
                        served_model.py     the replicas' info (404 for another model), metrics
-                       serving_models.py   /v1/models, LoRA adapters loaded at run time
+                       serving_models.py   /v1/models, LoRA adapters loaded at run time,
+                                           which model a request names
                        sse_stream.py       a streamed body: chunks, in-band errors, [DONE]
+
+Several models (app.py build_openai_app): one ModelAPI per model, each over its own engine
+deployment; a route picks one by the body's ``model`` (serving_models.py ``pick``) and hands
+the body to that model's serving objects. /v1/models, /metrics and /health cover them all.
 
 The request's first item from a replica is its admission, so a 400/429 is known before
 any 200 header is sent. Leaving early (client disconnect -> Serve cancels the handler, or
@@ -29,8 +34,11 @@ its SSE body, ends.
 # No ``from __future__ import annotations``: FastAPI must see real classes on the
 # methods that serve.ingress rewrites, or bodies turn into query parameters.
 
+import asyncio
 import json
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import pydantic
 
@@ -42,19 +50,22 @@ from ray import serve
 from pagedserve import __version__
 from pagedserve.cluster.front.beam_search import create_beam_search
 from pagedserve.cluster.front.door import DASHBOARD_HTML, LiveRequests, request_object
-from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, IngressConfig, activate, error,
-                                           install_error_handlers, remote_error)
+from pagedserve.cluster.front.metrics import render_models
+from pagedserve.cluster.front.edge import (EdgeGuard, EdgeMiddleware, ErrorJSONResponse, IngressConfig, activate,
+                                           error, install_error_handlers, remote_error)
 from pagedserve.cluster.front.embeddings.protocol import EmbeddingRequest, embedding_id
 from pagedserve.cluster.front.embeddings.serving import OpenAIServingEmbedding
 from pagedserve.cluster.front.replica_client import ReplicaClient
 from pagedserve.cluster.front.responses.protocol import ResponsesRequest, response_id
 from pagedserve.cluster.front.responses.serving import OpenAIServingResponses
+from pagedserve.cluster.front.responses.store import ResponseStore
 from pagedserve.cluster.front.openai.schemas import (BatchChatCompletionRequest, ChatCompletionRequest,
                                                CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                                TokenizeRequest, TokenizeResponse, random_id)
 from pagedserve.cluster.front.served_model import ServedModel
 from pagedserve.cluster.front.serving_chat import OpenAIServingChat
 from pagedserve.cluster.front.serving_completion import OpenAIServingCompletion
+from pagedserve.cluster.front.anthropic import anthropic_format
 from pagedserve.cluster.front.anthropic.serving_messages import AnthropicServingMessages
 from pagedserve.cluster.front.serving_models import OpenAIServingModels
 from pagedserve.cluster.ray_utils import serve_grpc_on_node_ip
@@ -84,28 +95,70 @@ def _with_unknown_fields(response: Response, body, rid: str | None = None) -> Re
     return response
 
 
+@dataclass(slots=True)
+class ModelAPI:
+    """One served model's side of the front: its engine deployment's handle, its stats
+    aggregator, and one serving object per API family over them."""
+    engine: Any
+    stats: Any
+    model: ServedModel
+    client: ReplicaClient
+    completion: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    responses: OpenAIServingResponses
+    messages: AnthropicServingMessages
+    embedding: OpenAIServingEmbedding
+
+    @classmethod
+    def over(cls, engine, stats, live: LiveRequests, tokenize_for_router: bool, store: ResponseStore) -> "ModelAPI":
+        model = ServedModel(engine)
+        client = ReplicaClient(engine, model, live, tokenize_for_router)
+        chat = OpenAIServingChat(engine, model, live, client)
+        return cls(engine, stats, model, client, OpenAIServingCompletion(engine, model, live, client), chat,
+                   OpenAIServingResponses(chat, model, live, store), AnthropicServingMessages(engine, model, live, chat),
+                   OpenAIServingEmbedding(engine, model, live, client))
+
+
+def _body_model(raw: bytes) -> str | None:
+    """The ``model`` of a JSON body not validated yet (None: none to read)."""
+    try:
+        data = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else None
+
+
 @serve.deployment(name="OpenAIIngress", num_replicas=1, max_ongoing_requests=4096,
                   ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine, stats, config: IngressConfig | None = None) -> None:
+        """``engine``, ``stats``: one model's engine deployment and stats aggregator, or a
+        list of each, one per model (app.py build_openai_app)."""
         serve_grpc_on_node_ip()  # before Serve starts this replica's gRPC server
-        self.engine = engine
-        self.stats = stats
+        engines = engine if isinstance(engine, list) else [engine]
+        stats_handles = stats if isinstance(stats, list) else [stats]
         self.config = config or IngressConfig()
-        self._model = ServedModel(engine)
+        kv = self.config.tokenize_for_router
+        kv = kv if isinstance(kv, tuple) else (kv,) * len(engines)
         self._live = LiveRequests()  # id -> (tenant, replica) while the request lives
-        self._client = ReplicaClient(engine, self._model, self._live, self.config.tokenize_for_router)
-        self._completion = OpenAIServingCompletion(engine, self._model, self._live, self._client)
-        self._chat = OpenAIServingChat(engine, self._model, self._live, self._client)
-        self._responses = OpenAIServingResponses(self._chat, self._model, self._live)
-        self._messages = AnthropicServingMessages(engine, self._model, self._live, self._chat)
-        self._embedding = OpenAIServingEmbedding(engine, self._model, self._live, self._client)
-        self._models = OpenAIServingModels(engine, self._model, self.config.allow_runtime_lora_updating)
-        activate(EdgeGuard(self.config, self._model.max_model_len))
+        store = ResponseStore()  # one for all models: a follow-up may name another model
+        self._apis = [ModelAPI.over(e, s, self._live, k, store) for e, s, k in zip(engines, stats_handles, kv)]
+        self._models = OpenAIServingModels(engines, [a.model for a in self._apis],
+                                           self.config.allow_runtime_lora_updating)
+        activate(EdgeGuard(self.config, self._max_model_len))
+
+    async def _max_model_len(self) -> int:
+        return max(await asyncio.gather(*(a.model.max_model_len() for a in self._apis)))
 
     async def info(self) -> dict:
-        return await self._model.info()
+        return await self._apis[0].model.info()
+
+    async def _api(self, model: str | None) -> tuple[ModelAPI | None, JSONResponse | None]:
+        """The model a body's ``model`` names (serving_models.py ``pick``), or the 400/404."""
+        k, bad = await self._models.pick(model)
+        return (None, bad) if bad is not None else (self._apis[k], None)
 
     async def _answer(self, body, request: Request, rid: str, serve):
         """``serve(body, rid, tenant)``: the request is live (door.py) from here until its
@@ -119,11 +172,14 @@ class OpenAIIngress:
         return _with_unknown_fields(response, body, rid)
 
     async def _generate(self, body, chat: bool, request: Request):
+        api, bad = await self._api(body.model)
+        if bad is not None:
+            return bad
         rid = random_id("chatcmpl" if chat else "cmpl")
-        return await self._answer(body, request, rid, lambda b, r, t: self._create(b, chat, r, t))
+        return await self._answer(body, request, rid, lambda b, r, t: self._create(api, b, chat, r, t))
 
-    async def _create(self, body, chat: bool, rid: str, tenant):
-        info = await self._model.info()
+    async def _create(self, api: ModelAPI, body, chat: bool, rid: str, tenant):
+        info = await api.model.info()
         if info.get("runner") == "pooling":  # an embedding model (the engine refuses it too)
             return error(400, runner_mismatch(info["served_model_name"], pooling=False,
                                               api="Chat Completions" if chat else "Completions"), param="model")
@@ -132,8 +188,8 @@ class OpenAIIngress:
         except ValueError as e:
             return error(400, str(e))
         if width is not None:  # cluster/front/beam_search.py
-            return await create_beam_search(self.engine, self._model, self._client, body, chat, rid, tenant, width)
-        serving = self._chat if chat else self._completion
+            return await create_beam_search(api.engine, api.model, api.client, body, chat, rid, tenant, width)
+        serving = api.chat if chat else api.completion
         return await serving.create(body, rid, tenant)
 
     @app.post("/v1/completions")
@@ -146,25 +202,51 @@ class OpenAIIngress:
 
     @app.post("/v1/chat/completions/batch")
     async def batch_chat_completions(self, body: BatchChatCompletionRequest, request: Request):
-        return await self._answer(body, request, random_id("chatcmpl"), self._chat.create_batch)
+        api, bad = await self._api(body.model)
+        if bad is not None:
+            return bad
+        return await self._answer(body, request, random_id("chatcmpl"), api.chat.create_batch)
 
     @app.post("/v1/embeddings")
     async def embeddings(self, body: EmbeddingRequest, request: Request):
-        return await self._answer(body, request, embedding_id(), self._embedding.create)
+        api, bad = await self._api(body.model)
+        if bad is not None:
+            return bad
+        return await self._answer(body, request, embedding_id(), api.embedding.create)
+
+    async def _messages_api(self, raw: bytes) -> tuple[ModelAPI | None, JSONResponse | None]:
+        """The model an Anthropic body names, or the 400/404 in Anthropic's shape. A body
+        without a readable model goes to the first, whose validation names what is wrong."""
+        model = _body_model(raw)
+        if model is None:
+            return self._apis[0], None
+        api, bad = await self._api(model)
+        if bad is None:
+            return api, None
+        info = json.loads(bad.body)
+        return None, ErrorJSONResponse(anthropic_format.from_openai_error(bad.status_code, info),
+                                       status_code=bad.status_code)
 
     @app.post("/v1/messages")
     async def messages(self, request: Request):
         """Anthropic's Messages API over the chat path (anthropic/serving_messages.py), which
         validates the body itself: its 400s have Anthropic's shape."""
-        return await self._messages.create(await request.body(), getattr(request.state, "tenant", None))
+        raw = await request.body()
+        api, bad = await self._messages_api(raw)
+        return bad if bad is not None else await api.messages.create(raw, getattr(request.state, "tenant", None))
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(self, request: Request):
-        return await self._messages.count_tokens(await request.body())
+        raw = await request.body()
+        api, bad = await self._messages_api(raw)
+        return bad if bad is not None else await api.messages.count_tokens(raw)
 
     @app.post("/v1/responses")
     async def create_response(self, body: ResponsesRequest, request: Request):
-        return await self._answer(body, request, response_id(), self._responses.create)
+        api, bad = await self._api(body.model)
+        if bad is not None:
+            return bad
+        return await self._answer(body, request, response_id(), api.responses.create)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(self, response_id: str, request: Request):
@@ -172,15 +254,15 @@ class OpenAIIngress:
         asked = sorted(set(request.query_params) & {"stream", "starting_after", "include", "include[]"})
         if asked:
             return error(400, f"{asked[0]}: not implemented by this server (deploy/README.md)", param=asked[0])
-        return self._responses.retrieve(response_id, getattr(request.state, "tenant", None))
+        return self._apis[0].responses.retrieve(response_id, getattr(request.state, "tenant", None))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request):
-        return self._responses.delete(response_id, getattr(request.state, "tenant", None))
+        return self._apis[0].responses.delete(response_id, getattr(request.state, "tenant", None))
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(self, response_id: str, request: Request):
-        return self._responses.cancel(response_id, getattr(request.state, "tenant", None))
+        return self._apis[0].responses.cancel(response_id, getattr(request.state, "tenant", None))
 
     @app.post("/invocations")
     async def invocations(self, request: Request):
@@ -213,15 +295,16 @@ class OpenAIIngress:
         # (one replica by default; with k, each try hits it with chance ~1/k).
         if live[1] is None:  # accepted by the ingress, not yet by a replica (tokenizing)
             return JSONResponse(request_object(request_id, {"status": "admitting", "tenant": live[0]}))
-        merged = await self.stats.merged.remote()
-        for _ in range(4 * max(1, merged.get("num_replicas", 1))):
-            # A batch's prompts are engine requests {id}-0, {id}-1, ...: the first speaks for it.
-            st = (await self.engine.request_info.remote(request_id)
-                  or await self.engine.request_info.remote(f"{request_id}-0"))
-            if st is not None:
-                return JSONResponse(request_object(request_id, st))
-            if self._live.get(request_id) is None:
-                break  # it just finished
+        for api in self._apis:  # which model's it is, the live table does not say
+            merged = await api.stats.merged.remote()
+            for _ in range(4 * max(1, merged.get("num_replicas", 1))):
+                # A batch's prompts are engine requests {id}-0, {id}-1, ...: the first speaks for it.
+                st = (await api.engine.request_info.remote(request_id)
+                      or await api.engine.request_info.remote(f"{request_id}-0"))
+                if st is not None:
+                    return JSONResponse(request_object(request_id, st))
+                if self._live.get(request_id) is None:
+                    break  # it just finished
         return error(404, f"request {request_id!r} is not in any replica's queue or batch now",
                      param="request_id")
 
@@ -231,7 +314,8 @@ class OpenAIIngress:
 
     @app.get("/dashboard/state")
     async def dashboard_state(self):
-        return JSONResponse({"replicas": await self.stats.views.remote()})
+        views = await asyncio.gather(*(a.stats.views.remote() for a in self._apis))
+        return JSONResponse({"replicas": {rid: v for view in views for rid, v in view.items()}})
 
     # ------------------------------------------------------------ the rest
     @app.get("/v1/models")
@@ -256,9 +340,12 @@ class OpenAIIngress:
         return JSONResponse({"server_load": len(self._live)})
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info(self):
+    async def tokenizer_info(self, model: str | None = None):
+        api, bad = await self._api(model)  # ?model=: which model's, where several are served
+        if bad is not None:
+            return bad
         try:
-            return JSONResponse(await self.engine.tokenizer_info.remote())
+            return JSONResponse(await api.engine.tokenizer_info.remote())
         except Exception as e:  # arrives wrapped (RayTaskError)
             return remote_error(e)
 
@@ -272,18 +359,24 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
-        return await self._client.health()  # a replica's answer, never cached info
+        for api in self._apis:  # every model's: a replica's answer, never cached info
+            answer = await api.client.health()
+            if answer.status_code != 200:
+                return answer
+        return answer
 
     @app.get("/metrics")
     async def metrics(self):
-        await self.info()
-        merged = await self.stats.merged.remote()
-        return Response(self._model.metrics.render(merged),
+        await asyncio.gather(*(a.model.info() for a in self._apis))
+        merged = await asyncio.gather(*(a.stats.merged.remote() for a in self._apis))
+        return Response(render_models([(a.model.metrics, m) for a, m in zip(self._apis, merged)]),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
     async def tokenize(self, body: TokenizeRequest):
-        bad = await self._model.check_model(body.model)
+        api, bad = await self._api(body.model)
+        if bad is None:
+            bad = await api.model.check_model(body.model)
         if bad is not None:
             return bad
         if (body.prompt is None) == (body.messages is None):
@@ -295,22 +388,24 @@ class OpenAIIngress:
             return error(400, str(e))
         try:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await self.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, template, tools,
+            ids = await api.engine.tokenize.remote(body.prompt, messages, body.add_special_tokens, template, tools,
                                                     body.chat_template_kwargs)
-            strs = await self.engine.token_strs.remote(ids) if body.return_token_strs else None
+            strs = await api.engine.token_strs.remote(ids) if body.return_token_strs else None
         except Exception as e:  # arrives wrapped (RayTaskError)
             return remote_error(e)
-        info = await self.info()
+        info = await api.model.info()
         resp = TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids, token_strs=strs)
         return _with_unknown_fields(JSONResponse(resp.model_dump()), body)
 
     @app.post("/detokenize")
     async def detokenize(self, body: DetokenizeRequest):
-        bad = await self._model.check_model(body.model)
+        api, bad = await self._api(body.model)
+        if bad is None:
+            bad = await api.model.check_model(body.model)
         if bad is not None:
             return bad
         try:
-            text = await self.engine.detokenize.remote(body.tokens)
+            text = await api.engine.detokenize.remote(body.tokens)
         except Exception as e:  # arrives wrapped (RayTaskError)
             return remote_error(e)
         return _with_unknown_fields(JSONResponse(DetokenizeResponse(prompt=text).model_dump()), body)

@@ -405,3 +405,28 @@ class ServeMetrics:
     def render(self, merged: dict[str, Any]) -> bytes:
         self.engine.merged = merged
         return generate_latest(self.registry)
+
+
+class _Families:
+    """Metric families already collected, as generate_latest reads a registry."""
+
+    def __init__(self, families: list) -> None:
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
+
+
+def render_models(models: list[tuple[ServeMetrics, dict[str, Any]]]) -> bytes:
+    """/metrics of an app of several models: each model's registry with its replicas'
+    merged stats, one family per name holding every model's samples (each labelled by its
+    model_name, as vLLM's), since an exposition may name a family once."""
+    families: dict[str, Any] = {}
+    for metrics, merged in models:
+        metrics.engine.merged = merged
+        for family in metrics.registry.collect():
+            if family.name in families:
+                families[family.name].samples = families[family.name].samples + family.samples
+            else:
+                families[family.name] = family
+    return generate_latest(_Families(list(families.values())))
