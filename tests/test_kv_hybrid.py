@@ -14,7 +14,7 @@ from pagedserve.scheduler import CacheConfig, Request, SamplingParams, Scheduler
 from pagedserve.scheduler.kv.hybrid import NULL_BLOCK, HybridKVCacheManager
 from pagedserve.scheduler.kv.kv_groups import FULL_ATTENTION as F
 from pagedserve.scheduler.kv.kv_groups import SLIDING_ATTENTION as S
-from pagedserve.scheduler.kv.kv_groups import kv_cache_groups
+from pagedserve.scheduler.kv.kv_groups import KVCacheGroups, kv_cache_groups
 
 from _sched_helpers import step
 
@@ -33,9 +33,10 @@ def test_groups_follow_vllms_layout():
     # than nothing saved; at 8K the local groups keep 33 blocks each instead of 512.
     assert kv_cache_groups(gemma3_1b, 512, max_model_len=512) is None
     assert kv_cache_groups(gemma3_1b, 512, max_model_len=8192) == g
-    for types, window, alloc in (([F] * 4, None, "paged"), ([S] * 4, 8, "paged"), (gemma2, None, "paged"),
-                                 (gemma2, 8, "contiguous")):
+    for types, window, alloc in (([F] * 4, None, "paged"), (gemma2, None, "paged"), (gemma2, 8, "contiguous")):
         assert kv_cache_groups(types, window, alloc) is None  # one group: every layer keeps every block
+    # Every layer sliding (Mistral's window): one sliding group of them all.
+    assert kv_cache_groups([S] * 4, 8) == KVCacheGroups(4, (8,), ((0, 1, 2, 3),))
 
 
 def manager(num_blocks=32, layer_types=(S, S, F, S), window=6, caching=True) -> HybridKVCacheManager:
@@ -112,6 +113,34 @@ def test_a_prefix_hit_needs_only_the_windows_blocks():
     ids = kv.get_block_ids("b")
     assert ids[1:8:4] == [0, 0] and kv.held_blocks("b") == [6, 4, 4, 4]
     assert len(kv.req_to_blocks["b"]) == 18
+
+
+def test_every_layer_sliding_one_group_keys_the_cache_itself():
+    """Mistral's window: one sliding group, whose own blocks key the trie. Decoding frees
+    them as the window moves on; a hit walks every cached block of the prefix and takes only
+    the window's; a block freed before its step's result came back ends the trie there."""
+    kv = manager(layer_types=(S, S), window=6)
+    a = req("a", range(20))
+    compute(kv, a, 20)  # blocks 0 .. 4, all cached
+    for t in range(12):
+        a.append_output_token_ids(500 + t)
+        compute(kv, a, 1)
+    assert kv.held_blocks("a") == [2] and kv.get_block_ids("a")[:6] == [0] * 6
+    kv.free(a)
+    b = req("b", list(range(20)) + [99])
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 20 and len(hit) == 2 and hit.per_group[0][:3] == [NULL_BLOCK] * 3
+    assert len(compute(kv, b, 1, hit, n)) == 1 and kv.held_blocks("b") == [3]  # blocks 3, 4 and a new 5
+    assert kv.req_to_node_ids["b"] == hit.node_ids and len(hit.node_ids) == 5
+    # A plan that ran ahead: 12 tokens scheduled and the next plan freeing block 0 before
+    # the first step's result offers the full blocks to the cache.
+    c = req("c", range(1000, 1012))
+    kv.allocate_slots(c, 12)
+    c.num_computed_tokens = 12
+    kv.allocate_slots(c, 1)  # frees block 0 (token 12 reads keys 7 .. 12)
+    kv.cache_full_blocks(c)
+    assert kv.req_tables["c"][0][0] is NULL_BLOCK and kv.req_to_node_ids["c"] == []
+    assert kv.get_computed_blocks(req("d", range(1000, 1013))) == ([], 0)
 
 
 def test_no_caching_and_prompt_logprobs_take_no_hit():

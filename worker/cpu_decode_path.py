@@ -15,8 +15,8 @@ module path's (tests/test_cpu_decode_path.py):
                worker/lora/lora_ops.py, called as the modules call it)
 
 It is built where everything fits (``build`` says why not otherwise): Llama, Mistral or
-Qwen2 exactly, fp32 on CPU, tensor parallel size 1, the torch attention backend with its
-C++ kernels loaded, an fp32 KV cache, each linear a single-part GGUF weight, a packed panel
+Qwen2 exactly (no sliding-window layer), fp32 on CPU, tensor parallel size 1, the torch
+attention backend with its C++ kernels loaded, an fp32 KV cache, each linear a single-part GGUF weight, a packed panel
 weight, an AWQ / GPTQ / fp8 one (kernels/quant/) or a plain fp32 one. A step it cannot take (prefill, a mixed
 batch, speculative rows, tensors of another shape) returns None and runs the modules.
 """
@@ -110,6 +110,8 @@ class CPUDecodePath:
             # (Qwen3's q/k norm, a mixture of experts) runs its modules.
             if (type(layer), type(layer.self_attn), type(layer.mlp)) != (LlamaDecoderLayer, LlamaAttention, LlamaMLP):
                 return None, "layers of another kind"
+            if layer.self_attn.sliding_window is not None:  # its decode attention reads every key
+                return None, "sliding-window layers"
             bound = _Layer(layer, kv)
             if None in (bound.qkv, bound.o, bound.gate_up, bound.down):
                 return None, "a linear layer of another weight layout"

@@ -20,6 +20,8 @@ import torch
 from pagedserve.config import RUNNERS, check_quantization
 from pagedserve.platforms import auto_dtype
 from pagedserve.worker.loading.gguf_loader import check_native_types, find_gguf_file, gguf_hf_config, open_gguf
+from pagedserve.scheduler.kv.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION
+from pagedserve.worker.loading.sliding_window import GEMMA_ARCHITECTURES, runs_sliding_window, sliding_window_layers
 from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantConfig, parse_quant_config,
                                                     read_quantization_config)
 
@@ -33,10 +35,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 HEADLESS_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in SUPPORTED_ARCHITECTURES}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
-# Sliding-window and global layers interleaved (layer_types), GeGLU, (1 + w) RMSNorm, scaled
-# embeddings, query_pre_attn_scalar, soft-capping (worker/models/gemma.py).
-GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -97,7 +95,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
-    # Per-layer attention (Gemma 2 / 3): layer i is FULL_ATTENTION or SLIDING_ATTENTION
+    # Per-layer attention (loading/sliding_window.py): layer i is FULL_ATTENTION or SLIDING_ATTENTION
     # (a row sees its ``sliding_window`` newest keys); () with no window: every layer full.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
@@ -230,12 +228,16 @@ class ModelConfig:
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported.")
 
-        gemma = _gemma_fields(hf, arch) if arch in GEMMA_ARCHITECTURES else {}
-        rope_theta, rope_scaling = gemma.pop("rope") if gemma else _parse_rope(hf)
+        attention = _gemma_fields(hf, arch) if arch in GEMMA_ARCHITECTURES else {}
+        rope_theta, rope_scaling = attention.pop("rope") if attention else _parse_rope(hf)
         max_pos = int(hf.get("max_position_embeddings") or 2048)
-        # A sliding window we do not implement (Mistral's and Qwen2's, every layer's): stay
-        # exact by never exceeding it. Gemma's sliding layers run theirs (layer_types).
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) and not gemma else None
+        # Sliding-window layers (loading/sliding_window.py) run their window. A family whose
+        # window no layer here runs stays exact by never exceeding it.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        if runs_sliding_window(arch):
+            window = None
+            if not attention:  # Gemma's came with its other fields
+                attention = dict(zip(("layer_types", "sliding_window"), sliding_window_layers(hf, arch)))
         limit = min(max_pos, int(window)) if window else max_pos
         if max_model_len is None:
             max_model_len = limit
@@ -244,8 +246,8 @@ class ModelConfig:
                              f"(max_position_embeddings{' / sliding_window' if window else ''}).")
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
             rope_scaling = _pick_longrope_factors(rope_scaling, head_dim, int(max_model_len))
-        if (gemma.get("local_rope_scaling") or {}).get("rope_type") == "longrope":
-            gemma["local_rope_scaling"] = _pick_longrope_factors(gemma["local_rope_scaling"], head_dim,
+        if (attention.get("local_rope_scaling") or {}).get("rope_type") == "longrope":
+            attention["local_rope_scaling"] = _pick_longrope_factors(attention["local_rope_scaling"], head_dim,
                                                                  int(max_model_len))
 
         if dtype == "auto":
@@ -267,7 +269,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
             hidden_act=act, dtype=torch_dtype, bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids, gguf_file=hf.get("gguf_file") or (path if path.endswith(".gguf") else None),
-            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), **gemma, headless=headless,
+            nope_layers=_nope_layers(hf, arch), **_moe_fields(hf, arch), **attention, headless=headless,
             hf_config=hf)
 
     # ---- sizes per tensor-parallel rank -------------------------------------------------
@@ -415,19 +417,9 @@ def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     the soft-caps, from either config dialect (transformers 5's layer_types and per-type
     rope_parameters, or the older sliding_window_pattern, rope_theta + rope_local_base_freq
     + rope_scaling). ``rope``: the global layers' (theta, scaling)."""
-    n = int(hf["num_hidden_layers"])
-    types = hf.get("layer_types")
-    if types is None:  # transformers' defaults: Gemma 2 alternates from a sliding layer 0,
-        pattern = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern") or 6)
-        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]  # Gemma 3: 5 to 1
-    types = tuple(types)
-    if len(types) != n or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise ValueError(f"layer_types must list {n} of {FULL_ATTENTION!r} / {SLIDING_ATTENTION!r}, got {types}.")
+    types, window = sliding_window_layers(hf, arch)
     if hf.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an encoder) is not supported.")
-    window = hf.get("sliding_window")
-    if SLIDING_ATTENTION in types and not (isinstance(window, int) and window >= 1):
-        raise ValueError(f"sliding layers need sliding_window >= 1, got {window!r}.")
     params = hf.get("rope_parameters") or {}
     if arch == "Gemma3ForCausalLM":
         if params and not any(isinstance(v, dict) for v in params.values()):
@@ -441,7 +433,7 @@ def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
         rope = _parse_rope(hf)
         local_theta, local_scaling = rope
     softcap = hf.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None  # Gemma 3's has none
-    return dict(rope=rope, layer_types=types, sliding_window=int(window) if SLIDING_ATTENTION in types else None,
+    return dict(rope=rope, layer_types=types, sliding_window=window,
                 local_rope_theta=local_theta, local_rope_scaling=local_scaling,
                 query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 256),
                 attn_logit_softcapping=float(softcap) if softcap else None,

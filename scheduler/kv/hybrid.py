@@ -18,11 +18,16 @@ The plan carries one id list per request, interleaved by group ([g0 b0, g1 b0, .
 once (a new logical block), and a freed block is only dropped here: the worker keeps its
 stale id, which no kernel reads (they start at the window, kernels/__init__.py).
 
-Prefix caching: group 0 (a full group) keeps kv_cache_manager's trie of full blocks; every
-other group caches its block i under (group, the trie node of block i), so a key names one
-token prefix exactly, as the trie's do. A hit of h blocks needs all h in the full groups and,
-in each sliding group, only the blocks the window of token 16 h reaches: the others come
-back as NULL_BLOCK. The longest h for which every group has its blocks is the hit.
+Prefix caching: group 0 keeps kv_cache_manager's trie of full blocks; every other group
+caches its block i under (group, the trie node of block i), so a key names one token prefix
+exactly, as the trie's do. A hit of h blocks needs all h in the full groups and, in each
+sliding group, only the blocks the window of token 16 h reaches: the others come back as
+NULL_BLOCK. The longest h for which every group has its blocks is the hit.
+
+Group 0 is a full group where the model has one. Where every layer slides (Mistral's
+window: one sliding group) group 0's own blocks key the trie, so a hit walks every block
+of the prefix and needs each still cached, though it takes only the window's; a block freed
+before its result came back (a plan ran ahead) ends what that request puts in the trie.
 
 Same interface as KVCacheManager (scheduler.py calls either); ``req_to_logical_blocks``
 is each request's logical table (its length what the scheduler's fits-the-last-block test
@@ -63,6 +68,7 @@ class HybridHit(list):
     them) and ``per_group``, each group's table of the hit (NULL_BLOCK where not needed)."""
 
     per_group: list[list[KVCacheBlock]]
+    node_ids: list[int]  # the trie nodes of the hit's h blocks
 
 
 class HybridKVCacheManager:
@@ -76,8 +82,6 @@ class HybridKVCacheManager:
         self.watermark_blocks = math.ceil(cache_config.watermark * cache_config.num_blocks)
         self.groups = groups
         self.num_groups = groups.num_groups
-        if groups.windows[0] is not None:
-            raise ValueError("the first KV cache group must be a full-attention one (its blocks key the cache).")
         self.windows = groups.windows
         self.req_tables: dict[str, list[list[KVCacheBlock]]] = {}  # per group, per logical block
         self.req_to_logical_blocks: dict[str, list[KVCacheBlock]] = {}  # group 0's table
@@ -139,7 +143,8 @@ class HybridKVCacheManager:
         nodes = [b.node_id for b in full]
         h = len(full)
         while h > 0:  # the longest h whose needed blocks every other group has
-            per_group = [full[:h]]
+            first = self._first_needed(0, h * bs)
+            per_group = [[NULL_BLOCK] * first + full[first:h]]
             for g in range(1, self.num_groups):
                 first = self._first_needed(g, h * bs)
                 blocks = [cached.get((g, nodes[i])) for i in range(first, h)]
@@ -149,6 +154,7 @@ class HybridKVCacheManager:
             else:
                 hit = HybridHit(b for blocks in per_group for b in blocks if b is not NULL_BLOCK)
                 hit.per_group = per_group
+                hit.node_ids = nodes[:h]
                 return hit, h * bs
             h -= 1
         return [], 0
@@ -164,7 +170,7 @@ class HybridKVCacheManager:
             return
         ids, held, freed = self.req_to_block_ids[req_id], self.req_to_blocks[req_id], []
         G = self.num_groups
-        for g in range(1, G):
+        for g in range(G):
             if self.windows[g] is None:
                 continue
             row = table[g]
@@ -214,7 +220,7 @@ class HybridKVCacheManager:
             self.req_to_logical_blocks[req_id] = table[0]
             self.req_to_blocks[req_id] = held = _Held()
             self.req_to_block_ids[req_id] = [table[g][i].block_id for i in range(len(table[0])) for g in range(G)]
-            self.req_to_node_ids[req_id] = [b.node_id for b in table[0]]
+            self.req_to_node_ids[req_id] = list(getattr(new_computed_blocks, "node_ids", ()))
             self._freed_upto[req_id] = min((self._first_needed(g, num_computed) for g in range(G)
                                             if self.windows[g]), default=0)
             if new_computed_blocks:
@@ -246,7 +252,9 @@ class HybridKVCacheManager:
                 if block is not NULL_BLOCK:  # freed already (a plan ran ahead of this result)
                     pool.cache_block_quietly(block, (g, node))
 
-        cache_new_full_blocks(pool, self.block_size, request, node_ids, table[0], other_groups)
+        # A sliding group 0 may have freed a block not yet cached: the trie ends before it.
+        first_null = next((i for i in range(len(node_ids), len(table[0])) if table[0][i] is NULL_BLOCK), None)
+        cache_new_full_blocks(pool, self.block_size, request, node_ids, table[0], other_groups, first_null)
 
     def free(self, request: Request) -> None:
         """Return every group's blocks, tail first (see block_pool)."""

@@ -161,15 +161,17 @@ class KVCacheManager:
 
 
 def cache_new_full_blocks(pool: BlockPool, block_size: int, request: Request, node_ids: list[int],
-                          blocks: Sequence[KVCacheBlock], also=None) -> None:
+                          blocks: Sequence[KVCacheBlock], also=None, limit: int | None = None) -> None:
     """Put ``request``'s full blocks whose K/V is computed and that the trie does not hold
     yet (those past ``node_ids``, its trie nodes so far) into the prefix cache, keyed by
     their tokens under their parent block's node (the first salted); ``node_ids`` grows.
     ``also(i, node)``: called after block i is cached as ``node`` (the hybrid manager's
-    other groups)."""
+    other groups). ``limit``: cache none from block ``limit`` on."""
     bs = block_size
     tokens = request.all_token_ids
     num_full = min(request.num_computed_tokens, len(tokens)) // bs
+    if limit is not None:
+        num_full = min(num_full, limit)
     start = len(node_ids)
     if start >= num_full:
         return

@@ -64,15 +64,16 @@ class KVCacheGroups:
 def kv_cache_groups(layer_types: tuple[str, ...] | list[str], sliding_window: int | None,
                     kv_allocation: str = "paged", max_model_len: int | None = None,
                     block_size: int = 16) -> KVCacheGroups | None:
-    """The groups of a model with sliding and full layers, or None: one group, every layer
-    keeps every block (all layers of one type, no window, the contiguous baseline, or a
-    ``max_model_len`` so short that the groups' idle slots cost more than the window saves)."""
+    """The groups of a model with sliding layers, or None: one group, every layer keeps
+    every block (no sliding layer, no window, the contiguous baseline, or a ``max_model_len``
+    so short that the groups' idle slots cost more than the window saves). A model whose
+    every layer slides (Mistral's window) gets one sliding group of all its layers."""
     full = tuple(i for i, t in enumerate(layer_types) if t != SLIDING_ATTENTION)
     sliding = tuple(i for i, t in enumerate(layer_types) if t == SLIDING_ATTENTION)
-    if not full or not sliding or not sliding_window or kv_allocation != "paged":
+    if not sliding or not sliding_window or kv_allocation != "paged":
         return None
     small, large = sorted((len(full), len(sliding)))
-    size = large if large < small * 1.25 else small
+    size = large if large < small * 1.25 or not small else small  # every layer sliding: one group
     windows: list[int | None] = []
     layers: list[tuple[int, ...]] = []
     for kind, members in ((None, full), (sliding_window, sliding)):

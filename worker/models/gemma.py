@@ -81,7 +81,6 @@ class GemmaAttention(LlamaAttention):
     def __init__(self, cfg: ModelConfig, backend: str, layer_idx: int = 0) -> None:
         super().__init__(cfg, backend, layer_idx)
         self.scale = cfg.query_pre_attn_scalar ** -0.5
-        self.sliding_window = cfg.layer_window(layer_idx)
         self.softcap = cfg.attn_logit_softcapping
 
 
@@ -129,10 +128,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
             self.local_rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
                                                     cfg.local_rope_scaling, cfg.dtype)
         self.local_layers = frozenset(i for i in range(cfg.num_hidden_layers) if cfg.layer_window(i))
-        # A hybrid KV cache (scheduler/kv/kv_groups.py): each layer's group, whose block
-        # table and slots the step's metadata carries in ``groups``.
-        groups = cfg.kv_cache_groups()
-        self.layer_group = [groups.layer_group(i) if groups else 0 for i in range(cfg.num_hidden_layers)]
 
     def make_layer(self, cfg: ModelConfig, backend: str, layer_idx: int) -> LlamaDecoderLayer:
         return GemmaDecoderLayer(cfg, self.attention_cls(cfg, backend, layer_idx), GemmaMLP(cfg))
@@ -143,11 +138,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         cos, sin = self.rotary_emb(positions)  # once per step, shared by the layers of each rope
         local = (cos, sin) if self.local_rotary_emb is None else self.local_rotary_emb(positions)
         residual = None
-        groups = attn_metadata.groups if attn_metadata is not None else None
         for i, layer in enumerate(self.model.layers):
             c, s = local if i in self.local_layers else (cos, sin)
-            md = groups[self.layer_group[i]] if groups else attn_metadata
-            h, residual = layer(h, residual, c, s, None if kv_caches is None else kv_caches[i], md)
+            h, residual = layer(h, residual, c, s, None if kv_caches is None else kv_caches[i],
+                                self.layer_metadata(attn_metadata, i))
         h, _ = self.model.norm(h, residual)
         return h
 

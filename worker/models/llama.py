@@ -84,13 +84,15 @@ def _attention_no_cache(q, k, v, md: AttentionMetadata | None, scale: float, win
 class LlamaAttention(nn.Module):
     # The LoRA hook (worker/lora/lora_ops.LayerLoRA), set when LoRA is enabled; None: off.
     lora = None
-    # A sliding-window layer's window and a soft-cap on its scores (worker/models/gemma.py).
-    sliding_window: int | None = None
+    # A soft-cap on the scores (Gemma 2, worker/models/gemma.py); None: off.
     softcap: float | None = None
 
     def __init__(self, cfg: ModelConfig, backend: str, layer_idx: int = 0) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        # A sliding-window layer's window (ModelConfig.layer_types: Gemma's local layers,
+        # Mistral's and Qwen2's windows); None: it attends to every key.
+        self.sliding_window = cfg.layer_window(layer_idx)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.backend = backend
@@ -201,6 +203,11 @@ class LlamaForCausalLM(nn.Module):
                                       for i in range(cfg.num_hidden_layers)))
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, cfg.dtype)
+        # A hybrid KV cache (sliding-window and full layers, scheduler/kv/kv_groups.py): each
+        # layer's group, whose block table and slots the step's metadata carries in
+        # ``groups``; None: one table for every layer.
+        groups = cfg.kv_cache_groups()
+        self.layer_group = None if groups is None else [groups.layer_group(i) for i in range(cfg.num_hidden_layers)]
         # The pooling runner (embeddings) reads the final hidden states: no LM head at all.
         self.lm_head = None
         if cfg.runner != "pooling":
@@ -217,9 +224,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(positions)  # once per step, shared by every layer
         residual = None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos, sin, None if kv_caches is None else kv_caches[i], attn_metadata)
+            h, residual = layer(h, residual, cos, sin, None if kv_caches is None else kv_caches[i],
+                                self.layer_metadata(attn_metadata, i))
         h, _ = self.model.norm(h, residual)
         return h
+
+    def layer_metadata(self, attn_metadata: AttentionMetadata | None, layer_idx: int) -> AttentionMetadata | None:
+        """The metadata layer ``layer_idx`` reads: its KV cache group's on a hybrid cache."""
+        groups = attn_metadata.groups if attn_metadata is not None and self.layer_group is not None else None
+        return groups[self.layer_group[layer_idx]] if groups else attn_metadata
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] fp32, the full vocabulary on every rank."""
