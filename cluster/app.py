@@ -240,18 +240,20 @@ def deployment_suffix(model_id: str) -> str:
     return model_id.replace("/", "--").replace(".", "_")
 
 
-def build_openai_app(models: list[tuple[EngineConfig, dict[str, Any]]], name_prefix: str = "",
+def build_openai_app(models: list, name_prefix: str = "",
                      api_key: str | None = None, max_request_body_bytes: int | None = None,
                      api_keys_file: str | None = None, allow_tenant_header: bool = False):
-    """One ingress over the engine deployments of ``models`` (engine config, its serve
-    options), Ray Serve LLM's ``build_openai_app``: each model has its own engine deployment
-    (replicas, router, autoscaling) and stats aggregator; the ingress routes a request by
-    its ``model``. One model keeps the plain names (EngineDeployment, StatsAggregator);
-    several get ``:<model id>`` after them."""
+    """One ingress over the engine deployments of ``models``, Ray Serve LLM's
+    ``build_openai_app``: each an LLMConfig-shaped dict (split_llm_config) or a pair
+    (EngineConfig, its serve options). Each model has its own engine deployment (replicas,
+    router, autoscaling) and stats aggregator; the ingress routes a request by its ``model``.
+    One model keeps the plain names (EngineDeployment, StatsAggregator); several get
+    ``:<model id>`` after them."""
     from pagedserve.cluster.front.edge import IngressConfig
     from pagedserve.cluster.front.ingress import OpenAIIngress
     from pagedserve.cluster.front.tenants import key_weights, load_api_keys
 
+    models = [m if isinstance(m, tuple) else _pinned(split_llm_config(m)) for m in models]
     if not models:
         raise ValueError("llm_configs: give at least one model.")
     several = len(models) > 1
@@ -392,6 +394,10 @@ def _deployment_options(dep: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
+def _pinned(model: tuple[EngineConfig, dict[str, Any]]) -> tuple[EngineConfig, dict[str, Any]]:
+    return pinned_model(model[0]), model[1]
+
+
 def app_builder(args: dict[str, Any]):
     """``import_path: pagedserve.cluster.app:app_builder`` in a Serve config file: one
     model's args (EngineConfig fields and serve options), or Ray Serve LLM's
@@ -400,7 +406,6 @@ def app_builder(args: dict[str, Any]):
     if "llm_configs" in args:
         _only("args beside llm_configs (engine fields and serve options go in each entry)", args,
               ("llm_configs", *INGRESS_OPTIONS))
-        models = [split_llm_config(e) for e in args.pop("llm_configs") or ()]
-        return build_openai_app([(pinned_model(cfg), opts) for cfg, opts in models], **args)
+        return build_openai_app(list(args.pop("llm_configs") or ()), **args)
     cfg, opts = split_args(args)
     return build_app(pinned_model(cfg), **opts)

@@ -78,6 +78,13 @@ def test_llm_configs_in_ray_serve_llms_words():
     assert cfg.model == cfg.served_model_name == "pagedserve-demo"  # model_source defaults to model_id
 
 
+def test_the_python_builder_takes_the_same_entries():
+    from pagedserve.cluster.app import build_openai_app
+
+    engines = build_openai_app(_args()["llm_configs"], name_prefix="x-")._bound_deployment.init_args[0]
+    assert [e._bound_deployment.name for e in engines] == ["x-EngineDeployment:chat", "x-EngineDeployment:embed"]
+
+
 @pytest.mark.parametrize("change, words", [
     (lambda a: a["llm_configs"][0].update(llm_engine="SGLang"), "['llm_engine'] not supported"),
     (lambda a: a["llm_configs"][0]["engine_kwargs"].update(no_such_flag=1), "engine_kwargs: ['no_such_flag']"),
@@ -162,6 +169,9 @@ def test_tokenize_and_detokenize_per_model(url):
     for name, t in got.items():
         back = httpx.post(f"{url}/detokenize", json={"model": name, "tokens": t["tokens"]}).json()
         assert "hello world" in back["prompt"], (name, back)
+    infos = {name: httpx.get(f"{url}/tokenizer_info", params={"model": name}) for name in ("chat", "embed")}
+    assert all(r.status_code == 200 for r in infos.values()) and infos["chat"].json() != infos["embed"].json()
+    assert httpx.get(f"{url}/tokenizer_info").status_code == 400  # which model's: not said
 
 
 @pytest.mark.scenarios
