@@ -10,14 +10,16 @@ A user sees: /v1/models lists both and the adapter under its parent; every route
 chat, embeddings, Responses, Anthropic messages, tokenize/detokenize) reaches the model its
 ``model`` names, which the wrong-route 400s of each engine show (chat asked of "embed" is the
 pooling engine's refusal); an unknown model is a 404 listing the served names (Anthropic's
-error shape on /v1/messages) and a body without ``model`` Ray Serve LLM's 400; /metrics
-carries every model's series under its ``model_name``. Without Ray: the file's args build
+error shape on /v1/messages) and a body without ``model`` Ray Serve LLM's 400; an adapter
+loaded at run time names its base model; /metrics carries every model's series under its
+``model_name``. Without Ray: the file's args build
 two engine deployments with their own options, and mistakes in an entry are refused by name.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import httpx
@@ -109,12 +111,14 @@ def test_llm_configs_mistakes_are_named(change, words):
 # ------------------------------------------------------------------ a real two-model app
 
 @pytest.fixture(scope="module")
-def url(serve_url, serve_model, tmp_path_factory):
+def app_root(serve_url, serve_model, tmp_path_factory):
     from ray import serve
 
     from pagedserve.cluster.app import app_builder
 
-    sql = make_random_adapter(serve_model, tmp_path_factory.mktemp("multi-lora") / "sql", r=8, alpha=16, seed=3)
+    root = tmp_path_factory.mktemp("multi-lora")
+    sql = make_random_adapter(serve_model, root / "sql", r=8, alpha=16, seed=3)
+    make_random_adapter(serve_model, root / "late", r=4, alpha=8, seed=4)  # loaded at run time
     args = _args()
     chat, embed = args["llm_configs"]
     chat["model_loading_config"]["model_source"] = str(serve_model)
@@ -123,9 +127,23 @@ def url(serve_url, serve_model, tmp_path_factory):
     embed["engine_kwargs"].update(num_gpu_blocks_override=64, max_num_seqs=4, seed=0)
     for entry in (chat, embed):  # room for both beside the suite's other apps
         entry["deployment_config"]["ray_actor_options"] = {"num_cpus": 0.5}
-    serve.run(app_builder(args), name="multi-model", route_prefix="/multi")
-    yield f"{serve_url}/multi"
+    before = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # read where the app is built
+    try:
+        app = app_builder(args)
+    finally:
+        if before is None:
+            del os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+        else:
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = before
+    serve.run(app, name="multi-model", route_prefix="/multi")
+    yield f"{serve_url}/multi", root
     delete_app("multi-model")
+
+
+@pytest.fixture(scope="module")
+def url(app_root):
+    return app_root[0]
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +199,21 @@ def test_a_lora_adapter_of_one_model(client):
     ray_form = client.completions.create(model="chat:sql", prompt=PROMPT, max_tokens=10, temperature=0)
     assert sql.model == ray_form.model == "sql"
     assert sql.choices[0].text == ray_form.choices[0].text != base.choices[0].text
+
+
+@pytest.mark.scenarios
+def test_an_adapter_loaded_at_run_time_names_its_base_model(app_root, client):
+    url, root = app_root
+    late = {"lora_name": "late", "lora_path": str(root / "late")}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=late)
+    assert r.status_code == 400 and "base_model_name" in r.text and "'embed'" in r.text
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={**late, "base_model_name": "chat"})
+    assert r.status_code == 200, r.text
+    assert {m.id: m.parent for m in client.models.list().data}["late"] == "chat"
+    assert client.completions.create(model="chat:late", prompt=PROMPT, max_tokens=2).model == "late"
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt=PROMPT, max_tokens=2)
 
 
 @pytest.mark.scenarios
