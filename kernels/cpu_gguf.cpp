@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -21,7 +22,7 @@ constexpr int64_t kGroup = 8;  // output rows interleaved in a packed block (one
 constexpr int64_t kDirectRows = 4;  // rows of x up to which the weights are dequantized in registers
 
 // ggml's type ids (ggml.h, GGMLQuantizationType in the gguf package).
-enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 struct Format {
   int64_t block;  // weights of one row a block holds (along K)
@@ -33,6 +34,9 @@ struct Format {
 //   Q8_0  [0,16) d[r] f16   [16,272) q[k][r] int8, k < 32
 //   Q4_0  [0,16) d[r]       [16,144) q[j][r] u8, j < 16: low nibble weight j, high nibble j + 16
 //   Q4_1  [0,16) d[r]       [16,32) m[r] f16          [32,160) q[j][r] as Q4_0
+//   Q5_0  [0,16) d[r]       [16,48) qh[v][r] u8, v < 4: bit p the fifth bit of weight 4 v + p, bit
+//         4 + p that of weight 4 v + p + 16 (p < 4)     [48,176) q[j][r] as Q4_0
+//   Q5_1  [0,16) d[r]       [16,32) m[r]      [32,64) qh[v][r] as Q5_0       [64,192) q[j][r] as Q4_0
 //   Q4_K  [0,16) d[r]       [16,32) dmin[r]   [32,96) sc[s][r] u8   [96,160) mn[s][r] u8 (s < 8: the
 //         6-bit scales and mins unpacked)    [160,1184) q[i][l][r], i < 4, l < 32: low nibble weight
 //         64 i + l (sub-block 2 i), high nibble 64 i + 32 + l (sub-block 2 i + 1)
@@ -45,6 +49,8 @@ Format format_of(int64_t qtype) {
     case kQ8_0: return {32, 34, 272};
     case kQ4_0: return {32, 18, 144};
     case kQ4_1: return {32, 20, 160};
+    case kQ5_0: return {32, 22, 176};
+    case kQ5_1: return {32, 24, 192};
     case kQ4_K: return {256, 144, 1184};
     case kQ5_K: return {256, 176, 1440};
     case kQ6_K: return {256, 210, 1680};
@@ -86,6 +92,22 @@ void pack_block(int64_t qtype, const uint8_t* src, int64_t r, uint8_t* dst) {
       std::memcpy(dst + 16 + 2 * r, src + 2, 2);
       for (int j = 0; j < 16; ++j) dst[32 + j * G + r] = src[4 + j];
       break;
+    case kQ5_0:
+    case kQ5_1: {  // the file's block: d (m), qh as a little-endian uint32 (bit j: weight j), qs as Q4_0
+      const int64_t mins = qtype == kQ5_1 ? 2 : 0, hoff = 16 + 8 * mins, qoff = 48 + 8 * mins;
+      std::memcpy(dst + 2 * r, src, 2);
+      if (mins) std::memcpy(dst + 16 + 2 * r, src + 2, 2);
+      const uint32_t qh = static_cast<uint32_t>(src[2 + mins]) | static_cast<uint32_t>(src[3 + mins]) << 8 |
+                          static_cast<uint32_t>(src[4 + mins]) << 16 | static_cast<uint32_t>(src[5 + mins]) << 24;
+      for (int v = 0; v < 4; ++v) {
+        uint8_t h = 0;
+        for (int p = 0; p < 4; ++p)
+          h |= static_cast<uint8_t>(((qh >> (4 * v + p)) & 1) << p | ((qh >> (4 * v + p + 16)) & 1) << (4 + p));
+        dst[hoff + v * G + r] = h;
+      }
+      for (int j = 0; j < 16; ++j) dst[qoff + j * G + r] = src[6 + mins + j];
+      break;
+    }
     case kQ4_K:
     case kQ5_K: {
       std::memcpy(dst + 2 * r, src, 2);
@@ -107,7 +129,8 @@ void pack_block(int64_t qtype, const uint8_t* src, int64_t r, uint8_t* dst) {
 }
 
 // Row r of a packed group block, dequantized into out[0:block] (the order and the arithmetic
-// of the gguf package's dequantize: d * q, d * q + m, (d sc) q - dmin mn, (d sc)(q - 32)).
+// of the gguf package's dequantize: d * q, d * q + m, (d sc) q - dmin mn, (d sc)(q - 32); Q5_0
+// and Q5_1 as Q4_0 and Q4_1 with the fifth bit, q - 16 and d q + m).
 void dequant_block(int64_t qtype, const uint8_t* blk, int64_t r, float* out) {
   const int64_t G = kGroup;
   const float d = f16(blk + 2 * r);
@@ -128,6 +151,24 @@ void dequant_block(int64_t qtype, const uint8_t* blk, int64_t r, float* out) {
         const uint8_t q = blk[32 + j * G + r];
         out[j] = d * static_cast<float>(q & 0xF) + m;
         out[j + 16] = d * static_cast<float>(q >> 4) + m;
+      }
+      break;
+    }
+    case kQ5_0:
+    case kQ5_1: {
+      const bool min = qtype == kQ5_1;
+      const float m = min ? f16(blk + 16 + 2 * r) : 0.f;
+      const int64_t hoff = min ? 32 : 16, qoff = min ? 64 : 48;
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t q = blk[qoff + j * G + r], h = blk[hoff + (j / 4) * G + r];
+        const int lo = (q & 0xF) | ((h >> (j % 4)) & 1) << 4, hi = (q >> 4) | ((h >> (4 + j % 4)) & 1) << 4;
+        if (min) {
+          out[j] = d * static_cast<float>(lo) + m;
+          out[j + 16] = d * static_cast<float>(hi) + m;
+        } else {
+          out[j] = d * static_cast<float>(lo - 16);
+          out[j + 16] = d * static_cast<float>(hi - 16);
+        }
       }
       break;
     }
@@ -305,15 +346,28 @@ PS_INLINE void prefetch_ahead(const uint8_t* w, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + off), _MM_HINT_T0);
 }
 
+// One scale for all four chains (the 32-weight types: a block's d).
+template <class C>
+PS_INLINE void scale_all(C& t, __m256 d) {
+  t.template scale<0>(d);
+  t.template scale<1>(d);
+  t.template scale<2>(d);
+  t.template scale<3>(d);
+}
+
+// A 32-weight block's start: its bytes prefetched, its d for every chain, and (MIN) its min m
+// (the consumers subtract a min: -m).
+template <bool MIN, class C>
+PS_INLINE void block_start(C& t, const uint8_t* w, int64_t bytes, int64_t b) {
+  prefetch_ahead(w, bytes);
+  scale_all(t, f16x8(w));
+  if (MIN) t.min(0, _mm256_sub_ps(_mm256_setzero_ps(), f16x8(w + 16)), b);
+}
+
 template <class C>
 PS_INLINE void decode_q8_0(C& t, const uint8_t* w, int64_t nb) {
   for (int64_t b = 0; b < nb; ++b, w += 272) {
-    prefetch_ahead(w, 272);
-    const __m256 d = f16x8(w);
-    t.template scale<0>(d);
-    t.template scale<1>(d);
-    t.template scale<2>(d);
-    t.template scale<3>(d);
+    block_start<false>(t, w, 272, b);
     const uint8_t* q = w + 16;
     const int64_t k0 = 32 * b;
     for (int k = 0; k < 32; k += 4) {
@@ -333,13 +387,7 @@ PS_INLINE void decode_q4(C& t, const uint8_t* w, int64_t nb) {
   constexpr int64_t bytes = MIN ? 160 : 144, qoff = MIN ? 32 : 16;
   auto q4 = [&](__m256i v) { return cvt(MIN ? v : _mm256_sub_epi32(v, eight)); };
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    prefetch_ahead(w, bytes);
-    const __m256 d = f16x8(w);
-    t.template scale<0>(d);
-    t.template scale<1>(d);
-    t.template scale<2>(d);
-    t.template scale<3>(d);
-    if (MIN) t.min(0, _mm256_sub_ps(_mm256_setzero_ps(), f16x8(w + 16)), b);
+    block_start<MIN>(t, w, bytes, b);
     const uint8_t* q = w + qoff;
     const int64_t k0 = 32 * b;
     for (int j = 0; j < 16; j += 2) {
@@ -348,6 +396,40 @@ PS_INLINE void decode_q4(C& t, const uint8_t* w, int64_t nb) {
       t.template put<1>(0, q4(_mm256_srli_epi32(v0, 4)), k0 + 16 + j);
       t.template put<2>(0, q4(_mm256_and_si256(v1, low)), k0 + j + 1);
       t.template put<3>(0, q4(_mm256_srli_epi32(v1, 4)), k0 + 17 + j);
+    }
+  }
+  t.finish();
+}
+
+// Q5_0 (MIN false: q - 16, exact in integers) and Q5_1 (MIN: d q + m): Q4's nibbles, each
+// with its fifth bit from qh[v][r] (bit p for weight 4 v + p, bit 4 + p for weight 4 v + p + 16).
+template <int P>
+PS_INLINE __m256i fifth_lo(__m256i h) {  // bit P of each lane, moved to bit 4
+  const __m256i bit4 = _mm256_set1_epi32(16);
+  return _mm256_and_si256(P <= 4 ? _mm256_slli_epi32(h, 4 - P) : _mm256_srli_epi32(h, P - 4), bit4);
+}
+
+template <class C, bool MIN>
+PS_INLINE void decode_q5(C& t, const uint8_t* w, int64_t nb) {
+  const __m256i low = _mm256_set1_epi32(0xF), sixteen = _mm256_set1_epi32(16);
+  constexpr int64_t bytes = MIN ? 192 : 176, hoff = MIN ? 32 : 16, qoff = MIN ? 64 : 48;
+  auto q5 = [&](__m256i v) { return cvt(MIN ? v : _mm256_sub_epi32(v, sixteen)); };
+  auto pair = [&](const __m256i& h, const uint8_t* q, int64_t k, auto p) __attribute__((always_inline)) {  // weights k, k + 1, k + 16, k + 17
+    constexpr int P = decltype(p)::value;
+    const __m256i v0 = u8x8(q), v1 = u8x8(q + 8);
+    t.template put<0>(0, q5(_mm256_or_si256(_mm256_and_si256(v0, low), fifth_lo<P>(h))), k);
+    t.template put<1>(0, q5(_mm256_or_si256(_mm256_srli_epi32(v0, 4), fifth_lo<P + 4>(h))), k + 16);
+    t.template put<2>(0, q5(_mm256_or_si256(_mm256_and_si256(v1, low), fifth_lo<P + 1>(h))), k + 1);
+    t.template put<3>(0, q5(_mm256_or_si256(_mm256_srli_epi32(v1, 4), fifth_lo<P + 5>(h))), k + 17);
+  };
+  for (int64_t b = 0; b < nb; ++b, w += bytes) {
+    block_start<MIN>(t, w, bytes, b);
+    const uint8_t* q = w + qoff;
+    const int64_t k0 = 32 * b;
+    for (int v = 0; v < 4; ++v) {
+      const __m256i h = u8x8(w + hoff + 8 * v);
+      pair(h, q + 8 * (4 * v), k0 + 4 * v, std::integral_constant<int, 0>());
+      pair(h, q + 8 * (4 * v + 2), k0 + 4 * v + 2, std::integral_constant<int, 2>());
     }
   }
   t.finish();
@@ -437,6 +519,8 @@ PS_INLINE void decode(int64_t qtype, C& t, const uint8_t* w, int64_t nb) {
     case kQ8_0: decode_q8_0(t, w, nb); break;
     case kQ4_0: decode_q4<C, false>(t, w, nb); break;
     case kQ4_1: decode_q4<C, true>(t, w, nb); break;
+    case kQ5_0: decode_q5<C, false>(t, w, nb); break;
+    case kQ5_1: decode_q5<C, true>(t, w, nb); break;
     case kQ4_K: decode_q45_k<C, false>(t, w, nb); break;
     case kQ5_K: decode_q45_k<C, true>(t, w, nb); break;
     case kQ6_K: decode_q6_k(t, w, nb); break;
@@ -519,12 +603,20 @@ PS_INLINE __m256i widen_rows(__m256i s16) {
                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
 }
 
-// Q4_0 (MIN false) and Q4_1 (MIN): the u4 q against qx. A row's lane sums 16 products of at
-// most 15 x 127 in int16 (30,480 < 32,767).
-template <int MR, bool MIN>
-PS_INLINE void q4_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  constexpr int64_t bytes = MIN ? 160 : 144, qoff = MIN ? 32 : 16;
+// Q4_0, Q4_1 (MIN), Q5_0 and Q5_1 (FIFTH, MIN): the u4 (u5) q against qx. Q5's fifth bits:
+// row r's qh byte v spread to bytes 2r and 2r + 1 of both lanes, where lane L's byte 2r + e
+// takes bit 2L + e (weight 4v + 2L + e) and bit 4 + 2L + e (its + 16). A row's lane sums in
+// int16 16 products of at most 15 x 127 (30,480 < 32,767), Q5's 8 of 31 x 127 (31,496): its
+// low and high halves are widened apart.
+template <int MR, bool MIN, bool FIFTH>
+PS_INLINE void q45_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7,
+                                          0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m256i sel_lo = _mm256_setr_epi8(1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2, 1, 2,
+                                          4, 8, 4, 8, 4, 8, 4, 8, 4, 8, 4, 8, 4, 8, 4, 8);
+  const __m256i sel_hi = _mm256_slli_epi16(sel_lo, 4);
+  constexpr int64_t hoff = MIN ? 32 : 16, qoff = FIFTH ? hoff + 32 : hoff, bytes = qoff + 128;
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
     prefetch_ahead(w, bytes);
     const __m256 dw = f16x8(w);
@@ -533,18 +625,24 @@ PS_INLINE void q4_int8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&a
       const __m256i t = row_pairs(w + qoff + 32 * v);
       lo[v] = _mm256_and_si256(t, low);
       hi[v] = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+      if constexpr (FIFTH) {
+        int64_t h8;
+        std::memcpy(&h8, w + hoff + 8 * v, 8);
+        const __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi64x(h8), spread);
+        lo[v] = _mm256_or_si256(lo[v], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel_lo), sel_lo), bit4));
+        hi[v] = _mm256_or_si256(hi[v], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel_hi), sel_hi), bit4));
+      }
     }
     const __m256 mw = MIN ? f16x8(w + 16) : _mm256_setzero_ps();
     for (int m = 0; m < MR; ++m) {
       const XPairs p(xq[m].q + 32 * b);
-      __m256i s16 = _mm256_maddubs_epi16(lo[0], p(0));
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], p(4)));
+      __m256i sl = _mm256_maddubs_epi16(lo[0], p(0)), sh = _mm256_maddubs_epi16(hi[0], p(4));
       for (int v = 1; v < 4; ++v) {
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[v], p(v)));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[v], p(4 + v)));
+        sl = _mm256_add_epi16(sl, _mm256_maddubs_epi16(lo[v], p(v)));
+        sh = _mm256_add_epi16(sh, _mm256_maddubs_epi16(hi[v], p(4 + v)));
       }
-      __m256i s32 = widen_rows(s16);
-      if (!MIN) s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * xq[m].sumq[b]));
+      __m256i s32 = FIFTH ? _mm256_add_epi32(widen_rows(sl), widen_rows(sh)) : widen_rows(_mm256_add_epi16(sl, sh));
+      if (!MIN) s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32((FIFTH ? 16 : 8) * xq[m].sumq[b]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xq[m].d[b])), acc[m]);
       if (MIN) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq[m].sum[b]), acc[m]);
     }
@@ -686,8 +784,10 @@ void direct_int8(int64_t qtype, const uint8_t* w, int64_t nb, const XQRow* xq, f
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   switch (qtype) {
     case kQ8_0: q8_int8<MR>(w, nb, xq, acc); break;
-    case kQ4_0: q4_int8<MR, false>(w, nb, xq, acc); break;
-    case kQ4_1: q4_int8<MR, true>(w, nb, xq, acc); break;
+    case kQ4_0: q45_int8<MR, false, false>(w, nb, xq, acc); break;
+    case kQ4_1: q45_int8<MR, true, false>(w, nb, xq, acc); break;
+    case kQ5_0: q45_int8<MR, false, true>(w, nb, xq, acc); break;
+    case kQ5_1: q45_int8<MR, true, true>(w, nb, xq, acc); break;
     case kQ4_K: q45k_int8<MR, false>(w, nb, xq, acc); break;
     case kQ5_K: q45k_int8<MR, true>(w, nb, xq, acc); break;
     case kQ6_K: q6k_int8<MR>(w, nb, xq, acc); break;
@@ -886,7 +986,7 @@ torch::Tensor pack(torch::Tensor raw, int64_t qtype, int64_t K, torch::Tensor ou
 
 // out [M, N] (rows ldy apart, columns contiguous) = x [M, K] . W^T (+ bias [N]), W packed; the
 // groups split over torch's intra-op threads. int8: x's rows quantized to int8 where the
-// int8 path takes the call (AVX2; Q4_0 / Q4_1 / Q8_0).
+// int8 path takes the call (AVX2; gemm_int8 says which calls).
 void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtype, c10::optional<torch::Tensor> bias,
           bool int8) {
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), ldx = x.stride(0), ldy = out.stride(0);
@@ -903,7 +1003,7 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
   // The sums of x over each 32 weights, for the types with a min (d q + m: m times the sum).
   std::vector<float> xs;
   const int64_t ldxs = K / 32;
-  if (M <= kDirectRows && (qtype == kQ4_1 || qtype == kQ4_K || qtype == kQ5_K)) {  // the direct passes
+  if (M <= kDirectRows && (qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ4_K || qtype == kQ5_K)) {  // the direct passes
     xs.resize(static_cast<size_t>(M * ldxs));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t s = 0; s < ldxs; ++s) {

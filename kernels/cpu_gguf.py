@@ -2,6 +2,8 @@
 FMA and F16C, or scalar C++; built at worker start like cpu_gemm.py):
 
     Q8_0  Q4_0  Q4_1    blocks of 32 weights along a row: a scale d (and a min m), 8- or 4-bit q
+    Q5_0  Q5_1          the same with 5-bit q (the fifth bits in a 32-bit mask): what llama.cpp's
+                        K-quant presets write where a row is not whole super-blocks of 256
     Q4_K  Q5_K  Q6_K    super-blocks of 256: 8 sub-blocks of 32 (Q6_K: 16 of 16), each with a
                         scale (and a min) of 6 or 8 bits under the super-block's fp16 d (dmin)
 
@@ -50,9 +52,9 @@ import torch
 from .cpu_build import LazyExtension, read_source
 
 # GGUF type name -> ggml's type id (what the extension takes)
-QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # GGUF type name -> (weights a block, bytes of one row's block in the file)
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34),
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 GROUP = 8  # output rows a packed group interleaves (one 256-bit vector of fp32 outputs)
 # The types whose kernels can multiply int8 activations (GGUFWeight.int8; AVX2 builds).

@@ -31,8 +31,9 @@ def _weight(qtype: str, n: int, k: int, seed: int):
     deq = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype)),
                                       dtype=np.float64))
     mins = None
-    if qtype == "Q4_1":  # block bytes: d (f16), m (f16), 16 of quants
-        mins = torch.from_numpy(raw.reshape(n, k // 32, 20)[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
+    if qtype in ("Q4_1", "Q5_1"):  # block bytes: d (f16), m (f16), (Q5_1: 4 of fifth bits,) 16 of quants
+        raw_b = raw.reshape(n, k // 32, cpu_gguf.BLOCKS[qtype][1])
+        mins = torch.from_numpy(raw_b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64))
     elif qtype in ("Q4_K", "Q5_K"):  # d, dmin (f16), 12 bytes of 6-bit scales and mins: the mins, dmin mn
         blocks = raw.reshape(n, k // 256, -1)
         dmin = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
@@ -45,7 +46,7 @@ def _weight(qtype: str, n: int, k: int, seed: int):
 
 def _reference(x: torch.Tensor, deq: torch.Tensor, mins) -> torch.Tensor:
     """The int8 path's arithmetic in float64: x per 32 quantized (dx = max|x| / 127, round
-    half to even); Q4_1's min times the block's exact sum of x."""
+    half to even); Q4_1's and Q5_1's min times the block's exact sum of x."""
     m, k = x.shape
     xb = x.double().view(m, k // 32, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127

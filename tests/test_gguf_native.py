@@ -126,6 +126,9 @@ MODELS = {
     "Q6_K": ("llama-gqa2-hd64", "Q6_K", None),
     "Q4_K_M": ("llama-gqa2-hd64", "Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K",
                                            "token_embd.weight": "Q8_0"}),
+    # Q4_K_M on a model whose rows are not whole super-blocks (SmolLM2-135M's 576): llama.cpp's
+    # quantize falls back to Q5_0 for Q4_K (and to Q5_1 for Q5_K's, in Q5_K_M)
+    "Q4_K_M-fallback": ("llama-gqa2-hd64", "Q5_0", {"ffn_down.weight": "Q5_1", "token_embd.weight": "Q8_0"}),
 }
 
 
@@ -207,11 +210,11 @@ def test_the_weights_stay_in_their_blocks(gguf_root):
 
 
 def test_a_type_the_kernel_lacks_is_a_startup_error_naming_it(gguf_root):
-    path = str(gguf_root / "q5_0.gguf")
+    path = str(gguf_root / "tq2_0.gguf")  # llama.cpp's ternary type (BitNet): no kernel here
     write_gguf_from_hf(make_test_model("llama-gqa2-hd64", gguf_root / "hf"), path, "Q8_0",
-                       {"ffn_up.weight": "Q5_0"})
-    with pytest.raises(ValueError, match=r"type Q5_0 \(e\.g\. blk\.\d\.ffn_up\.weight\).*supported: Q8_0, Q4_0, "
-                                         r"Q4_1, Q4_K, Q5_K, Q6_K, F32, F16, BF16\. --quantization none"):
+                       {"ffn_up.weight": "TQ2_0"})
+    with pytest.raises(ValueError, match=r"type TQ2_0 \(e\.g\. blk\.\d\.ffn_up\.weight\).*supported: Q8_0, Q4_0, "
+                                         r"Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, F32, F16, BF16\. --quantization none"):
         _engine(path)
     assert len(_greedy(path, prompts=PROMPTS[:1], quantization="none")[0]) == MAX_TOKENS  # dequantized, it runs
 

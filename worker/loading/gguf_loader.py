@@ -91,7 +91,7 @@ _GLOBAL_TENSORS = {
 GGUF_MAGIC = b"GGUF"
 # What --quantization gguf runs: the kernel's block types, and the float types it reads as
 # they are (F32: norms, biases) or dequantizes at load (F16, BF16).
-NATIVE_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+NATIVE_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 PLAIN_GGUF_TYPES = ("F32", "F16", "BF16")
 
 
