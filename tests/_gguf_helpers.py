@@ -2,7 +2,8 @@
 from one of worker/loading/random_models.py's random HF checkpoints (weights quantized, Llama q/k rows
 permuted to ggml's rope layout, the byte-level BPE tokenizer as metadata; Qwen3's q/k norms,
 Qwen3-MoE's and Mixtral's experts stacked per layer and their router in F32, Phi-3's fused tensors and LongRoPE
-factor tensors under llama.cpp's names), or a bare file of another architecture for the refusal
+factor tensors, Gemma's four norms a layer stored as 1 + w and its soft-caps and window, under llama.cpp's
+names), or a bare file of another architecture for the refusal
 test. Used by tests only."""
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ _ARCH_LAYER = {
     "qwen3moe": {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
                  "mlp.gate.weight": "ffn_gate_inp.weight"},
     "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+    "gemma2": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+               "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+               "post_feedforward_layernorm.weight": "post_ffw_norm.weight"},
 }
+_ARCH_LAYER["gemma3"] = {**_ARCH_LAYER["gemma2"], **_ARCH_LAYER["qwen3"]}
 _ARCHS = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-          "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3"}
+          "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3moe", "Phi3ForCausalLM": "phi3",
+          "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 _EXPERT_PROJ = {  # the checkpoint's block and projection names -> llama.cpp's stacked tensor
     "qwen3moe": ("mlp", {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
                          "down_proj": "ffn_down_exps.weight"}),
@@ -122,6 +128,16 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0", types: dict[s
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
             w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
+    if arch.startswith("gemma"):  # convert_hf_to_gguf.py's Gemma2Model / Gemma3Model
+        if cfg.get("attn_logit_softcapping"):
+            w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+        rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' rope
+        if rope.get("rope_type", "default") != "default":
+            w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+            w.add_rope_scaling_factor(rope["factor"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
@@ -137,6 +153,8 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0", types: dict[s
     stacked = _stack_experts(tensors, arch, cfg["num_hidden_layers"], num_experts) if num_experts else {}
     named = {**{_gguf_name(k, arch): (k, v) for k, v in tensors.items()}, **{k: (k, v) for k, v in stacked.items()}}
     for gname, (name, t) in named.items():
+        if arch.startswith("gemma") and gname.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # the converter stores Gemma's norms as 1 + w
         if arch == "llama" and ".q_proj." in name:
             t = _permute(t, heads)
         elif arch == "llama" and ".k_proj." in name:
@@ -154,6 +172,16 @@ def write_gguf_from_hf(hf_dir: str, out: str, qtype: str = "Q8_0", types: dict[s
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+def gguf_once(hf_dir: str, root, name: str, qtype: str) -> str:
+    """``hf_dir`` as ``root/name-qtype/name.qtype.gguf``, written the first time only."""
+    out = os.path.join(os.fspath(root), f"{name}-{qtype}", f"{name}.{qtype}.gguf")
+    if not os.path.isfile(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        write_gguf_from_hf(hf_dir, out + ".tmp", qtype)
+        os.replace(out + ".tmp", out)
     return out
 
 

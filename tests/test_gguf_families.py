@@ -31,7 +31,7 @@ import re
 import pytest
 import torch
 
-from _gguf_helpers import write_gguf_from_hf
+from _gguf_helpers import gguf_once
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.loading.gguf_loader import gguf_hf_config, iter_gguf_weights, open_gguf
 from pagedserve.worker.loading.model_cache import build_once
@@ -75,13 +75,7 @@ def _hf_dir(name: str, root) -> str:
 
 
 def _gguf(name: str, root, qtype: str) -> str:
-    src = _hf_dir(name, root)
-    out = os.path.join(os.fspath(root), f"{name}-{qtype}", f"{name}.{qtype}.gguf")
-    if not os.path.isfile(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        write_gguf_from_hf(src, out + ".tmp", qtype)
-        os.replace(out + ".tmp", out)
-    return out
+    return gguf_once(_hf_dir(name, root), root, name, qtype)
 
 
 def _prompts() -> list[list[int]]:

@@ -27,6 +27,14 @@ architecture, as llama.cpp's convert_hf_to_gguf.py writes it:
     phi3      fused attn_qkv [q ; k ; v] and ffn_up [gate ; up] (worker/models/phi3.py splits
               them), LongRoPE as rope_factors_long / rope_factors_short tensors plus
               rope.scaling.original_context_length and attn_factor: read into the config
+    gemma2    four norms a layer (attn_norm, post_attention_norm, ffn_norm = the pre-feedforward
+    gemma3    one, post_ffw_norm), every norm weight stored as 1 + w (the converter adds Gemma's
+              1; subtracted here), tied embeddings, attn_logit_softcapping (gemma2) and
+              final_logit_softcapping, attention.sliding_window; the layer pattern, the query
+              scale and Gemma 3's local rope base are llama.cpp's constants, not metadata:
+              gemma2 alternates from a sliding layer 0, gemma3 slides 5 layers of 6, scores
+              scale by key_length ** -0.5 (hidden / heads on the 27B models: 46 / 62 layers),
+              local layers rope at base 10,000; gemma3 adds attn_q_norm / attn_k_norm
 
 With ``--quantization gguf`` (the default for a .gguf on CPU) the 2-D weights stay in their
 blocks instead: ``iter_gguf_native`` hands the loaders QuantTensors (worker/layers/
@@ -47,11 +55,14 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from pagedserve.scheduler.kv.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION
+
 # GGUF general.architecture -> the config.json architecture we implement (worker/models).
 # Mistral files say "llama" (same graph; llama.cpp has no separate arch for it).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}  # config.json's model_type where it differs from the GGUF name
+                      "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}  # config.json's model_type where it differs from the GGUF name
 
 # Per-layer GGUF tensor names -> HF names (llama.cpp's gguf-py TensorNameMap, reversed).
 _LAYER_TENSORS = {
@@ -67,12 +78,21 @@ _LAYER_TENSORS = {
 }
 # What the newer families add, or name differently, per architecture.
 _QK_NORM = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_GEMMA_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _ARCH_LAYER_TENSORS = {
     "llama": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"},  # Mixtral's router
     "qwen3": _QK_NORM,
     "qwen3moe": {**_QK_NORM, "ffn_gate_inp.weight": "mlp.gate.weight"},
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": {**_GEMMA_NORMS, **_QK_NORM},
 }
+# Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores 1 + w in every *norm.weight.
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# llama.cpp's Gemma 3 local layers rope at this base whatever the global layers' is.
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 # Stacked experts [E, out, in] -> one tensor per expert under the checkpoint's names:
 # (the block's name, GGUF tensor -> the projection's).
 _EXPERT_TENSORS = {
@@ -203,6 +223,8 @@ def gguf_hf_config(reader, path: str) -> dict[str, Any]:
                   num_experts_per_tok=int(need("expert_used_count")))
     if arch == "phi3":
         hf.update(_phi3_rope(reader, path, p, hf))
+    if arch in _NORM_PLUS_ONE:
+        hf.update(_gemma_config(reader, p, hf))
     window = _scalar(reader, p + "attention.sliding_window")
     if window:
         hf["sliding_window"] = int(window)
@@ -234,6 +256,27 @@ def _moe_config(reader, path: str, p: str) -> dict[str, Any]:
     norm = _scalar(reader, p + "expert_weights_norm")
     return dict(num_experts=int(experts), num_experts_per_tok=int(used), moe_intermediate_size=int(inter),
                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True if norm is None else bool(norm))
+
+
+def _gemma_config(reader, p: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2 / 3's fields as llama.cpp runs them (see the module doc); ModelConfig reads
+    the layer pattern from its defaults (no layer_types: Gemma 2 alternates, Gemma 3 slides
+    5 of 6) and the two ropes from rope_theta / rope_local_base_freq."""
+    layers, big = hf["num_hidden_layers"], {"gemma2": 46, "gemma3": 62}[p[:-1]]
+    out: dict[str, Any] = dict(
+        hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+        query_pre_attn_scalar=hf["hidden_size"] // hf["num_attention_heads"] if layers == big else hf["head_dim"])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _scalar(reader, p + key)
+        out[key] = float(value) if value else None
+    if p == "gemma3.":
+        out.update(rope_local_base_freq=_GEMMA3_LOCAL_ROPE_BASE, sliding_window_pattern=6)
+    pattern = _scalar(reader, p + "attention.sliding_window_pattern")  # where a file states it
+    if isinstance(pattern, list):  # per layer, true where it slides
+        out["layer_types"] = [SLIDING_ATTENTION if s else FULL_ATTENTION for s in pattern]
+    elif pattern:
+        out["sliding_window_pattern"] = int(pattern)
+    return out
 
 
 def _phi3_rope(reader, path: str, p: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +338,8 @@ def _names(gguf_name: str, arch: str, w, path: str, architecture: str) -> Iterat
     expert tensor (``w`` [E, out, in]); nothing for a configuration tensor."""
     if gguf_name in _CONFIG_TENSORS.get(arch, ()):
         return
+    if arch in _NORM_PLUS_ONE and gguf_name.endswith("norm.weight"):
+        w = w - np.float32(1.0)  # exact in fp32 where 1 + w >= 0.5: the model forms the file's 1 + w again
     expert = _expert_tensors(gguf_name, arch)
     if expert is not None:
         prefix, proj = expert
