@@ -79,6 +79,23 @@ def test_sliding_window_layers_keep_only_their_window_at_long_context():
     assert kv_size(LLAMA3_70B, max_model_len=4096).sliding_window is None
 
 
+def test_mistral_and_qwen2_windows_are_sized_as_the_engine_runs_them():
+    """Mistral 7B v0.1's window (4,096) on all 32 layers: one sliding group, at 32K tokens
+    257 blocks a sequence instead of 2,048. Qwen2.5's config names a window but not
+    use_sliding_window: every layer keeps every token."""
+    mistral = {**LLAMA3_70B, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+               "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "max_position_embeddings": 32768, "sliding_window": 4096}
+    r = kv_size(mistral, max_model_len=32768)
+    assert (r.sliding_window, r.num_sliding_layers) == (4096, 32)
+    assert r.kv_bytes_per_seq * 2048 == r.kv_bytes_per_seq_all_layers * 257
+    qwen = {**mistral, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+            "max_window_layers": 28}
+    assert kv_size(qwen, max_model_len=32768).sliding_window is None
+    r = kv_size({**qwen, "use_sliding_window": True}, max_model_len=32768)
+    assert (r.sliding_window, r.num_sliding_layers) == (4096, 4)  # layers 28 .. 31
+
+
 def test_weights_that_do_not_fit_leave_zero_sequences():
     r = kv_size(LLAMA3_70B, max_model_len=4096, gpu_memory_gib=80, num_gpus=1)
     assert r.kv_budget_bytes_per_gpu == 0 and r.max_num_seqs == 0

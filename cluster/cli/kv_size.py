@@ -15,8 +15,9 @@ weights. A quantized checkpoint (config.json's quantization_config, or ModelOpt'
 hf_quant_config.json) counts its linear layers at their packed size (AWQ / GPTQ int4 with
 their group scales and zeros, fp8 with row scales: worker/loading/quant_config.py), the
 embeddings, LM head and norms at the weight dtype, so the KV budget grows by what the
-weights no longer take. A model with sliding-window layers (Gemma 2 / 3: layer_types, or
-the older sliding_window_pattern) runs on the hybrid KV cache (scheduler/kv/kv_groups.py):
+weights no longer take. A model with sliding-window layers (Gemma 2 / 3, Mistral's window,
+Qwen2's use_sliding_window: worker/loading/sliding_window.py) runs on the hybrid KV cache
+(scheduler/kv/kv_groups.py):
 its local layers keep only the blocks their window reaches, so a sequence costs
 
     bytes/seq = 2 x kv_heads x head_dim x dtype bytes x 16 x group_size
@@ -42,7 +43,8 @@ from pagedserve.platforms import auto_dtype
 from pagedserve.worker.loading.quant_config import (HFQuantConfig, linear_weight_bytes, parse_quant_config,
                                                     read_quantization_config)
 from pagedserve.scheduler.kv.kv_cache_dtype import KV_SCALE_BYTES, QUANTIZED_FORMATS, canonical_kv_cache_dtype
-from pagedserve.scheduler.kv.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, kv_cache_groups
+from pagedserve.scheduler.kv.kv_groups import SLIDING_ATTENTION, kv_cache_groups
+from pagedserve.worker.loading.sliding_window import runs_sliding_window, sliding_window_layers
 
 GiB = 1 << 30
 KiB = 1 << 10
@@ -95,21 +97,14 @@ BLOCK_SIZE = 16  # the engine's default --block-size: the hybrid cache frees who
 
 
 def layer_types(cfg: dict) -> list[str] | None:
-    """Each layer's attention type where the model mixes sliding-window and full layers
-    (what worker/model_config.py reads: layer_types, else Gemma 2's alternation or Gemma 3's
-    sliding_window_pattern), or None."""
-    types = cfg.get("layer_types")
-    n = int(cfg["num_hidden_layers"])
-    if types is None:
-        model_type = str(cfg.get("model_type", ""))
-        if model_type == "gemma2":
-            pattern = 2
-        elif model_type.startswith("gemma3"):
-            pattern = int(cfg.get("sliding_window_pattern") or 6)
-        else:
-            return None
-        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
-    return list(types) if cfg.get("sliding_window") and SLIDING_ATTENTION in types else None
+    """Each layer's attention type where some layers slide, as the engine reads them
+    (worker/loading/sliding_window.py: Gemma's layer_types or patterns, Mistral's window on
+    every layer, Qwen2's from max_window_layers on, ...), or None."""
+    arch = (cfg.get("architectures") or [""])[0]
+    if not runs_sliding_window(arch):
+        return None
+    types, window = sliding_window_layers(cfg, arch)
+    return list(types) if window else None
 
 
 def load_hf_config(model: str | Path) -> dict:
