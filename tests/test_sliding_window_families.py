@@ -80,7 +80,7 @@ def test_config_reads_the_windowed_layers(case):
 
 def test_all_at_once_then_a_prefix_cache_hit(case):
     _, path, prompts, refs = case
-    engine = _engine(path, max_model_len=128, enable_prefix_caching=True, async_scheduling=False)
+    engine = _engine(path, max_model_len=128, enable_prefix_caching=True)
     assert isinstance(engine.scheduler.kv_cache_manager, HybridKVCacheManager)
     assert _run(engine, prompts, NEW_TOKENS) == refs
     hits = engine.get_stats().prefix_cache_hits
