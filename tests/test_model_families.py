@@ -247,7 +247,7 @@ def test_gemma_configs_of_the_hub(tmp_path):
     assert (cfg.local_rope_theta, cfg.local_rope_scaling) == (10000.0, None)
     assert cfg.tie_word_embeddings and cfg.hidden_act == "gelu_pytorch_tanh" and cfg.attn_logit_softcapping is None
     assert [cfg.layer_window(i) for i in (4, 5)] == [512, None]
-    assert cfg.max_model_len == 2048  # not capped at the window (Mistral's is: no layer of it runs one)
+    assert cfg.max_model_len == 2048  # not capped at the window
     (tmp_path / "config.json").write_text(json.dumps(dict(
         base, architectures=["Gemma2ForCausalLM"], model_type="gemma2", num_hidden_layers=3,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh")))

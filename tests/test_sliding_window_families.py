@@ -76,6 +76,8 @@ def test_config_reads_the_windowed_layers(case):
     assert [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)] == (
         [None] * (cfg.num_hidden_layers // 2) + [WINDOW] * (cfg.num_hidden_layers // 2) if windows[0] is None
         else [WINDOW] * cfg.num_hidden_layers)
+    short = ModelConfig.from_pretrained(path, max_model_len=WINDOW)  # no row reaches past the window
+    assert (short.layer_types, short.sliding_window, short.kv_cache_groups()) == ((), None, None)
 
 
 def test_all_at_once_then_a_prefix_cache_hit(case):

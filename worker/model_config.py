@@ -244,6 +244,11 @@ class ModelConfig:
         elif not 1 <= max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} must be in [1, {limit}] "
                              f"(max_position_embeddings{' / sliding_window' if window else ''}).")
+        if arch not in GEMMA_ARCHITECTURES and (attention.get("sliding_window") or 0) >= max_model_len:
+            # No row reaches past a window of max_model_len keys: every layer runs full, as
+            # before (one KV cache group, the bound CPU decode path). Gemma's layer_types
+            # also pick its ropes, so they stay.
+            attention.update(layer_types=(), sliding_window=None)
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
             rope_scaling = _pick_longrope_factors(rope_scaling, head_dim, int(max_model_len))
         if (attention.get("local_rope_scaling") or {}).get("rope_type") == "longrope":
