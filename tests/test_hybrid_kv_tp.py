@@ -1,6 +1,7 @@
-"""Sliding-window models at tensor_parallel_size 2 on the hybrid KV cache, engine end to end:
-two Ray worker actors (gloo all-reduce on CPU) each hold their half of the KV heads in the
-pool's group_size tensors, and read the per-group block tables and slot mappings that the
+"""Sliding-window models (Gemma 2, Gemma 3, and Mistral's window on every layer: one sliding
+group) at tensor_parallel_size 2 on the hybrid KV cache, engine end to end: two Ray worker
+actors (gloo all-reduce on CPU) each hold their half of the KV heads in the pool's
+group_size tensors, and read the per-group block tables and slot mappings that the
 scheduler's plan interleaves (scheduler/kv/hybrid.py, worker/step_buffers.py).
 
 One engine per model runs its four prompts in 16-token chunks over a pool too small for all
@@ -15,18 +16,21 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 from test_model_families import _hf_greedy, _model_path, _prompts, model_root  # noqa: F401 (fixture)
+from test_sliding_window_families import _path as _sliding_path
+from test_sliding_window_families import root  # noqa: F401 (fixture)
 
 NEW_TOKENS = 24
 
 
 @pytest.mark.slow  # Ray and two worker actors per model
 @pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
-@pytest.mark.parametrize("name, num_blocks", [("gemma2", 12), ("gemma3", 30)])
-def test_tp2_hybrid_cache_chunked_preempted_and_a_prefix_hit(name, num_blocks, model_root, ray_session):  # noqa: F811
+@pytest.mark.parametrize("name, num_blocks", [("gemma2", 12), ("gemma3", 30), ("mistral", 5)])
+def test_tp2_hybrid_cache_chunked_preempted_and_a_prefix_hit(name, num_blocks, model_root, root,  # noqa: F811
+                                                             ray_session):
     from pagedserve.cluster.executors.ray_executor import RayExecutor
     from pagedserve.scheduler.kv.hybrid import HybridKVCacheManager
 
-    path = _model_path(name, model_root)
+    path = _sliding_path(name, root) if name == "mistral" else _model_path(name, model_root)
     prompts = _prompts([3, 17, 33, 40])
     refs = _hf_greedy(path, prompts, NEW_TOKENS)
     llm = LLM(model=path, tensor_parallel_size=2, dtype="float32", max_model_len=128,
