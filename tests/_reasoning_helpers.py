@@ -17,7 +17,8 @@ is a chain of tokens, each "from" token with one successor:
 The tokenizer is the test models' byte-level BPE with <think>, </think> and "\\n\\n" added as
 tokens (as Qwen3's vocabulary has them), and a Qwen3-shaped chat template that reads
 enable_thinking (thinking off: ``<think>\\n\\n</think>\\n\\n`` after the generation prompt) and
-renders tools Hermes-style in the system turn.
+renders tools Hermes-style in the system turn; given a ``reasoning_effort`` (vLLM passes the
+request's) it writes "Reasoning: <effort>" in a first system turn, as gpt-oss's does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ SPLIT_PREFIX, SPLIT_ANSWER = "Wait", "Bye"  # a continued "Wait": </think> in pi
 IM_END_ID = 4  # tokenizer_build's <|im_end|>: this model's EOS
 
 QWEN3_TEMPLATE = (
+    "{%- if reasoning_effort is defined %}{{- '<|im_start|>system\\nReasoning: ' + reasoning_effort + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
     "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}{{- '# Tools\\n\\n<tools>' }}{%- for tool in tools %}"
     "{{- '\\n' + (tool | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}"

@@ -53,7 +53,7 @@ IMPLEMENTED: dict[str, set[str]] = {
                                          "continue_final_message", "echo",
                                          "tools", "tool_choice", "parallel_tool_calls",
                                          # tests/test_serve_reasoning.py
-                                         "chat_template_kwargs", "include_reasoning"},
+                                         "chat_template_kwargs", "include_reasoning", "reasoning_effort"},
     "ChatMessage": {"role", "content", "tool_calls", "tool_call_id", "name",
                     # to the chat template, as vLLM passes them (tests/test_serve_vllm_parity.py)
                     "reasoning", "reasoning_content", "refusal"},

@@ -124,6 +124,54 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
                                                                      "messages": []}) == on
 
 
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(tokenizer):
+    """vLLM's build_chat_params: the request's reasoning_effort is a template variable, and
+    turns enable_thinking off ("none") or on unless chat_template_kwargs name it."""
+    from pagedserve.cluster.front.openai.schemas import ChatCompletionRequest
+    from pagedserve.cluster.text.tokenizer_pool import render_chat
+
+    def rendered(**body):
+        req = ChatCompletionRequest.model_validate({"messages": ASK, **body})
+        return render_chat(tokenizer, ASK, True, chat_template_kwargs=req.template_kwargs())
+
+    plain = rendered()
+    assert rendered(reasoning_effort="low") == "<|im_start|>system\nReasoning: low<|im_end|>\n" + plain
+    assert rendered(reasoning_effort="none").endswith("<think>\n\n</think>\n\n")
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}).endswith(
+        "assistant\n")
+    with pytest.raises(ValueError, match="reasoning_effort"):
+        ChatCompletionRequest.model_validate({"messages": ASK, "reasoning_effort": "extreme"})
+
+
+def test_anthropic_thinking_becomes_the_chat_requests_template_switch():
+    """thinking disabled -> enable_thinking false, enabled / adaptive -> true (unless the
+    body's vLLM chat_template_kwargs say); a thinking block sent back is that assistant
+    turn's reasoning, a redacted one is dropped; Anthropic's shapes are checked."""
+    from pagedserve.cluster.front.anthropic.schemas import MessagesRequest
+
+    def chat(**body):
+        return MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": ASK, **body}).to_chat()
+
+    assert chat().template_kwargs() is None
+    assert chat(thinking={"type": "disabled"}).template_kwargs() == {"enable_thinking": False}
+    assert chat(thinking={"type": "enabled", "budget_tokens": 1024}).template_kwargs() == {"enable_thinking": True}
+    assert chat(thinking={"type": "adaptive"}, chat_template_kwargs={"enable_thinking": False}).template_kwargs() \
+        == {"enable_thinking": False}
+    turns = ASK + [{"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Greet back.", "signature": "abc"},
+        {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Hi!"}]},
+        {"role": "user", "content": "and?"}]
+    assert [m.template_dict() for m in chat(messages=turns).messages][1] == \
+        {"role": "assistant", "content": "Hi!", "reasoning": "Greet back."}
+    for bad, says in (({"type": "enabled"}, "budget_tokens"), ({"type": "disabled", "budget_tokens": 2000},
+                                                                "budget_tokens"),
+                      ({"type": "between_tools"}, "thinking.type")):
+        with pytest.raises(ValueError, match=says):
+            chat(thinking=bad)
+    with pytest.raises(ValueError, match="has type 'thinking': user messages take text and tool_result"):
+        chat(messages=[{"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": "s"}]}])
+
+
 # ------------------------------------------------------------------ units: the engine's grammar
 @pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
 def test_the_grammar_starts_where_the_thinking_ends(think_model, parser):
@@ -330,3 +378,85 @@ def test_the_responses_api_has_a_reasoning_item(client, model):
     follow = client.responses.create(model=model, previous_response_id=r.id, input="and?", max_output_tokens=48,
                                      temperature=0)
     assert again.usage.input_tokens == follow.usage.input_tokens and again.output_text == ANSWER
+
+
+@HTTP
+def test_reasoning_effort_reaches_the_template_over_http(base, client, model):
+    """The openai SDK's reasoning_effort, on chat and (as reasoning.effort) on the Responses
+    API: the template writes it into the prompt; "none" switches the thinking off."""
+    r = _chat(client, model, reasoning_effort="low", extra_body={"return_token_ids": True})
+    prompt = httpx.post(f"{base}/detokenize", json={"tokens": r.prompt_token_ids}).json()["prompt"]
+    assert prompt.startswith("<|im_start|>system\nReasoning: low<|im_end|>\n")
+    assert (r.choices[0].message.reasoning, r.choices[0].message.content) == (REASONING, ANSWER)
+    msg = _chat(client, model, reasoning_effort="none").choices[0].message
+    assert (msg.reasoning, msg.content) == (None, ANSWER)
+    r = client.responses.create(model=model, input="hi", max_output_tokens=48, temperature=0,
+                                reasoning={"effort": "none"})
+    assert [o.type for o in r.output] == ["message"] and r.output_text == ANSWER and r.reasoning.effort == "none"
+    r = client.responses.create(model=model, input="hi", max_output_tokens=48, temperature=0,
+                                reasoning={"effort": "high"})
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.usage.input_tokens > client.responses.create(model=model, input="hi", max_output_tokens=48,
+                                                          temperature=0).usage.input_tokens  # "Reasoning: high"
+
+
+@pytest.fixture(scope="module")
+def claude(base):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+
+
+THINK = {"type": "enabled", "budget_tokens": 1024}
+
+
+@HTTP
+def test_anthropic_thinking_block_comes_before_the_text(claude, model):
+    msg = claude.messages.create(model=model, max_tokens=48, messages=ASK, thinking=THINK,
+                                 extra_body={"temperature": 0.0})
+    assert [b.type for b in msg.content] == ["thinking", "text"] and msg.stop_reason == "end_turn"
+    thought, text = msg.content
+    assert (thought.thinking, text.text) == (REASONING, ANSWER) and thought.signature
+    # streamed, read by the SDK's own accumulator: thinking_delta ..., signature_delta, then the text
+    with claude.messages.stream(model=model, max_tokens=48, messages=ASK, thinking=THINK,
+                                extra_body={"temperature": 0.0}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == \
+        [("thinking", REASONING), ("text", ANSWER)] and final.content[0].signature
+    raw = [e for e in claude.messages.create(model=model, max_tokens=48, messages=ASK, thinking=THINK, stream=True,
+                                             extra_body={"temperature": 0.0})]
+    starts = [(e.index, e.content_block.type) for e in raw if e.type == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text")]
+    deltas = [(e.index, e.delta.type) for e in raw if e.type == "content_block_delta"]
+    first_text = deltas.index((1, "text_delta"))
+    assert deltas[first_text - 1] == (0, "signature_delta")
+    assert {d for d in deltas[:first_text - 1]} == {(0, "thinking_delta")}
+    assert "".join(e.delta.thinking for e in raw if e.type == "content_block_delta"
+                   and e.delta.type == "thinking_delta") == REASONING
+    assert [e.type for e in events if e.type == "thinking"]  # the SDK's own thinking events
+    # display "omitted": the block stays, its text does not
+    hidden = claude.messages.create(model=model, max_tokens=48, messages=ASK,
+                                    thinking={**THINK, "display": "omitted"}, extra_body={"temperature": 0.0})
+    assert [(b.type, getattr(b, "thinking", None)) for b in hidden.content][0] == ("thinking", "")
+
+
+@HTTP
+def test_anthropic_thinking_disabled_and_sent_back(claude, model):
+    """disabled: Qwen3's switch in the template, no thinking block; a thinking block sent back
+    with the conversation is accepted (this template drops it from the prompt, as Qwen3's
+    drops earlier turns' thinking)."""
+    off = claude.messages.create(model=model, max_tokens=48, messages=ASK, thinking={"type": "disabled"},
+                                 extra_body={"temperature": 0.0})
+    assert [(b.type, b.text) for b in off.content] == [("text", ANSWER)]
+    count = lambda **kw: claude.messages.count_tokens(model=model, **kw).input_tokens  # noqa: E731
+    assert count(messages=ASK, thinking={"type": "disabled"}) == count(messages=ASK) + 4  # <think>\n\n</think>\n\n
+    msg = claude.messages.create(model=model, max_tokens=48, messages=ASK, thinking=THINK,
+                                 extra_body={"temperature": 0.0})
+    turns = ASK + [{"role": "assistant", "content": msg.content},  # sent back as the SDK gave it
+                   {"role": "user", "content": "and?"}]
+    plain = ASK + [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": "and?"}]
+    again = claude.messages.create(model=model, max_tokens=48, messages=turns, thinking=THINK,
+                                   extra_body={"temperature": 0.0})
+    assert [b.type for b in again.content] == ["thinking", "text"]
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == count(messages=plain, thinking=THINK)

@@ -163,7 +163,7 @@ def test_text_format_json_schema(client, model):
 
 @pytest.mark.parametrize("change, status, param, words", [
     (dict(background=True), 400, "background", "not implemented"),
-    (dict(reasoning={"effort": "high"}), 400, "reasoning", "not implemented"),
+    (dict(reasoning={"effort": "high", "summary": "auto"}), 400, "reasoning.summary", "no reasoning summaries"),
     (dict(truncation="auto"), 400, "truncation", "not implemented"),
     (dict(tools=[{"type": "web_search"}]), 400, "tools[0].type", "'web_search' is not implemented"),
     (dict(tools=[{"type": "function", "parameters": {}}]), 400, "tools[0].name", "Field required"),

@@ -141,7 +141,7 @@ class OpenAIServingChat:
         except ValueError as e:
             return error(400, str(e))
         tools = plan.tools if plan is not None else None
-        kwargs = body.chat_template_kwargs
+        kwargs = body.template_kwargs()
         if body.add_special_tokens:  # the tokenizer's BOS etc. on top of the template's (vLLM)
             try:
                 prompt = await self._engine.tokenize.remote(None, messages, True, template, tools, kwargs)

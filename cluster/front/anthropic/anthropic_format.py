@@ -12,10 +12,17 @@ Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
     usage: input_tokens = the prompt's tokens the prefix cache did not hold,
            cache_read_input_tokens = those it held (together: count_tokens' answer)
 
+With --reasoning-parser the chat message's reasoning is a first block {type: thinking,
+thinking, signature} (vLLM's: the signature a random hex string, for clients that keep it;
+nothing checks one sent back). thinking.display "omitted": the block's thinking is "".
+
 The stream (the chat's chunks carry usage, so the first one knows the prompt's size):
 
     first chunk    event: message_start  {message: {id, model, content: [], usage}}
                    event: ping
+    thinking       content_block_start {index, content_block: {type: thinking, thinking: "",
+                   signature: ""}}, content_block_delta {type: thinking_delta, thinking} ...,
+                   content_block_delta {type: signature_delta, signature} as the block closes
     content        content_block_start {index, content_block: {type: text, text: ""}}
                    content_block_delta {index, delta: {type: text_delta, text}} ...
     a tool call    content_block_start {index, content_block: {type: tool_use, id, name,
@@ -29,6 +36,7 @@ The stream (the chat's chunks carry usage, so the first one knows the prompt's s
 from __future__ import annotations
 
 import json
+import uuid
 
 # HTTP status -> Anthropic's error type (its API's list; 503 is its "overloaded").
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -87,11 +95,18 @@ def _input(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def message(chat: dict) -> dict:
+def signature() -> str:
+    return uuid.uuid4().hex
+
+
+def message(chat: dict, show_thinking: bool = True) -> dict:
     """The chat completion JSON (one choice) as Anthropic's Message."""
     choice = chat["choices"][0]
     msg = choice["message"]
     content: list[dict] = []
+    if msg.get("reasoning"):
+        content.append({"type": "thinking", "thinking": msg["reasoning"] if show_thinking else "",
+                        "signature": signature()})
     if msg.get("content"):
         content.append({"type": "text", "text": msg["content"]})
     calls = msg.get("tool_calls") or []
@@ -111,12 +126,14 @@ class MessageStream:
     """One streamed message: ``feed`` takes one chat SSE line (``data: ...``), gives the
     Anthropic events it makes."""
 
-    def __init__(self, rid: str, model: str) -> None:
-        """``model``: the body's, until the chat's first chunk names the one answering."""
+    def __init__(self, rid: str, model: str, show_thinking: bool = True) -> None:
+        """``model``: the body's, until the chat's first chunk names the one answering;
+        ``show_thinking`` False: thinking blocks without their text (display "omitted")."""
         self.rid, self.model = rid, model
+        self.show_thinking = show_thinking
         self.started = self.ended = False
         self.num_blocks = 0
-        self.open_block: str | None = None  # "text" | "tool_use": the block now open (index num_blocks - 1)
+        self.open_block: str | None = None  # "thinking" | "text" | "tool_use": the block now open (index num_blocks - 1)
         self.called = False
         self.finish: tuple[str | None, object] = (None, None)  # the chat's finish_reason, stop_reason
         self.usage: dict | None = None
@@ -136,6 +153,10 @@ class MessageStream:
         out = [] if self.started else self._start(chunk.get("usage"))
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                if self.show_thinking:
+                    out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
             if delta.get("content"):
                 out += self._block("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
@@ -177,8 +198,10 @@ class MessageStream:
     def _close(self) -> list[str]:
         if self.open_block is None:
             return []
+        out = [self._delta({"type": "signature_delta", "signature": signature()})] \
+            if self.open_block == "thinking" else []
         self.open_block = None
-        return [event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})]
+        return out + [event("content_block_stop", {"type": "content_block_stop", "index": self.num_blocks - 1})]
 
     def _end(self) -> list[str]:
         self.ended = True

@@ -11,6 +11,12 @@ request, tools and all (serving_messages.py).
                                                  (is_error: the content starts "Error: ")
     assistant: text and tool_use blocks          {"role": "assistant", content, tool_calls}
     a last assistant message (a prefill)         continue_final_message: the answer continues it
+    assistant: thinking blocks                   that message's reasoning (the template renders or
+                                                 drops it); redacted_thinking: dropped
+    thinking {type: disabled}                    chat_template_kwargs enable_thinking: false (Qwen3's
+                                                 switch); enabled / adaptive: true. budget_tokens and
+                                                 display "summarized" are accepted and not enforced
+    chat_template_kwargs (vLLM's)                the same, under what thinking sets
     max_tokens, stop_sequences                   max_tokens, stop
     temperature, top_p, top_k                    the same
     tools [{name, description, input_schema}]    tools [{type: function, function: {name,
@@ -23,8 +29,9 @@ request, tools and all (serving_messages.py).
                                                  blocks without being asked
 
 Every other field Anthropic defines is a 400 naming it (NOT_IMPLEMENTED), as is a field it
-does not define (Anthropic's own answer); an image, document or thinking block is a 400
-saying where it is.
+does not define (Anthropic's own answer); an image or document block is a 400 saying where
+it is. The answer's thinking (--reasoning-parser) comes back as a thinking block
+(anthropic_format.py).
 """
 
 from __future__ import annotations
@@ -52,8 +59,6 @@ _UNSUPPORTED_BLOCKS = {
     "image": "images are not supported: this server serves text-only models; send text",
     "document": "documents are not supported: send their text as a text block",
     "search_result": "search_result blocks are not supported: send their text as a text block",
-    "thinking": "thinking blocks are not supported: this server has no extended thinking",
-    "redacted_thinking": "thinking blocks are not supported: this server has no extended thinking",
 }
 
 
@@ -77,6 +82,20 @@ class ToolUseBlock(AnthropicBase):
     name: Text
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+
+
+class ThinkingBlock(AnthropicBase):
+    """A previous answer's thinking, sent back: its signature is not checked (anthropic_format
+    makes them; nothing here can verify one, as in vLLM)."""
+
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text
+
+
+class RedactedThinkingBlock(AnthropicBase):
+    type: Literal["redacted_thinking"]
+    data: Text
 
 
 def _refuse_blocks(blocks: Any, allowed: tuple[str, ...], where: str) -> Any:
@@ -113,8 +132,10 @@ def _parts(blocks) -> list[dict]:
     return [{"type": "text", "text": b.text} for b in blocks]
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
+_ROLE_BLOCKS = {"user": ("text", "tool_result"),
+                "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
 
 
 class Message(AnthropicBase):
@@ -138,7 +159,10 @@ class Message(AnthropicBase):
             calls = [{"id": b.id, "type": "function",
                       "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
                      for b in self.content if b.type == "tool_use"]
-            return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+            # vLLM's: the thinking is the message's reasoning (an opaque redacted block is dropped)
+            thought = "".join(b.thinking for b in self.content if b.type == "thinking")
+            return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+                     **({"reasoning": thought} if thought else {})}]
         out: list[dict] = []
         for b in self.content:
             if b.type == "tool_result":
@@ -193,14 +217,22 @@ class ToolChoice(AnthropicBase):
 
 
 class Thinking(AnthropicBase):
+    """Anthropic's thinking config. The model thinks as its chat template has it: "disabled"
+    turns Qwen3-style templates' enable_thinking off, "enabled" / "adaptive" on. budget_tokens
+    is accepted and not enforced (vLLM's endpoint ignores it too): max_tokens bounds the
+    thinking and the answer together, as it does on Anthropic's."""
+
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Int | None = None
+    budget_tokens: Int | None = Field(None, ge=1)
+    # "omitted": the thinking block comes back empty, with its signature
+    display: Literal["summarized", "omitted"] | None = None
 
     @model_validator(mode="after")
-    def _disabled_only(self):
-        if self.type != "disabled":
-            raise ValueError(f"thinking {self.type!r} is not implemented by this server "
-                             '(it has no extended thinking); leave it out or send {"type": "disabled"}.')
+    def _budget_with_enabled(self):
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError('`budget_tokens` goes with type "enabled", and is required there.')
+        if self.type == "disabled" and self.display is not None:
+            raise ValueError('`display` goes with type "enabled" or "adaptive".')
         return self
 
 
@@ -218,6 +250,7 @@ class CountTokensRequest(AnthropicBase):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None  # vLLM's extension, as on the chat route
 
     @model_validator(mode="after")
     def _choice_needs_tools(self):
@@ -237,6 +270,11 @@ class CountTokensRequest(AnthropicBase):
         fields: dict[str, Any] = {"model": self.model, "messages": messages}
         if self.messages[-1].role == "assistant":  # a prefill: the answer continues it (Anthropic's)
             fields.update(continue_final_message=True, add_generation_prompt=False)
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.thinking is not None:  # as vLLM's reasoning_effort: unless the kwargs name it
+            kwargs.setdefault("enable_thinking", self.thinking.type != "disabled")
+        if kwargs:
+            fields["chat_template_kwargs"] = kwargs
         if self.tools:
             fields["tools"] = [t.chat_tool() for t in self.tools]
             choice = self.tool_choice
@@ -244,6 +282,10 @@ class CountTokensRequest(AnthropicBase):
             if choice is not None and choice.disable_parallel_tool_use:
                 fields["parallel_tool_calls"] = False
         return fields
+
+    def show_thinking(self) -> bool:
+        """Whether thinking blocks carry their text (thinking.display "omitted": not)."""
+        return self.thinking is None or self.thinking.display != "omitted"
 
     def to_chat(self) -> ChatCompletionRequest:
         """The chat request this body is; ValueError (a 400) where the chat path refuses it."""

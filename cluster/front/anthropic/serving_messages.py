@@ -113,11 +113,12 @@ class AnthropicServingMessages:
         with self._live.handled(rid, tenant):
             response = await self._chat.create(chat, rid, tenant)
         if isinstance(response, StreamingResponse):
-            events = _events(response.body_iterator, fmt.MessageStream(rid, body.model))
+            events = _events(response.body_iterator, fmt.MessageStream(rid, body.model, body.show_thinking()))
             return StreamingResponse(events, media_type="text/event-stream", headers=_kept_headers(response))
         if response.status_code != 200:
             return self._reshaped(response)
-        return JSONResponse(fmt.message(json.loads(response.body)), headers=_kept_headers(response))
+        return JSONResponse(fmt.message(json.loads(response.body), body.show_thinking()),
+                            headers=_kept_headers(response))
 
     async def count_tokens(self, raw: bytes):
         """POST /v1/messages/count_tokens: {"input_tokens": n}, the prompt /v1/messages would
@@ -129,7 +130,8 @@ class AnthropicServingMessages:
             messages = [m.template_dict() for m in chat.messages]
             tools = ([t.model_dump(exclude_none=True) for t in chat.tools]
                      if chat.tools and chat.tool_choice != "none" else None)
-            ids = await self._engine.tokenize.remote(None, messages, False, chat.template_mode(), tools)
+            ids = await self._engine.tokenize.remote(None, messages, False, chat.template_mode(), tools,
+                                                     chat.template_kwargs())
         except ValueError as e:
             return anthropic_error(400, str(e))
         except Exception as e:  # arrives wrapped (RayTaskError)

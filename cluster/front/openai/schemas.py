@@ -339,6 +339,8 @@ def _utf8(s: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# OpenAI's reasoning_effort values and vLLM's ("max": DeepSeek V4's)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
@@ -359,7 +361,7 @@ ACCEPTED_AND_IGNORED = frozenset({"user", "safety_identifier", "metadata", "stor
 NOT_IMPLEMENTED = frozenset({
     # OpenAI chat completions
     "audio", "function_call", "functions", "modalities", "moderation", "prediction",
-    "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "service_tier", "verbosity",
+    "prompt_cache_options", "prompt_cache_retention", "service_tier", "verbosity",
     "web_search_options",
     # vLLM's completions and chat completions
     "allowed_token_ids", "bad_words", "chat_template", "documents",
@@ -790,6 +792,7 @@ class ChatCompletionRequest(_SamplingFields):
     # switch), those it reads; and whether the thinking (--reasoning-parser) is sent back.
     chat_template_kwargs: dict[Text, Any] | None = None
     include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None  # to the template: template_kwargs()
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -817,6 +820,16 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_mode(self) -> bool | str:
         return _template_mode(self)
+
+    def template_kwargs(self) -> dict | None:
+        """The chat template's extra variables, as vLLM's build_chat_params makes them:
+        ``chat_template_kwargs`` with ``reasoning_effort`` (the request's, over theirs) and,
+        unless they name it, ``enable_thinking``: off for effort "none", on for any other."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = dict(self.chat_template_kwargs or {}, reasoning_effort=self.reasoning_effort)
+        kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def echo_text(self) -> str:
         """vLLM's chat echo: the last message's content when its role is the one that

@@ -33,8 +33,8 @@ from typing import Any, ClassVar, Literal
 import pydantic
 from pydantic import Field
 
-from pagedserve.cluster.front.openai.schemas import (ChatCompletionRequest, Int, OpenAIBase, RequestBase, Text,
-                                                     _OpenBody)
+from pagedserve.cluster.front.openai.schemas import (ChatCompletionRequest, Int, OpenAIBase, ReasoningEffort,
+                                                     RequestBase, Text, _OpenBody)
 
 # Responses fields this server does not implement -> the values that ask for what it does
 # anyway (None is always one). Any other value is a 400 naming the field.
@@ -42,7 +42,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     # OpenAI's
     "access_programs": (), "background": (False,), "background_options": (), "context_management": (),
     "conversation": (), "image": (), "include": ([],), "max_tool_calls": (), "moderation": (), "prompt": (),
-    "prompt_cache_options": (), "prompt_cache_retention": (), "reasoning": (),
+    "prompt_cache_options": (), "prompt_cache_retention": (),
     "service_tier": ("auto", "default"), "stream_options": ({}, {"include_obfuscation": False}),
     "top_logprobs": (0,), "truncation": ("disabled",),
     # vLLM's
@@ -160,6 +160,23 @@ class TextFormat(RequestBase):
     strict: bool | None = None  # the schema is always enforced
 
 
+class ReasoningConfig(RequestBase):
+    """OpenAI's ``reasoning``: ``effort`` is the chat's ``reasoning_effort`` (to the chat
+    template, as vLLM passes it); summaries are not made here (the reasoning item carries the
+    whole thinking), so asking for one is a 400."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's old name
+
+    def effort_only(self) -> ReasoningEffort | None:
+        for name in ("summary", "generate_summary"):
+            if getattr(self, name) is not None:
+                raise FieldError(f"reasoning.{name}", "not implemented by this server (no reasoning summaries: "
+                                                      "the reasoning item carries the whole thinking)")
+        return self.effort
+
+
 class TextConfig(RequestBase):
     format: TextFormat | None = None
     verbosity: None = None  # only its absence: this server has no verbosity knob
@@ -234,6 +251,7 @@ class ResponsesRequest(_OpenBody):
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     store: bool = True
     previous_response_id: Text | None = None
     stream: bool = False
@@ -307,6 +325,7 @@ class ResponsesRequest(_OpenBody):
                     temperature=self.temperature, top_p=self.top_p, tools=self.chat_tools(),
                     tool_choice=self.chat_tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
                     response_format=self.response_format(), stream=self.stream,
+                    reasoning_effort=self.reasoning.effort_only() if self.reasoning is not None else None,
                     **{k: getattr(self, k) for k in VLLM_SAMPLING})
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
@@ -323,7 +342,8 @@ class ResponsesRequest(_OpenBody):
             tools=self.tools or [], tool_choice=self.tool_choice or "auto",
             parallel_tool_calls=self.parallel_tool_calls is not False,
             previous_response_id=self.previous_response_id, store=self.store,
-            text={"format": {"type": "text"}, **text}, metadata=self.metadata or {}, user=self.user)
+            text={"format": {"type": "text"}, **text}, metadata=self.metadata or {}, user=self.user,
+            reasoning=self.reasoning.model_dump(exclude_none=True) if self.reasoning is not None else None)
 
 
 # ---------------------------------------------------------------- the response
@@ -404,6 +424,7 @@ class ResponseObject(OpenAIBase):
     previous_response_id: str | None = None
     store: bool = True
     text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict | None = None  # the request's, echoed
     metadata: dict = Field(default_factory=dict)
     user: str | None = None
     truncation: Literal["disabled"] = "disabled"
