@@ -13,6 +13,7 @@ the checkpoints here follow them.
           equal those loaded from the Hugging Face directory, bit for bit; ModelConfig reads
           the same model; greedy tokens equal transformers' generate() on the directory, on
           prompts up to 5 windows long
+    Q8_0  the native path (Q8_0 blocks in the GEMMs) decodes as the file dequantized
 """
 
 from __future__ import annotations
@@ -98,3 +99,15 @@ def test_f32_gguf_decodes_as_transformers(name, root):
     assert engine.model_config.quantization == "gguf"  # the CPU's native GGUF path, F32 tensors as they are
     assert _run(engine, prompts) == refs
     assert _run(engine, prompts[-1:]) == refs[-1:]  # from the prefix cache
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_q8_0_gguf_runs_its_blocks_as_its_dequantized_weights(name, root):
+    """Q8_0: the CPU's native path (the blocks in the GEMMs) decodes as the same file
+    dequantized at load (--quantization none) on most prompts (the two sum in other orders)."""
+    hf_dir, _ = _paths(name, root)
+    path = gguf_once(hf_dir, root, name, "Q8_0")
+    prompts = _prompts([3, 17, 33, 40])
+    native = _run(_engine(path, max_model_len=MAX_MODEL_LEN), prompts)
+    dequantized = _run(_engine(path, max_model_len=MAX_MODEL_LEN, quantization="none"), prompts)
+    assert sum(a == b for a, b in zip(native, dequantized)) >= 3
