@@ -157,6 +157,9 @@ def test_anthropic_thinking_becomes_the_chat_requests_template_switch():
     assert chat(thinking={"type": "enabled", "budget_tokens": 1024}).template_kwargs() == {"enable_thinking": True}
     assert chat(thinking={"type": "adaptive"}, chat_template_kwargs={"enable_thinking": False}).template_kwargs() \
         == {"enable_thinking": False}
+    effort = chat(output_config={"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}})
+    assert effort.template_kwargs() == {"reasoning_effort": "low", "enable_thinking": True}  # vLLM's mapping
+    assert effort.response_format.json_schema.json_schema == {"type": "object"}
     turns = ASK + [{"role": "assistant", "content": [
         {"type": "thinking", "thinking": "Greet back.", "signature": "abc"},
         {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "Hi!"}]},
@@ -435,6 +438,17 @@ def test_anthropic_thinking_block_comes_before_the_text(claude, model):
     assert "".join(e.delta.thinking for e in raw if e.type == "content_block_delta"
                    and e.delta.type == "thinking_delta") == REASONING
     assert [e.type for e in events if e.type == "thinking"]  # the SDK's own thinking events
+    # output_config (vLLM's mapping): format constrains the text after the thinking; effort
+    # reaches the template, which writes it into the prompt
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    shaped = claude.messages.create(model=model, max_tokens=48, messages=ASK, thinking=THINK,
+                                    output_config={"format": {"type": "json_schema", "schema": schema}},
+                                    extra_body={"temperature": 0.0})
+    assert shaped.content[0].thinking == REASONING and isinstance(json.loads(shaped.content[1].text)["ok"], bool)
+    low = claude.messages.create(model=model, max_tokens=48, messages=ASK, thinking=THINK,
+                                 output_config={"effort": "low"}, extra_body={"temperature": 0.0})
+    assert low.usage.input_tokens + low.usage.cache_read_input_tokens > msg.usage.input_tokens + \
+        msg.usage.cache_read_input_tokens and low.content[0].thinking == REASONING
     # display "omitted": the block stays, its text does not
     hidden = claude.messages.create(model=model, max_tokens=48, messages=ASK,
                                     thinking={**THINK, "display": "omitted"}, extra_body={"temperature": 0.0})

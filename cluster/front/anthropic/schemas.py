@@ -17,6 +17,7 @@ request, tools and all (serving_messages.py).
                                                  switch); enabled / adaptive: true. budget_tokens and
                                                  display "summarized" are accepted and not enforced
     chat_template_kwargs (vLLM's)                the same, under what thinking sets
+    output_config {effort, format}               reasoning_effort (vLLM's), response_format json_schema
     max_tokens, stop_sequences                   max_tokens, stop
     temperature, top_p, top_k                    the same
     tools [{name, description, input_schema}]    tools [{type: function, function: {name,
@@ -47,7 +48,7 @@ from pagedserve.cluster.front.openai.schemas import ChatCompletionRequest, Int, 
 # implement: each is a 400 naming it ("not implemented"), not the unknown field's 400.
 NOT_IMPLEMENTED = frozenset({
     # the body
-    "container", "context_management", "diagnostics", "inference_geo", "mcp_servers", "output_config",
+    "container", "context_management", "diagnostics", "inference_geo", "mcp_servers",
     "output_format", "service_tier", "speed", "user_profile_id", "workspace_id",
     # content blocks and tools
     "citations", "caller", "toolset_name", "strict", "input_examples", "defer_loading", "allowed_callers",
@@ -236,6 +237,28 @@ class Thinking(AnthropicBase):
         return self
 
 
+class JSONOutputFormat(AnthropicBase):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(AnthropicBase):
+    """As vLLM maps it: ``effort`` is the chat's reasoning_effort (to the chat template),
+    ``format`` its json_schema response_format (enforced after the thinking)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JSONOutputFormat | None = None
+
+    def chat_fields(self) -> dict:
+        fields: dict[str, Any] = {}
+        if self.effort is not None:
+            fields["reasoning_effort"] = self.effort
+        if self.format is not None:
+            fields["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": self.format.schema_}}
+        return fields
+
+
 class Metadata(AnthropicBase):
     user_id: Text | None = None
 
@@ -251,6 +274,7 @@ class CountTokensRequest(AnthropicBase):
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
     chat_template_kwargs: dict[Text, Any] | None = None  # vLLM's extension, as on the chat route
+    output_config: OutputConfig | None = None
 
     @model_validator(mode="after")
     def _choice_needs_tools(self):
@@ -275,6 +299,8 @@ class CountTokensRequest(AnthropicBase):
             kwargs.setdefault("enable_thinking", self.thinking.type != "disabled")
         if kwargs:
             fields["chat_template_kwargs"] = kwargs
+        if self.output_config is not None:
+            fields.update(self.output_config.chat_fields())
         if self.tools:
             fields["tools"] = [t.chat_tool() for t in self.tools]
             choice = self.tool_choice
