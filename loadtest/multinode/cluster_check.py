@@ -105,6 +105,17 @@ def _front_node(view: dict) -> str:
     return next((a["node"] for a in view["actors"] if a["state"] == "ALIVE" and "OpenAIIngress" in a["name"]), "?")
 
 
+def _wait_deployed(srv, timeout: float = 300.0) -> None:
+    """Until ``pagedserve serve`` logs "ready in" (serve.run returned: every deployment's
+    min_replicas running). /health answers 200 once one replica does, and a node lost while
+    the app is still deploying fails the deploy itself, which is not what a phase tests."""
+    deadline = time.monotonic() + timeout
+    while "ready in " not in srv.log_path.read_text(errors="replace"):
+        if srv.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not finish deploying:\n{srv.tail()}")
+        time.sleep(0.5)
+
+
 def _complete(base: str, prompt: str, max_tokens: int = 12) -> str:
     r = httpx.post(f"{base}/v1/completions", json={"model": "model", "prompt": prompt, "max_tokens": max_tokens,
                                                    "temperature": 0}, timeout=120)
@@ -197,6 +208,7 @@ def phase_node_kill(ctx: Ctx) -> dict:
     # max_num_seqs 32: one replica holds the whole load after the loss, so the TTFT after it
     # shows the routing, not a queue of half the capacity.
     with ctx.server(min_replicas=2, tensor_parallel_size=2, max_num_seqs=32) as srv:
+        _wait_deployed(srv)
         view = ctx.view()
         groups_before = [g["id"] for g in view["placement_groups"] if g["state"] == "CREATED"]
         res = asyncio.run(_kill_under_load(ctx, srv.base_url, cluster))
@@ -333,6 +345,7 @@ STORM_CAP_S = 90.0  # each side's load stops here whatever it sent (a box too sl
 def phase_node_kill_storm(ctx: Ctx) -> dict:
     cluster = ctx.new_cluster(2)
     with ctx.server(min_replicas=2, max_num_seqs=32) as srv:
+        _wait_deployed(srv)
         res = asyncio.run(_storm(ctx, srv.base_url, cluster))
     kill_t, victims = res.pop("kill_t"), res.pop("victim_replicas")
     results: list[RequestResult] = res.pop("results")
