@@ -10,7 +10,6 @@ transformers 5). Anything we cannot run exactly is refused here with a clear
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +21,7 @@ from pagedserve.platforms import auto_dtype
 from pagedserve.worker.loading.gguf_loader import check_native_types, find_gguf_file, gguf_hf_config, open_gguf
 from pagedserve.scheduler.kv.kv_groups import FULL_ATTENTION, SLIDING_ATTENTION
 from pagedserve.worker.loading.sliding_window import GEMMA_ARCHITECTURES, runs_sliding_window, sliding_window_layers
+from pagedserve.worker.loading.rope_config import parse_rope, parse_rope_scaling, pick_longrope_factors
 from pagedserve.worker.loading.quant_config import (HF_QUANT_METHODS, HFQuantConfig, parse_quant_config,
                                                     read_quantization_config)
 
@@ -33,7 +33,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # sentence-transformers saves: Qwen3-Embedding's weights are named so): "<X>Model" runs as
 # "<X>ForCausalLM" without lm_head, for embeddings only (--runner pooling).
 HEADLESS_ARCHITECTURES = {a.removesuffix("ForCausalLM") + "Model": a for a in SUPPORTED_ARCHITECTURES}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 _DTYPES = {
@@ -229,7 +228,7 @@ class ModelConfig:
             raise ValueError("mlp_bias=True is not supported.")
 
         attention = _gemma_fields(hf, arch) if arch in GEMMA_ARCHITECTURES else {}
-        rope_theta, rope_scaling = attention.pop("rope") if attention else _parse_rope(hf)
+        rope_theta, rope_scaling = attention.pop("rope") if attention else parse_rope(hf)
         max_pos = int(hf.get("max_position_embeddings") or 2048)
         # Sliding-window layers (loading/sliding_window.py) run their window. A family whose
         # window no layer here runs stays exact by never exceeding it.
@@ -250,9 +249,9 @@ class ModelConfig:
             # also pick its ropes, so they stay.
             attention.update(layer_types=(), sliding_window=None)
         if rope_scaling is not None and rope_scaling["rope_type"] == "longrope":
-            rope_scaling = _pick_longrope_factors(rope_scaling, head_dim, int(max_model_len))
+            rope_scaling = pick_longrope_factors(rope_scaling, head_dim, int(max_model_len))
         if (attention.get("local_rope_scaling") or {}).get("rope_type") == "longrope":
-            attention["local_rope_scaling"] = _pick_longrope_factors(attention["local_rope_scaling"], head_dim,
+            attention["local_rope_scaling"] = pick_longrope_factors(attention["local_rope_scaling"], head_dim,
                                                                  int(max_model_len))
 
         if dtype == "auto":
@@ -351,72 +350,6 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, device: s
     return "gguf"
 
 
-def _parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling") or {}
-    if params and any(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type rope_parameters are not supported.")
-    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    return _parse_rope_scaling(hf, theta, {**legacy, **params})
-
-
-def _parse_rope_scaling(hf: dict[str, Any], theta: float,
-                        scaling: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """One rope's parameters (config.json's rope_parameters or rope_scaling) -> (theta,
-    None for plain rope, or the dict rotary.compute_inv_freq reads)."""
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in ("su", "yarn") and hf.get("architectures") == ["Phi3ForCausalLM"]:
-        rope_type = "longrope"  # Phi-3's old names for it (transformers' Phi3Config says so)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0 or scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported.")
-    if rope_type == "dynamic":
-        # Dynamic NTK changes the base only past max_position_embeddings (transformers'
-        # dynamic_rope_update), which max_model_len never exceeds: plain rope, exactly.
-        rope_type = "default"
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "longrope":
-        return theta, _parse_longrope(hf, scaling)
-    if rope_type == "linear":
-        if not scaling.get("factor"):
-            raise ValueError("linear rope scaling needs 'factor'.")
-        return theta, {"rope_type": "linear", "factor": float(scaling["factor"])}
-    if rope_type == "yarn":
-        return theta, _parse_yarn(hf, scaling)
-    out = {"rope_type": "llama3"}
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        if key not in scaling:
-            raise ValueError(f"llama3 rope scaling needs {key!r}.")
-        out[key] = float(scaling[key])
-    out["original_max_position_embeddings"] = int(
-        scaling.get("original_max_position_embeddings") or hf.get("max_position_embeddings") or 8192)
-    return theta, out
-
-
-def _parse_yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
-    """YaRN (transformers' _compute_yarn_parameters): frequencies blended between the
-    original and the ``factor``-slowed ones over a ramp of dimensions (beta_fast, beta_slow),
-    and cos/sin scaled by attention_factor (0.1 ln(factor) + 1 unless given)."""
-    max_pos = int(hf.get("max_position_embeddings") or 2048)
-    original = int(scaling.get("original_max_position_embeddings") or max_pos)
-    factor = float(scaling.get("factor") or max_pos / original)
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        def get_mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        if mscale and mscale_all_dim:
-            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
-        else:
-            attention_factor = get_mscale(factor)
-    return {"rope_type": "yarn", "factor": factor, "attention_factor": float(attention_factor),
-            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
-            "original_max_position_embeddings": original, "truncate": bool(scaling.get("truncate", True))}
-
-
 def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
     """Gemma 2 / 3: each layer's attention type, the window, both ropes, the query scale and
     the soft-caps, from either config dialect (transformers 5's layer_types and per-type
@@ -431,11 +364,11 @@ def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
             params = {FULL_ATTENTION: params}  # one dict: the global layers' (as rope_scaling was)
         full = {**(hf.get("rope_scaling") or {}), **(params.get(FULL_ATTENTION) or {})}
         local = dict(params.get(SLIDING_ATTENTION) or {})
-        rope = _parse_rope_scaling(hf, float(full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0), full)
-        local_theta, local_scaling = _parse_rope_scaling(
+        rope = parse_rope_scaling(hf, float(full.get("rope_theta") or hf.get("rope_theta") or 1_000_000.0), full)
+        local_theta, local_scaling = parse_rope_scaling(
             hf, float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10_000.0), local)
     else:
-        rope = _parse_rope(hf)
+        rope = parse_rope(hf)
         local_theta, local_scaling = rope
     softcap = hf.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None  # Gemma 3's has none
     return dict(rope=rope, layer_types=types, sliding_window=window,
@@ -444,40 +377,6 @@ def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
                 attn_logit_softcapping=float(softcap) if softcap else None,
                 final_logit_softcapping=float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
                 else None)
-
-
-def _parse_longrope(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
-    """Phi-3's LongRoPE: per-frequency factors, a short set for sequences up to the
-    pretraining length and a long one past it, and a cos/sin scale (attention_factor)."""
-    for key in ("short_factor", "long_factor"):
-        if not isinstance(scaling.get(key), list):
-            raise ValueError(f"longrope rope scaling needs a list {key!r}.")
-    max_pos = int(hf.get("max_position_embeddings") or 2048)
-    original = int(scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
-                   or max_pos)
-    factor = scaling.get("factor") or max_pos / original
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:  # the paper's default, as transformers computes it
-        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {"rope_type": "longrope", "short_factor": [float(f) for f in scaling["short_factor"]],
-            "long_factor": [float(f) for f in scaling["long_factor"]], "attention_factor": float(attention_factor),
-            "original_max_position_embeddings": original}
-
-
-def _pick_longrope_factors(scaling: dict[str, Any], head_dim: int, max_model_len: int) -> dict[str, Any]:
-    """One factor set for the whole engine. transformers switches per sequence: the short set
-    while a sequence is within original_max_position_embeddings, and once it grows past,
-    the long set for every position (it recomputes the whole cache). A paged cache keeps
-    the keys it rotated, so we decide once: an engine whose max_model_len fits the
-    pretraining length uses the short set (exactly transformers' tokens at every length);
-    a longer one uses the long set (exact for sequences past that length, not for the
-    shorter ones)."""
-    long = max_model_len > scaling["original_max_position_embeddings"]
-    factors = scaling["long_factor" if long else "short_factor"]
-    if len(factors) != head_dim // 2:
-        raise ValueError(f"longrope {'long' if long else 'short'}_factor has {len(factors)} entries; "
-                         f"head_dim {head_dim} needs {head_dim // 2}.")
-    return {**scaling, "ext_factors": factors}
 
 
 def _nope_layers(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
