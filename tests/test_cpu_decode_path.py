@@ -30,11 +30,17 @@ def models(tmp_path_factory):
     root = tmp_path_factory.getbasetemp() / "decode-path-models"
     llama = make_test_model("llama-gqa2-hd64", root)
     qwen2 = make_test_model("qwen2-tied", root)  # q/k/v biases, tied head
-    gguf = write_gguf_from_hf(str(llama), str(tmp_path_factory.mktemp("gguf") / "llama.Q4_1.gguf"), "Q4_1")
+    gguf_dir = tmp_path_factory.mktemp("gguf")
+    gguf = write_gguf_from_hf(str(llama), str(gguf_dir / "llama.Q4_1.gguf"), "Q4_1")
+    # llama.cpp's Q4_K_M on rows that are not whole super-blocks: q, k, gate, up in Q5_0, v and
+    # down in Q8_0 (fused qkv of two types: the bound path calls each part into its columns)
+    mixed = write_gguf_from_hf(str(llama), str(gguf_dir / "llama.Q4_K_M.gguf"), "Q5_0",
+                               {"attn_v.weight": "Q8_0", "ffn_down.weight": "Q8_0", "token_embd.weight": "Q8_0"})
     quant = tmp_path_factory.mktemp("hfq")
     write_quantized(str(llama), str(quant / "awq"), str(quant / "awq-deq"), "awq", group_size=64)
     write_quantized(str(llama), str(quant / "fp8"), str(quant / "fp8-deq"), "fp8", per_channel=True)
-    return {"llama": str(llama), "qwen2": str(qwen2), "gguf-q4_1": gguf, "awq": str(quant / "awq"),
+    return {"llama": str(llama), "qwen2": str(qwen2), "gguf-q4_1": gguf, "gguf-mixed-types": mixed,
+            "awq": str(quant / "awq"),
             "fp8": str(quant / "fp8")}
 
 
@@ -57,7 +63,7 @@ def _check_on_against_off(llm: LLM, **generate_kw) -> None:
     assert _run(llm, **generate_kw) == on  # tokens and logprobs, to the bit
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gguf-q4_1", "awq", "fp8"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gguf-q4_1", "gguf-mixed-types", "awq", "fp8"])
 def test_the_bound_path_runs_the_decode_steps_and_changes_no_bit(models, name):
     llm = LLM(model=models[name], dtype="float32", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=8)
     try:

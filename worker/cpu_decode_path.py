@@ -40,12 +40,25 @@ def _bind_linear(layer):
     if bias is not None and bias.dtype != torch.float32:
         return None
     if type(packed) is cpu_gguf.GGUFWeight:
-        if len(packed.parts) != 1:
-            return None
-        ext, part, n, int8 = cpu_gguf._EXT.get(), packed.parts[0], packed.n, packed.int8
+        ext, parts, n, int8 = cpu_gguf._EXT.get(), packed.parts, packed.n, packed.int8
         if ext is None:
             return None
-        return lambda x: ext.linear(x, part.packed, part.qid, n, bias, int8)
+        if len(parts) == 1:
+            part = parts[0]
+            return lambda x: ext.linear(x, part.packed, part.qid, n, bias, int8)
+        # A fused projection whose pieces came in different types (llama.cpp's Q4_K_M: q and k
+        # in Q4_K or Q5_0, v in Q6_K or Q8_0): one call a part, each into its columns of y.
+        cols, start = [], 0
+        for p in parts:
+            cols.append((start, p, None if bias is None else bias[start:start + p.n]))
+            start += p.n
+
+        def multi(x: torch.Tensor) -> torch.Tensor:
+            y = torch.empty((x.shape[0], n), dtype=torch.float32)
+            for s, p, b in cols:
+                ext.gemm(y[:, s:s + p.n], x, p.packed, p.qid, b, int8)
+            return y
+        return multi
     if type(packed) is PanelWeight:
         panels, n = packed.panels, packed.n
         return lambda x: cpu_gemm.gemm(x, panels, n, bias)
