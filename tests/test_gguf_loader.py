@@ -154,7 +154,14 @@ def _bad_models(root, tmp_path) -> dict[str, tuple[str, str]]:
     (tmp_path / "header-only.gguf").write_bytes(good[:64])
     (tmp_path / "not-gguf.gguf").write_bytes(b"PK\x03\x04 a zip file")
     write_foreign_gguf(str(tmp_path / "gpt2.gguf"), "gpt2")
+    hf = make_test_model("llama-mha", tmp_path / "hf")  # a checkpoint directory, then parts of it
+    for name, files in (("config-only", ("config.json",)), ("no-tokenizer", ("config.json", "model.safetensors"))):
+        (tmp_path / name).mkdir()
+        for f in files:
+            shutil.copy(os.path.join(hf, f), tmp_path / name / f)
     return {
+        "no-weights": (str(tmp_path / "config-only"), r"no model\.safetensors or model\.safetensors\.index\.json in"),
+        "no-tokenizer": (str(tmp_path / "no-tokenizer"), r"no tokenizer in .*--tokenizer"),
         "truncated": (str(tmp_path / "truncated.gguf"), r"truncated\.gguf'?: it is truncated or corrupt"),
         "header-only": (str(tmp_path / "header-only.gguf"), r"it is truncated or corrupt"),
         "not-gguf": (str(tmp_path / "not-gguf.gguf"), r"is not a GGUF file"),
@@ -163,7 +170,8 @@ def _bad_models(root, tmp_path) -> dict[str, tuple[str, str]]:
     }
 
 
-@pytest.mark.parametrize("case", ["truncated", "header-only", "not-gguf", "unsupported", "missing"])
+@pytest.mark.parametrize("case", ["truncated", "header-only", "not-gguf", "unsupported", "missing", "no-weights",
+                                  "no-tokenizer"])
 def test_serve_refuses_a_bad_model_with_one_clear_line_and_exit_code_1(gguf_root, tmp_path, case):
     model, message = _bad_models(gguf_root, tmp_path)[case]
     cmd = [sys.executable, "-m", "pagedserve.cluster.cli.main", "serve", "--model", model, "--port", "1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from pagedserve.scheduler.kv.kv_cache_dtype import KV_CACHE_DTYPES
 from pagedserve.config import CPU_LINEAR_CHOICES, QUANTIZATION_CHOICES, EngineConfig
@@ -208,6 +209,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         raise SystemExit(f"error: {e}") from None
 
 
+# A checkpoint directory's tokenizer, in any of the forms transformers' AutoTokenizer reads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     """Check ``--model`` before anything starts (Ray, workers) and fix what it resolves to,
     so a bad path or an unsupported checkpoint is one line on stderr and exit code 1.
@@ -218,6 +223,7 @@ def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
     import dataclasses
 
     from pagedserve.worker.model_config import ModelConfig
+    from pagedserve.worker.loading.loader import safetensors_files
     from pagedserve.worker.loading.model_source import resolve_model
 
     try:
@@ -228,6 +234,11 @@ def resolve_model_or_exit(cfg: EngineConfig) -> EngineConfig:
                                          pooler_config=cfg.pooler_config)
         if mc.runner == "pooling":
             cfg.check_pooling()
+        if not resolved.remote and os.path.isdir(resolved.source):  # a checkpoint directory
+            safetensors_files(resolved.path)  # no weights: the loader's own error, before anything starts
+            if cfg.tokenizer is None and not any(os.path.isfile(os.path.join(resolved.path, f)) for f in TOKENIZER_FILES):
+                raise FileNotFoundError(f"no tokenizer in {resolved.path!r} (none of {', '.join(TOKENIZER_FILES)}); "
+                                        "add the model's tokenizer files, or name a directory holding them with --tokenizer.")
     except (OSError, ValueError) as e:
         what = "the default model" if cfg.model is None else f"--model {cfg.model!r}"
         raise SystemExit(f"error: {what}: {e}") from None
