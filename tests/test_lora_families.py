@@ -1,6 +1,8 @@
 """LoRA adapters on the families beyond Llama, against transformers with the adapter merged
 by ``peft`` (as tests/test_lora.py does for Llama):
 
+    mistral     every module (the Llama path, Mistral's config)
+    qwen2       every module, beside q/k/v biases; both also at tensor_parallel_size 2
     qwen3       every module (q/k norms and head_dim 32 do not touch LoRA's shapes)
     phi3        the checkpoint's fused names: PEFT writes qkv_proj and gate_up_proj, one A
                 and one B over the stacked outputs; served split into q/k/v and gate/up
@@ -32,6 +34,8 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0],
                  norm_topk_prob=False)
 FAMILIES = {  # name -> (make_random_llama arch, config overrides, PEFT target_modules)
+    "mistral": ("mistral", dict(sliding_window=None), None),
+    "qwen2": ("qwen2", dict(), None),  # q/k/v biases beside the adapter's deltas
     "qwen3": ("qwen3", dict(head_dim=32), None),
     "phi3": ("phi3", dict(), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), ["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -51,11 +55,27 @@ def root(tmp_path_factory):
     return tmp_path_factory.getbasetemp() / "lora-family-models"
 
 
-# Phi-3 (its fused names) in the default run; the others, whose adapters take the Llama
-# path's names, under -m scenarios.
-@pytest.mark.parametrize("name", [n if n == "phi3" else pytest.param(n, marks=pytest.mark.scenarios)
+# Phi-3 (its fused names), Mistral and Qwen2 (issue 58's families) in the default run; the
+# others, whose adapters take the Llama path's names, under -m scenarios.
+DEFAULT_RUN = ("phi3", "mistral", "qwen2")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_RUN else pytest.param(n, marks=pytest.mark.scenarios)
                                   for n in sorted(FAMILIES)])
 def test_adapter_and_base_in_one_batch_equal_peft_merged(name, root, tmp_path):
+    _check_against_peft(name, root, tmp_path)
+
+
+# TP=2 (two gloo workers over Ray): each rank holds its shard of the adapter, cut as the base
+# layer is (tests/test_lora_tp.py does Llama).
+@pytest.mark.slow
+@pytest.mark.scenarios
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_tp2_adapter_and_base_equal_peft_merged(name, root, tmp_path, ray_session):
+    _check_against_peft(name, root, tmp_path, tensor_parallel_size=2)
+
+
+def _check_against_peft(name, root, tmp_path, **engine) -> None:
     base = _base(name, root)
     adapter = make_random_adapter(base, tmp_path / "adapter", r=8, alpha=16, seed=1, targets=FAMILIES[name][2])
     g = torch.Generator().manual_seed(0)
@@ -66,7 +86,7 @@ def test_adapter_and_base_in_one_batch_equal_peft_merged(name, root, tmp_path):
     ref = [hf_greedy(merged, p, NUM_NEW) for p in prompts]
     assert ref != ref_base  # the adapter changes the tokens: the comparison means something
     llm = LLM(model=base, enable_lora=True, max_loras=1, max_lora_rank=8, dtype="float32", max_model_len=128,
-              block_size=8)
+              block_size=8, **engine)
     try:
         lora = LoRARequest("a", 1, adapter)
         outs = llm.generate(prompts + prompts, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True),

@@ -302,7 +302,8 @@ def _greedy_direct(path: str, prompts, max_new: int, tp_size: int) -> list[list[
 
     from pagedserve.worker.loading.loader import load_model
 
-    cfg = ModelConfig.from_pretrained(path, dtype="float32")
+    # the engines' max_model_len: Phi-3's LongRoPE factor set is picked from it
+    cfg = ModelConfig.from_pretrained(path, dtype="float32", max_model_len=MAX_MODEL_LEN)
     model = load_model(cfg)
     shape = (32, BLOCK_SIZE, cfg.get_num_kv_heads(tp_size), cfg.head_dim)
     outs = []
@@ -335,10 +336,11 @@ def _tp_rank(rank: int, world_size: int, init_file: str, path: str, prompts, out
 
 @pytest.mark.slow  # two spawned ranks: about 30-40 s each on 2 cores
 @pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
-@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_tensor_parallel_2_greedy(name, model_root, tmp_path):
     """Heads, the MLP's and every expert's intermediate features split over two ranks
-    (and Qwen3's and Gemma 3's per-head norms whole on each, Gemma's windows per layer):
+    (and Qwen3's and Gemma 3's per-head norms whole on each, Gemma's windows per layer,
+    Phi-3's fused qkv / gate_up split by heads and rows, SmolLM3's rope-less layers):
     the same greedy tokens as transformers."""
     path, prompts, refs = _case(name, model_root)
     mp.spawn(_tp_rank, args=(2, str(tmp_path / "init"), path, prompts[2:], str(tmp_path)), nprocs=2, join=True)
