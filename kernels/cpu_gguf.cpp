@@ -262,6 +262,9 @@ inline void store8(__m256 v, float* y, const float* bias, int64_t cols) {
 // apart) once, instead of every weight.
 template <int MR>
 struct Tile {
+  // Q4_0's q - 8 and Q5_0's q - 16 as a min (8 d, 16 d) times the block's sum of x: one
+  // integer subtract a weight vector fewer.
+  static constexpr bool kOffsetAsMin = true;
   static constexpr int NA = MR == 1 ? 4 : 2;
   static constexpr bool kTemps = MR == 1;
   __m256 acc[MR][NA];
@@ -319,6 +322,7 @@ struct Tile {
 // q * scale, then a min subtracted (d q - (-m) is d q + m): the gguf package's dequantize, op
 // for op (types without a min subtract 0).
 struct Strip {
+  static constexpr bool kOffsetAsMin = false;  // d (q - 8): the gguf package's dequantize
   float* buf;
   __m256 sc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   __m256 mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -358,10 +362,12 @@ PS_INLINE void scale_all(C& t, __m256 d) {
 // A 32-weight block's start: its bytes prefetched, its d for every chain, and (MIN) its min m
 // (the consumers subtract a min: -m).
 template <bool MIN, class C>
-PS_INLINE void block_start(C& t, const uint8_t* w, int64_t bytes, int64_t b) {
+PS_INLINE void block_start(C& t, const uint8_t* w, int64_t bytes, int64_t b, float offset = 0.f) {
   prefetch_ahead(w, bytes);
-  scale_all(t, f16x8(w));
+  const __m256 d = f16x8(w);
+  scale_all(t, d);
   if (MIN) t.min(0, _mm256_sub_ps(_mm256_setzero_ps(), f16x8(w + 16)), b);
+  else if (offset != 0.f) t.min(0, _mm256_mul_ps(d, _mm256_set1_ps(offset)), b);  // d (q - o) = d q - o d
 }
 
 template <class C>
@@ -385,9 +391,10 @@ template <class C, bool MIN>
 PS_INLINE void decode_q4(C& t, const uint8_t* w, int64_t nb) {
   const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
   constexpr int64_t bytes = MIN ? 160 : 144, qoff = MIN ? 32 : 16;
-  auto q4 = [&](__m256i v) { return cvt(MIN ? v : _mm256_sub_epi32(v, eight)); };
+  constexpr bool sub = !MIN && !C::kOffsetAsMin;  // q - 8 per weight vector (else a min of 8 d)
+  auto q4 = [&](__m256i v) { return cvt(sub ? _mm256_sub_epi32(v, eight) : v); };
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    block_start<MIN>(t, w, bytes, b);
+    block_start<MIN>(t, w, bytes, b, sub || MIN ? 0.f : 8.f);
     const uint8_t* q = w + qoff;
     const int64_t k0 = 32 * b;
     for (int j = 0; j < 16; j += 2) {
@@ -413,7 +420,8 @@ template <class C, bool MIN>
 PS_INLINE void decode_q5(C& t, const uint8_t* w, int64_t nb) {
   const __m256i low = _mm256_set1_epi32(0xF), sixteen = _mm256_set1_epi32(16);
   constexpr int64_t bytes = MIN ? 192 : 176, hoff = MIN ? 32 : 16, qoff = MIN ? 64 : 48;
-  auto q5 = [&](__m256i v) { return cvt(MIN ? v : _mm256_sub_epi32(v, sixteen)); };
+  constexpr bool sub = !MIN && !C::kOffsetAsMin;  // q - 16 per weight vector (else a min of 16 d)
+  auto q5 = [&](__m256i v) { return cvt(sub ? _mm256_sub_epi32(v, sixteen) : v); };
   auto pair = [&](const __m256i& h, const uint8_t* q, int64_t k, auto p) __attribute__((always_inline)) {  // weights k, k + 1, k + 16, k + 17
     constexpr int P = decltype(p)::value;
     const __m256i v0 = u8x8(q), v1 = u8x8(q + 8);
@@ -423,7 +431,7 @@ PS_INLINE void decode_q5(C& t, const uint8_t* w, int64_t nb) {
     t.template put<3>(0, q5(_mm256_or_si256(_mm256_srli_epi32(v1, 4), fifth_lo<P + 5>(h))), k + 17);
   };
   for (int64_t b = 0; b < nb; ++b, w += bytes) {
-    block_start<MIN>(t, w, bytes, b);
+    block_start<MIN>(t, w, bytes, b, sub || MIN ? 0.f : 16.f);
     const uint8_t* q = w + qoff;
     const int64_t k0 = 32 * b;
     for (int v = 0; v < 4; ++v) {
@@ -1000,10 +1008,12 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
   if (int8 && gemm_int8(qtype, packed.data_ptr<uint8_t>(), nb, f.packed, groups, M, xp, ldx, out.data_ptr<float>(),
                         ldy, bias.has_value() ? bias->data_ptr<float>() : nullptr, N))
     return;
-  // The sums of x over each 32 weights, for the types with a min (d q + m: m times the sum).
+  // The sums of x over each 32 weights, for the types with a min (d q + m: m times the sum;
+  // Q4_0's and Q5_0's offsets are one in the direct passes).
   std::vector<float> xs;
   const int64_t ldxs = K / 32;
-  if (M <= kDirectRows && (qtype == kQ4_1 || qtype == kQ5_1 || qtype == kQ4_K || qtype == kQ5_K)) {  // the direct passes
+  if (M <= kDirectRows && (qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ5_0 || qtype == kQ5_1 ||
+                           qtype == kQ4_K || qtype == kQ5_K)) {  // the direct passes
     xs.resize(static_cast<size_t>(M * ldxs));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t s = 0; s < ldxs; ++s) {

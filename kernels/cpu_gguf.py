@@ -30,8 +30,8 @@ a sub-block, 2 to 4 rows scale each weight vector once and feed it to every row.
 package's ``dequantize`` computes each weight (d q, (d sc) q, then + m), and run fp32 tiles
 of 8 rows over it, 64 rows of x at a time, at about the speed of torch's own GEMM on the
 dequantized weight (there the FMAs, not the bytes, are the cost). In registers a min (Q4_1's
-m, the K-quants' dmin mn) multiplies the sum of x over its 32 weights, once a block, instead
-of every weight. Without AVX2 each row is dequantized (scalar C++) and dotted. Results differ
+m, the K-quants' dmin mn, and Q4_0's and Q5_0's offsets as 8 d and 16 d) multiplies the sum of x
+over its 32 weights, once a block, instead of every weight. Without AVX2 each row is dequantized (scalar C++) and dotted. Results differ
 from ``F.linear`` on the dequantized weight in rounding only (~1e-7 of sum |w x|).
 
 int8 activations (``GGUFWeight.int8``; every type here, with AVX2), as llama.cpp computes
