@@ -275,7 +275,7 @@ def test_the_thinking_is_the_messages_reasoning(client, model, tokenizer):
 
 @HTTP
 def test_a_think_tag_spelled_in_pieces_still_ends_the_thinking(client, model):
-    """The scripted model continues "Wait" with </think> in seven tokens (one delta each),
+    """The scripted model continues "Wait" with </think> in seven tokens (one step each),
     then "Bye": the parser holds each piece back until the tag is whole."""
     kw = dict(messages=ASK + [{"role": "assistant", "content": SPLIT_PREFIX}],
               extra_body={"continue_final_message": True, "add_generation_prompt": False})
@@ -283,8 +283,9 @@ def test_a_think_tag_spelled_in_pieces_still_ends_the_thinking(client, model):
     assert (msg.content, msg.reasoning) == (SPLIT_ANSWER, None)
     chunks = list(_chat(client, model, stream=True, **kw))
     reasoning, content, deltas = _streamed(chunks)
+    # no delta carries a piece of the tag; how many deltas "Bye" arrives in is the stream's
+    # flow control (a reader slower than the steps gets merged deltas), not the parser's
     assert (reasoning, content) == ("", SPLIT_ANSWER) and "<" not in "".join(deltas)
-    assert sum(1 for ch in chunks for c in ch.choices if c.delta.content) == 3  # "B", "y", "e"
 
 
 @HTTP
