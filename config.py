@@ -101,6 +101,10 @@ class EngineConfig:
     # CPU: the cores each rank computes on (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto",
     # "nobind" or one core list per rank, e.g. "1-3|4-7" (worker/cpu_affinity.py).
     cpu_omp_threads_bind: str = "auto"
+    # CPU: cores whose idle time the model's GGUF GEMMs may use, one helper thread each at
+    # SCHED_IDLE (kernels/cpu_borrowed_cores.h): "auto" (with the CPU split of a one-core
+    # rank: the serving cores), "off", or a core list (what "auto" resolves to).
+    cpu_borrow_cores: str = "auto"
     # CPU: the GEMM of the linear layers (worker/layers/cpu_backend.py): "auto" probes the
     # backends that run here on the model's weights at load and keeps the fastest; "panel",
     # "onednn" or "aten" takes that one, no probe.
@@ -172,6 +176,10 @@ class EngineConfig:
         from pagedserve.worker.cpu_affinity import parse_bind
 
         parse_bind(self.cpu_omp_threads_bind, self.tensor_parallel_size)  # raises if malformed
+        if self.cpu_borrow_cores not in ("auto", "off"):
+            from pagedserve.worker.cpu_affinity import parse_core_list
+
+            parse_core_list(self.cpu_borrow_cores)  # raises if malformed
         check_quantization(self.quantization)
         if self.cpu_linear not in CPU_LINEAR_CHOICES:
             raise ValueError(f"cpu_linear must be one of {', '.join(CPU_LINEAR_CHOICES)}, got {self.cpu_linear!r}.")

@@ -79,9 +79,17 @@ def resolve_cpu_bind(engine_config: EngineConfig, single_replica: bool,
     else:
         used = {c for r in parse_bind(bind, engine_config.tensor_parallel_size) for c in r}
         serving = [c for c in cores if c not in used] or None
-    logger.info("CPU cores: serving path %s, model ranks %s (--cpu-omp-threads-bind to choose)",
-                format_core_list(serving) if serving else "unpinned", bind)
-    return dataclasses.replace(engine_config, cpu_omp_threads_bind=bind), serving
+    borrow = engine_config.cpu_borrow_cores
+    if borrow == "auto":
+        # One rank of one core: its GEMMs also take what the serving cores leave idle. Not
+        # with several ranks (they would share those cores) nor wider ranks (their OpenMP
+        # threads split the GEMMs already).
+        ranks = parse_bind(bind, engine_config.tensor_parallel_size)
+        borrow = format_core_list(serving) if serving and len(ranks) == 1 and len(ranks[0]) == 1 else "off"
+    logger.info("CPU cores: serving path %s, model ranks %s (--cpu-omp-threads-bind to choose); GGUF GEMMs "
+                "borrow %s (--cpu-borrow-cores)", format_core_list(serving) if serving else "unpinned", bind,
+                "no core" if borrow == "off" else f"core {borrow} when idle")
+    return dataclasses.replace(engine_config, cpu_omp_threads_bind=bind, cpu_borrow_cores=borrow), serving
 
 
 def bound_worker_config(engine_config: EngineConfig) -> EngineConfig:

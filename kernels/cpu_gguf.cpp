@@ -4,6 +4,7 @@
 // are dequantized in registers and multiplied with fp32 activations. Compiled at run time by
 // kernels/cpu_build.py, with this folder's headers (#include "...") inlined.
 #include "cpu_prelude.h"
+#include "cpu_borrowed_cores.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -215,6 +216,18 @@ void check_packed(const torch::Tensor& packed, int64_t qtype, int64_t K) {
               "packed does not match K = ", K, " for ggml type ", qtype);
 }
 
+}  // namespace
+
+// A GEMM of `groups` output groups on the borrowed cores (cpu_borrowed_cores.h), when helpers
+// run: chunks of about a 32nd of the groups (at least one), so that a chunk a preempted helper
+// holds costs the caller little to redo. False: no helper, run it with at::parallel_for.
+namespace {
+bool borrowed_run(const std::shared_ptr<borrowed::Job>& job, int64_t groups, int64_t M, float* y, int64_t ldy,
+                  int64_t N) {
+  job->units = groups, job->width = kGroup, job->cols = N, job->M = M, job->y = y, job->ldy = ldy;
+  job->plan((groups + 31) / 32);
+  return borrowed::Pool::get().run(job);
+}
 }  // namespace
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -933,9 +946,23 @@ bool gemm_int8(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int64
   // Q5_K's and Q6_K's high bits cost more to unpack than a row tile of 4 saves over the fp32
   // strip, which decodes a group once for all rows: theirs take int8 at decode's few rows only.
   if (M > kDirectRows && (qtype == kQ5_K || qtype == kQ6_K)) return false;
-  const XQuant xq(x, ldx, M, nb * format_of(qtype).block / 32);  // x in blocks of 32 whatever the type's block
+  auto xq = std::make_shared<XQuant>(x, ldx, M, nb * format_of(qtype).block / 32);  // blocks of 32 whatever the type's
+  if (borrowed::Pool::get().helpers()) {
+    struct Int8Job : borrowed::Job {
+      int64_t qtype, nb, bytes;
+      const uint8_t* w;
+      const float* bias;
+      std::shared_ptr<XQuant> xq;  // the job's own: a helper may read it after the call returned
+      void compute(int64_t g0, int64_t g1, float* out, int64_t ldo) override {
+        run_groups_int8(qtype, w, nb, bytes, g0, g1, M, xq->rows.data(), out, ldo, bias, cols);
+      }
+    };
+    auto job = std::make_shared<Int8Job>();
+    job->qtype = qtype, job->nb = nb, job->bytes = bytes, job->w = w, job->bias = bias, job->xq = xq;
+    if (borrowed_run(job, groups, M, y, ldy, N)) return true;
+  }
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
-    run_groups_int8(qtype, w, nb, bytes, gb, ge, M, xq.rows.data(), y, ldy, bias, N);
+    run_groups_int8(qtype, w, nb, bytes, gb, ge, M, xq->rows.data(), y, ldy, bias, N);
   });
   return true;
 }
@@ -1026,6 +1053,26 @@ void gemm(torch::Tensor out, torch::Tensor x, torch::Tensor packed, int64_t qtyp
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
+  if (borrowed::Pool::get().helpers()) {
+    struct Fp32Job : borrowed::Job {
+      int64_t qtype, nb, bytes, block, K;
+      const uint8_t* w;
+      const float* bias;
+      std::vector<float> x, xs;  // the job's own copies: a helper may read them after the call returned
+      void compute(int64_t g0, int64_t g1, float* o, int64_t ldo) override {
+        run_groups(qtype, w, nb, bytes, block, g0, g1, M, x.data(), K, xs.empty() ? nullptr : xs.data(), K / 32, o,
+                   ldo, bias, cols);
+      }
+    };
+    auto job = std::make_shared<Fp32Job>();
+    job->qtype = qtype, job->nb = nb, job->bytes = f.packed, job->block = f.block, job->K = K, job->w = wp;
+    job->bias = bp, job->xs = std::move(xs);
+    job->x.resize(static_cast<size_t>(M * K));
+    for (int64_t m = 0; m < M; ++m) std::memcpy(job->x.data() + m * K, xp + m * ldx, static_cast<size_t>(K) * sizeof(float));
+    if (borrowed_run(job, groups, M, yp, ldy, N)) return;
+    xs = std::move(job->xs);
+    xsp = xs.empty() ? nullptr : xs.data();
+  }
   at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
     run_groups(qtype, wp, nb, f.packed, f.block, gb, ge, M, xp, ldx, xsp, ldxs, yp, ldy, bp, N);
   });
@@ -1076,4 +1123,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, py::call_guard<py::gil_scoped_release>());
   m.def("format", &format);
   m.def("isa", &isa);
+  m.def("borrow_cores", [](std::vector<int64_t> cores, bool idle, int64_t nice, int64_t spin_us) {
+    return borrowed::Pool::get().configure(cores, idle, nice, spin_us);
+  }, py::call_guard<py::gil_scoped_release>());
+  m.def("borrowed_cores", [] { return borrowed::Pool::get().cores(); });
+  m.def("borrowed_counts", [] {
+    return std::vector<int64_t>{borrowed::Pool::get().helped(), borrowed::Pool::get().stolen()};
+  });
 }

@@ -79,6 +79,28 @@ def isa() -> str:
     return _EXT.get().isa()
 
 
+def borrow_cores(cores: list[int], idle: bool = True, nice: int = 19, spin_us: int = 200) -> int:
+    """GEMMs on GGUF weights also run on ``cores``, one helper thread each, at SCHED_IDLE
+    (``idle``) or at ``nice``: they take chunks of each GEMM in the time those cores leave
+    idle, and the calling thread never waits for one that is preempted (cpu_borrowed_cores.h).
+    A helper spins ``spin_us`` after a GEMM before it sleeps. An empty list stops them.
+    Returns how many run (0 without the extension)."""
+    ext = _EXT.get()
+    return ext.borrow_cores(list(cores), idle, nice, spin_us) if ext is not None else 0
+
+
+def borrowed_cores() -> list[int]:
+    """The cores helpers run on now."""
+    ext = _EXT.get()
+    return list(ext.borrowed_cores()) if ext is not None else []
+
+
+def borrowed_counts() -> tuple[int, int]:
+    """(chunks the helpers computed, chunks the caller took back from a helper that did not run)."""
+    ext = _EXT.get()
+    return tuple(ext.borrowed_counts()) if ext is not None else (0, 0)
+
+
 def packed_shape(qtype: str, n: int, k: int) -> tuple[int, int, int]:
     block = BLOCKS[qtype][0]
     if k % block:

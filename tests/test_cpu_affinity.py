@@ -49,6 +49,7 @@ def test_serve_resolves_auto_only_for_one_cpu_replica_on_a_split_node():
     cfg = EngineConfig(model="m", device="cpu")
     resolved, serving = resolve_cpu_bind(cfg, single_replica=True, cores=[0, 1, 2, 3])
     assert serving == [0] and resolved.cpu_omp_threads_bind == "1,2,3"
+    assert resolved.cpu_borrow_cores == "off"  # a rank of 3 cores: its OpenMP threads split the GEMMs
     assert resolve_cpu_bind(cfg, single_replica=False, cores=[0, 1, 2, 3]) == (cfg, None)  # autoscaled
     assert resolve_cpu_bind(cfg, single_replica=True, cores=[0]) == (cfg, None)
     nobind = dataclasses.replace(cfg, cpu_omp_threads_bind="nobind")
@@ -56,7 +57,23 @@ def test_serve_resolves_auto_only_for_one_cpu_replica_on_a_split_node():
     gpu = dataclasses.replace(cfg, device="cuda")
     assert resolve_cpu_bind(gpu, single_replica=True, cores=[0, 1]) == (gpu, None)
     explicit = dataclasses.replace(cfg, cpu_omp_threads_bind="2-3")
-    assert resolve_cpu_bind(explicit, single_replica=True, cores=[0, 1, 2, 3]) == (explicit, [0, 1])
+    assert resolve_cpu_bind(explicit, single_replica=True, cores=[0, 1, 2, 3]) == \
+        (dataclasses.replace(explicit, cpu_borrow_cores="off"), [0, 1])
+
+
+def test_a_one_core_rank_borrows_the_serving_cores():
+    cfg = EngineConfig(model="m", device="cpu")
+    resolved, serving = resolve_cpu_bind(cfg, single_replica=True, cores=[0, 1])
+    assert (serving, resolved.cpu_omp_threads_bind, resolved.cpu_borrow_cores) == ([0], "1", "0")
+    one = dataclasses.replace(cfg, cpu_omp_threads_bind="3")
+    assert resolve_cpu_bind(one, single_replica=True, cores=[0, 1, 2, 3])[0].cpu_borrow_cores == "0,1,2"
+    two_ranks = dataclasses.replace(cfg, cpu_omp_threads_bind="1|2", tensor_parallel_size=2)
+    assert resolve_cpu_bind(two_ranks, single_replica=True, cores=[0, 1, 2])[0].cpu_borrow_cores == "off"
+    off = dataclasses.replace(cfg, cpu_borrow_cores="off")
+    assert resolve_cpu_bind(off, single_replica=True, cores=[0, 1])[0].cpu_borrow_cores == "off"
+    assert resolve_cpu_bind(cfg, single_replica=False, cores=[0, 1])[0].cpu_borrow_cores == "auto"  # no split
+    with pytest.raises(ValueError):
+        EngineConfig(model="m", cpu_borrow_cores="0-")
 
 
 def test_a_bound_worker_runs_in_its_own_process_with_async_scheduling():

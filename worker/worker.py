@@ -20,7 +20,7 @@ from pagedserve.scheduler.outputs import ModelRunnerOutput, ProbePlan, Scheduler
 from pagedserve.worker import parallel_state
 from pagedserve.config import EngineConfig
 from pagedserve.platforms import CUDA_INSTALL_HINT, cuda_unusable_reason
-from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, pin_this_process
+from pagedserve.worker.cpu_affinity import format_core_list, parse_bind, parse_core_list, pin_this_process
 from pagedserve.worker.loading.loader import load_model
 from pagedserve.worker.memory_plan import MemoryPlan, profile_shapes
 from pagedserve.worker.model_config import ModelConfig
@@ -103,6 +103,19 @@ class Worker:
                                                 self.distributed_init_method)
         torch.manual_seed(self.config.seed)
 
+    def _borrow_cores(self) -> None:
+        """GGUF GEMMs also on the cores ``cpu_borrow_cores`` names (a resolved list; "auto"
+        that reached a worker unresolved, with no CPU split, is off), at SCHED_IDLE."""
+        borrow = self.config.cpu_borrow_cores
+        if self.device.type != "cpu" or borrow in ("auto", "off") or self.model_config.quantization != "gguf":
+            return
+        from pagedserve.kernels import cpu_gguf
+
+        cores = parse_core_list(borrow)
+        if cpu_gguf.borrow_cores(cores):
+            logger.info("rank %d: GGUF GEMMs also on core %s at SCHED_IDLE, in the time it leaves idle",
+                        self.rank, borrow)
+
     def load_model(self) -> None:
         builds = []
         if self.device.type == "cpu" and os.environ.get("PAGEDSERVE_CPU_EXT", "1") != "0":
@@ -146,6 +159,7 @@ class Worker:
         model = load_model(self.model_config, self.device, attention_backend=backend)
         for t in builds:
             t.join()  # before the linear probe, which must not time a machine busy compiling
+        self._borrow_cores()
         if self.device.type == "cpu":
             from pagedserve.worker.layers.cpu_backend import apply_cpu_linear_backend, set_int8_activations
 

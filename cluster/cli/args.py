@@ -96,6 +96,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="CPU cores per worker rank (vLLM's VLLM_CPU_OMP_THREADS_BIND): auto (serve: the "
                         "first core for the serving path, the rest for the model), nobind, or e.g. "
                         "'1-3|4-7' (one list per rank)")
+    g.add_argument("--cpu-borrow-cores", default=d.cpu_borrow_cores,
+                   help="CPU, GGUF weights: cores whose idle time the model's GEMMs may use, at the lowest "
+                        "priority (SCHED_IDLE; the serving path preempts them at once): auto (with "
+                        "--cpu-omp-threads-bind auto and a one-core model rank: the serving core), off, or a "
+                        "core list such as '0'")
     g.add_argument("--cpu-linear", default=d.cpu_linear, choices=list(CPU_LINEAR_CHOICES),
                    help="CPU GEMM of the linear layers: auto (probe the backends on the model's weights at "
                         "load, keep the fastest), or panel, onednn, aten (that one, no probe)")
