@@ -116,12 +116,21 @@ def int8_agreement(model: str, text: str) -> dict:
 async def _one(client: httpx.AsyncClient, base: str, model: str, question: str, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        first, tokens, text = await read_chat_stream(resp, t0)
-    return {"ttft": first, "tokens": tokens, "e2e": time.perf_counter() - t0, "text": text}
+    for attempt in (1, 2):
+        t0 = time.perf_counter()
+        try:
+            async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+                first, tokens, text = await read_chat_stream(resp, t0)
+            return {"ttft": first, "tokens": tokens, "e2e": time.perf_counter() - t0, "text": text}
+        except httpx.RemoteProtocolError:
+            # llama-server (cpp-httplib) closes a kept-alive connection after a few requests;
+            # a request sent on it as it closes gets no response at all: sent again once, on
+            # a new connection (the harness then stopped the server, whose log read as if it
+            # had exited by itself).
+            if attempt == 2:
+                raise
 
 
 async def http_run(base: str, model: str, concurrency: int, num: int, max_tokens: int) -> dict:
