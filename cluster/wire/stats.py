@@ -22,7 +22,9 @@ LORA_NAME_KEYS = ("running_lora_adapters", "waiting_lora_adapters")
 def stats_snapshot(stats: Any) -> dict[str, Any]:
     """A plain dict from the engine's SchedulerStats (a dataclass or any object with the
     contract's attribute names); cheap to send between actors."""
-    raw = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+    # Shallow (asdict deep-copies, on every step): the nested dicts and lists are copied below.
+    raw = ({f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)} if dataclasses.is_dataclass(stats)
+           else dict(vars(stats)))
     snap = {k: raw.get(k, 0) or 0 for k in GAUGE_KEYS + COUNTER_KEYS if k != "num_used_blocks"}
     snap["kv_cache_usage"] = float(raw.get("kv_cache_usage", 0.0) or 0.0)
     # Blocks held by requests (cached-but-free prefix blocks are not "used").
