@@ -101,7 +101,7 @@ BENCHMARKS = (
     "loadtest.offline.bench_thrash", "loadtest.offline.bench_lora", "loadtest.offline.bench_moe",
     "loadtest.serving.bench_frontend", "loadtest.serving.bench_door", "loadtest.serving.bench_routing",
     "loadtest.serving.bench_spec", "loadtest.serving.bench_router_decision",
-    "loadtest.peers.bench_vs_vllm", "loadtest.peers.bench_vs_llama_cpp",
+    "loadtest.peers.bench_vs_vllm", "loadtest.peers.bench_vs_llama_cpp", "loadtest.peers.vllm_api_smollm2",
     "loadtest.multinode.cluster_check",
     "loadtest.kernel_checks.cpu_attention", "loadtest.kernel_checks.gpu_kernels", "loadtest.kernel_checks.aot",
     "loadtest.gpu_check",
