@@ -311,10 +311,11 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, device: s
     "auto" where it is not decided yet): "gguf" (the blocks run natively), "awq" / "gptq" /
     "fp8" (``quant_config``, the checkpoint's quantization_config, runs packed) or None.
 
-        None (implied)  "gguf" for a GGUF on CPU; on CUDA (no GPU kernel yet) the weights
-                        are dequantized to --dtype at load, as with "none"; a checkpoint
-                        with a quantization_config runs as its method, on any device
-        "gguf"          a GGUF on CPU, else a ValueError saying why not
+        None (implied)  "gguf" for a GGUF on CPU and on CUDA (there, Q4_0 / Q4_1 linear
+                        layers run on the Triton int4 GEMM and the rest is dequantized to
+                        --dtype at load: worker/layers/quantized.py); a checkpoint with a
+                        quantization_config runs as its method, on any device
+        "gguf"          a GGUF, else a ValueError saying why not
         "awq" | "gptq" | "fp8"   the checkpoint's quantization_config must say so
                         ("compressed-tensors" and "modelopt" name its fp8 as vLLM does)
         "none"          every weight dequantized at load (the comparison baseline)
@@ -339,10 +340,7 @@ def resolve_quantization(requested: str | None, gguf_file: str | None, device: s
             raise ValueError("--quantization gguf needs a GGUF checkpoint (a .gguf file, or a directory "
                              "holding one).")
         return None
-    if device == "cuda" or (device == "auto" and requested is None):
-        if requested == "gguf" and device == "cuda":
-            raise ValueError("--quantization gguf runs on CPU only (there is no CUDA kernel for GGUF blocks "
-                             "yet); --quantization none dequantizes the weights to --dtype at load.")
+    if device == "auto" and requested is None:
         return None
     from pagedserve.worker.loading.gguf_index import read_gguf_index
 

@@ -140,7 +140,7 @@ class Worker:
 
             builds.append(threading.Thread(target=cpu_experts.available, name="cpu-ext-build", daemon=True))
             builds[-1].start()
-        if self.model_config.quantization == "gguf":
+        if self.model_config.quantization == "gguf" and self.device.type == "cpu":
             from pagedserve.kernels import cpu_gguf
 
             if not cpu_gguf.available():  # waits for its build; the failure was logged

@@ -9,10 +9,17 @@
                                 at load; a symmetric checkpoint's zero is 8)
     g_idx    int32 [k] | None   act-order (GPTQ desc_act): the group of each input; None:
                                 input i is in group i // group_size
+    mins     fp16 [groups, n] | None   a float offset per group instead of an integer zero
+                                (GGUF's Q4_1: w = d q + m); zeros is then None
 
     W[c, i] = (code[i, c] - zeros[g, c]) * scales[g, c],   g = g_idx[i] or i // group_size
+    W[c, i] = code[i, c] * scales[g, c] + mins[g, c]       with mins
 
 in fp32. A tensor-parallel shard is a slice of whole groups (worker/layers/hf_quantized.py).
+
+GGUF's Q4_0 and Q4_1 blocks (32 weights, an fp16 d, Q4_1 an fp16 m) are this layout with
+groups of 32 (``from_gguf_q4``): Q4_0's d (q - 8) is a zero of 8, Q4_1's d q + m a min, each
+weight the gguf package's own fp32 value; on CUDA the GGUF's Q4 layers run on the same kernel.
 
 ``Int4Weight.linear`` runs ``x W^T + b``: on CUDA the Triton kernel (triton_int4_gemm.py:
 each tile dequantized in registers, the packed words read once per tile); elsewhere the
@@ -38,22 +45,26 @@ PACK = 8  # 4-bit codes per int32 word
 class Int4Weight:
     """W [n, k] in the layout above."""
 
-    __slots__ = ("qweight", "scales", "zeros", "g_idx", "group_size")
+    __slots__ = ("qweight", "scales", "zeros", "g_idx", "group_size", "mins")
     qtype = "int4"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 g_idx: torch.Tensor | None, group_size: int) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 g_idx: torch.Tensor | None, group_size: int, mins: torch.Tensor | None = None) -> None:
         k8, n = qweight.shape
-        if qweight.dtype != torch.int32 or zeros.dtype != torch.uint8:
-            raise ValueError(f"int4 weight: qweight must be int32 and zeros uint8, got {qweight.dtype}, {zeros.dtype}.")
-        if scales.shape != zeros.shape or scales.shape[1] != n:
-            raise ValueError(f"int4 weight: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} must both "
+        offset = zeros if mins is None else mins  # exactly one of them
+        if (zeros is None) == (mins is None):
+            raise ValueError("int4 weight: give zeros or mins, not both.")
+        if qweight.dtype != torch.int32 or (zeros is not None and zeros.dtype != torch.uint8):
+            raise ValueError(f"int4 weight: qweight must be int32 and zeros uint8, got {qweight.dtype}, {offset.dtype}.")
+        if scales.shape != offset.shape or scales.shape[1] != n:
+            raise ValueError(f"int4 weight: scales {tuple(scales.shape)} and zeros {tuple(offset.shape)} must both "
                              f"be [groups, {n}].")
         if g_idx is None and scales.shape[0] != -(-k8 * PACK // group_size):
             raise ValueError(f"int4 weight: {scales.shape[0]} groups for k = {k8 * PACK} in groups of {group_size}.")
         if g_idx is not None and g_idx.shape != (k8 * PACK,):
             raise ValueError(f"int4 weight: g_idx {tuple(g_idx.shape)} must be [{k8 * PACK}].")
         self.qweight, self.scales, self.zeros, self.g_idx, self.group_size = qweight, scales, zeros, g_idx, group_size
+        self.mins = mins
 
     @property
     def n(self) -> int:
@@ -64,12 +75,14 @@ class Int4Weight:
         return self.qweight.shape[0] * PACK
 
     def nbytes(self) -> int:
-        parts = (self.qweight, self.scales, self.zeros) + (() if self.g_idx is None else (self.g_idx,))
-        return sum(t.numel() * t.element_size() for t in parts)
+        parts = (self.qweight, self.scales, self.zeros, self.g_idx, self.mins)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def to(self, device: torch.device | str) -> "Int4Weight":
-        g = None if self.g_idx is None else self.g_idx.to(device)
-        return Int4Weight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), g, self.group_size)
+        def move(t):
+            return None if t is None else t.to(device)
+        return Int4Weight(self.qweight.to(device), self.scales.to(device), move(self.zeros), move(self.g_idx),
+                          self.group_size, move(self.mins))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type == "cuda":
@@ -109,7 +122,32 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     """The reference: W [n, k] fp32."""
     g = group_index(w)
     codes = unpack_codes(w.qweight).float()
+    if w.mins is not None:
+        return (codes * w.scales[g].float() + w.mins[g].float()).t().contiguous()
     return ((codes - w.zeros[g].float()) * w.scales[g].float()).t().contiguous()
+
+
+GGUF_Q4 = {"Q4_0": 18, "Q4_1": 20}  # type -> bytes of a block of 32 weights
+
+
+def from_gguf_q4(rows: torch.Tensor, qtype: str, k: int) -> Int4Weight:
+    """GGUF rows [n, k / 32 * block bytes] uint8 of Q4_0 or Q4_1 as an Int4Weight of groups of
+    32: a block is d (fp16), Q4_1's m (fp16), then 16 bytes whose low nibbles are weights
+    0..15 and high nibbles 16..31."""
+    if qtype not in GGUF_Q4 or k % 32:
+        raise ValueError(f"from_gguf_q4 takes Q4_0 or Q4_1 rows of whole blocks of 32, got {qtype}, k = {k}.")
+    n, nb = rows.shape[0], k // 32
+    blocks = rows.reshape(n, nb, GGUF_Q4[qtype])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).reshape(n, nb)
+    qs = blocks[..., -16:].to(torch.int32)
+    codes = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k)  # [n, k], input order
+    qweight = pack_codes(codes.t().contiguous())
+    scales = d.t().contiguous()
+    if qtype == "Q4_0":
+        zeros = torch.full((nb, n), 8, dtype=torch.uint8)
+        return Int4Weight(qweight, scales, zeros, None, 32)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).reshape(n, nb)
+    return Int4Weight(qweight, scales, None, None, 32, mins=m.t().contiguous())
 
 
 class PermutedInputs:
@@ -154,7 +192,10 @@ def as_q4_1(w: Int4Weight, alloc=None):
         perm = torch.argsort(g, stable=True)
         codes, group = codes[perm], g[perm][::32]
     d = w.scales[group].t().contiguous()  # [n, nb] fp16, the checkpoint's scale as it is
-    m = (-(w.scales[group].float() * w.zeros[group].float())).t().half().contiguous()
+    if w.mins is not None:
+        m = w.mins[group].t().contiguous()
+    else:
+        m = (-(w.scales[group].float() * w.zeros[group].float())).t().half().contiguous()
     q = codes.t().to(torch.uint8).reshape(n, nb, 32)
     qs = q[..., :16] | (q[..., 16:] << 4)  # ggml's Q4_1: byte j = input j (low), input j + 16 (high)
     raw = torch.cat([d.view(torch.uint8).view(n, nb, 2), m.view(torch.uint8).view(n, nb, 2), qs], -1)

@@ -7,6 +7,7 @@ variable changing type, a bad dot shape, too much shared memory) fail on a CPU b
                                                           # int8 at sm_90, and e5m2 / int8 at sm_80
     python -m pagedserve.loadtest.kernel_checks.aot --lora         # the multi-LoRA shrink and expand
     python -m pagedserve.loadtest.kernel_checks.aot --moe          # the fused-MoE gate/up and down GEMMs
+    python -m pagedserve.loadtest.kernel_checks.aot --int4         # the int4 weight GEMM: GPTQ zeros, GGUF mins
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from triton.compiler import ASTSource
 from pagedserve.kernels import (triton_cache_write, triton_lora_expand, triton_lora_shrink, triton_paged_attention,
                                 triton_split_kv_reduce)
 from pagedserve.kernels.moe import triton_fused_moe
+from pagedserve.kernels.quant import triton_int4_gemm
 
 
 def _compile(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> dict:
@@ -146,7 +148,24 @@ def moe_variants():
                        dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=32 if dt == "fp32" else 64, FP32_DOT=dt == "fp32"))
 
 
+def int4_variants():
+    """(name, fn, types, constexprs): the int4 GEMM with zeros (GPTQ / AWQ, GGUF's Q4_0) and
+    with fp16 mins (GGUF's Q4_1), in each activation dtype, at decode's BLOCK_M and prefill's."""
+    fn = triton_int4_gemm._int4_gemm_kernel
+    for dt in ("bf16", "fp16", "fp32"):
+        for has_min in (False, True):
+            for bm in (16, 64):
+                types = {n: ("*i32" if n in ("qweight_ptr", "g_idx_ptr") else "*fp16" if n == "scales_ptr"
+                             else ("*fp16" if has_min else "*u8") if n == "zeros_ptr"
+                             else f"*{dt}" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+                yield (f"int4 {'mins' if has_min else 'zeros'} {dt} BLOCK_M {bm}", fn, types,
+                       dict(HAS_G_IDX=False, HAS_MIN=has_min, HAS_BIAS=True, IEEE_FP32=dt == "fp32", BLOCK_M=bm,
+                            BLOCK_N=64, BLOCK_K=32))
+
+
 def _todo(args) -> list:
+    if args.int4:
+        return [(*v, args.arch) for v in int4_variants()]
     if args.lora:
         return [(*v, args.arch) for v in lora_variants()]
     if args.moe:
@@ -172,6 +191,7 @@ def main() -> int:
     ap.add_argument("--kv-quant", action="store_true", help="the quantised-cache variants only")
     ap.add_argument("--lora", action="store_true", help="the multi-LoRA kernels only")
     ap.add_argument("--moe", action="store_true", help="the fused-MoE kernels only")
+    ap.add_argument("--int4", action="store_true", help="the int4 weight GEMM only")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="compile this many variants at once (each compile is one CPU-bound process)")
     args = ap.parse_args()

@@ -8,6 +8,11 @@ receive instead of a tensor, and how a layer turns its shards into the kernel's 
     finish_quantized(model)   every layer's shards packed (kernels/cpu_gguf.py), each run of
                               same-type shards as one part; the plain fp32 weight dropped
 
+On CUDA (no GPU kernel for most GGML types) a linear layer whose shards are all Q4_0 or all
+Q4_1 becomes an Int4Weight of groups of 32 (kernels/quant/int4.py: the Triton int4 GEMM);
+every other layer, and every embedding table, is dequantized at load to the model's dtype,
+as --quantization none would load it.
+
 A row of blocks is whole: a TP slice by rows (column-parallel, vocab-parallel) takes whole
 rows; a slice by columns (row-parallel) takes whole blocks, and a split inside a block is a
 startup error. Llama's q/k rows are permuted for rope at load (gguf_loader.py): a permutation
@@ -74,6 +79,28 @@ class QuantShards:
                              f"({self.rows}, {self.cols}) weight.")
         self.by_row[row] = t
 
+    def pack_cuda(self, gemm: bool) -> Any:
+        """For a CUDA model: an Int4Weight when ``gemm`` (a linear layer's weight) and every
+        shard is Q4_0, or every shard Q4_1; else the weight dequantized to fp32 [rows, cols]
+        (rows nothing covered, a vocab shard's padding, are zeros)."""
+        from pagedserve.kernels.quant.int4 import GGUF_Q4, from_gguf_q4
+
+        qtypes = {t.qtype for t in self.by_row.values()}
+        covered = sum(t.shape[0] for t in self.by_row.values())
+        if gemm and len(qtypes) == 1 and next(iter(qtypes)) in GGUF_Q4 and covered == self.rows:
+            ordered = [self.by_row[r] for r in sorted(self.by_row)]
+            rows = torch.cat([t.rows_tensor() for t in ordered]) if len(ordered) > 1 else ordered[0].rows_tensor()
+            return from_gguf_q4(rows, ordered[0].qtype, self.cols)
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        out = torch.zeros((self.rows, self.cols), dtype=torch.float32)
+        for row, t in self.by_row.items():  # the gguf package's own fp32 values (no C++ build on a GPU node)
+            w = dequantize(t.rows_tensor().numpy(), GGMLQuantizationType[t.qtype])
+            out[row:row + t.shape[0]] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+        return out
+
     def pack(self, alloc=None) -> GGUFWeight:
         """One part a run of same-type shards (rows in order); rows nothing covered (a
         vocab shard's padding) are zero blocks, which dequantize to 0."""
@@ -120,10 +147,11 @@ def take_quant(module: nn.Module, param: nn.Parameter, row: int, loaded: Any, na
     return True
 
 
-def finish_quantized(model: nn.Module, alloc=None) -> dict[str, int]:
+def finish_quantized(model: nn.Module, alloc=None, device_type: str | None = None) -> dict[str, int]:
     """Pack every layer's QuantShards (its GEMM and, for an embedding, its row gather then use
     the blocks) and drop the plain weights they replace. A tied LM head shares its embedding's
-    packed weight. Returns {type: bytes} of what was packed (GGML types; "int4", "fp8")."""
+    packed weight. ``device_type``: where the layers run ("cpu", "cuda"; None: each weight's
+    own device). Returns {type: bytes} of what was packed (GGML types; "int4", "fp8")."""
     packed: dict[int, GGUFWeight] = {}  # id(the plain parameter) -> its packed blocks
     sizes: dict[str, int] = {}
     done: set[int] = set()
@@ -131,7 +159,13 @@ def finish_quantized(model: nn.Module, alloc=None) -> dict[str, int]:
         shards = module.__dict__.pop("_quant_shards", None)
         if shards is None:
             continue
-        w = shards.pack(alloc)
+        if (device_type or module.weight.device.type) == "cuda" and isinstance(shards, QuantShards):
+            w = shards.pack_cuda(gemm=hasattr(module, "_packed"))  # a GEMM's weight: linear layers, LM heads
+            if isinstance(w, torch.Tensor):  # dequantized: the plain weight, as --quantization none
+                module.weight.data = w.to(module.weight.device, module.weight.dtype)
+                continue
+        else:
+            w = shards.pack(alloc)
         if hasattr(w, "to"):  # int4 / fp8 (kernels/quant/): to the layer's device; GGUF runs on CPU
             w = w.to(module.weight.device)
         for p in getattr(w, "parts", (w,)):

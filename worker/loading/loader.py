@@ -142,9 +142,11 @@ def _pack_quantized(model: nn.Module) -> None:
     sizes = finish_quantized(model, lambda shape, dtype: cpu_memory.zeros(shape, dtype, torch.device("cpu")))
     plain = sum(p.numel() * p.element_size() for p in model.parameters())
     mib = 1 << 20
-    logger.info("Weights: %.1f MiB in GGUF blocks (%s; %s kernel) + %.1f MiB plain (norms, biases)",
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    kernel = "the Triton int4 GEMM for Q4_0 / Q4_1 layers" if on_cuda else f"the {cpu_gguf.isa()} kernel"
+    logger.info("Weights: %.1f MiB in GGUF blocks (%s; %s) + %.1f MiB plain (norms, biases%s)",
                 sum(sizes.values()) / mib, ", ".join(f"{q} {b / mib:.1f} MiB" for q, b in sorted(sizes.items())),
-                cpu_gguf.isa(), plain / mib)
+                kernel, plain / mib, "; the other types dequantized at load" if on_cuda else "")
 
 
 def load_model(model_config: ModelConfig, device: str | torch.device = "cpu",
