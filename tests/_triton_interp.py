@@ -48,3 +48,14 @@ def emit(case: str, run) -> None:
     shard, n = (int(x) for x in os.environ.get(SHARD_ENV, "0/1").split("/"))
     if next(_case_index) % n == shard:
         print(json.dumps({"case": case, "result": run()}), flush=True)
+
+
+def aot_compiled(flag: str) -> int:
+    """``loadtest.kernel_checks.aot <flag>`` (frontend + ptxas for sm_90, no GPU, no
+    interpreter): asserts it succeeded and returns how many variants compiled."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.kernel_checks.aot", flag], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout.count("OK ")

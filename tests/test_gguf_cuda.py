@@ -15,17 +15,13 @@ is dequantized at load, as --quantization none loads it. Checked here without a 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from _gguf_helpers import quantize, write_gguf_from_hf
-from _triton_interp import emit, interpreter_results
+from _triton_interp import aot_compiled, emit, interpreter_results
 from pagedserve.kernels.quant.int4 import Int4Weight, dequantize_int4, from_gguf_q4
 
 
@@ -149,13 +145,7 @@ def test_the_triton_int4_gemm_runs_gguf_q4_under_the_interpreter():
 @pytest.mark.scenarios  # so under -m scenarios (pyproject.toml), not the default run
 def test_the_int4_gemm_compiles_for_sm90_without_a_gpu():
     """Frontend + ptxas for the real target, bf16 included (the default dtype of a GGUF on CUDA)."""
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-m", "pagedserve.loadtest.kernel_checks.aot", "--int4"], env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("OK ") == 12
+    assert aot_compiled("--int4") == 12
 
 
 if __name__ == "__main__":  # a child of interpreter_results: TRITON_INTERPRET=1 is set
