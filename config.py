@@ -44,9 +44,10 @@ class EngineConfig:
     model_root: str | None = None
     dtype: str = "auto"
     # vLLM's --quantization: "gguf" runs a GGUF's weights in their blocks (CPU,
-    # kernels/cpu_gguf.py; CUDA: Q4_0 / Q4_1 on the Triton int4 GEMM); "awq", "gptq", "fp8" run a checkpoint's quantization_config packed
-    # (kernels/quant/); "none" dequantizes them to ``dtype`` at load; None: implied by the
-    # checkpoint (a GGUF runs natively, a quantization_config as its method).
+    # kernels/cpu_gguf.py; CUDA: Q4_0 / Q4_1 on the Triton int4 GEMM); "awq", "gptq", "fp8"
+    # run a checkpoint's quantization_config packed (kernels/quant/); "none" dequantizes them
+    # to ``dtype`` at load; None: implied by the checkpoint (a GGUF runs natively, a
+    # quantization_config as its method).
     # worker/model_config.resolve_quantization.
     quantization: str | None = None
     tensor_parallel_size: int = 1

@@ -38,9 +38,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="gguf: a GGUF's weights stay in their quantized blocks (the default for a .gguf; "
-                        "CUDA: its Q4_0 / Q4_1 layers, the rest dequantized at load); awq, gptq, fp8 (compressed-tensors, modelopt): the checkpoint's "
-                        "quantization_config, kept packed (the default for such a checkpoint); none: "
-                        "dequantized to --dtype at load")
+                        "CUDA: its Q4_0 / Q4_1 layers, the rest dequantized at load); awq, gptq, fp8 "
+                        "(compressed-tensors, modelopt): the checkpoint's quantization_config, kept packed "
+                        "(the default for such a checkpoint); none: dequantized to --dtype at load")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size)
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)

@@ -55,7 +55,8 @@ class Int4Weight:
         if (zeros is None) == (mins is None):
             raise ValueError("int4 weight: give zeros or mins, not both.")
         if qweight.dtype != torch.int32 or (zeros is not None and zeros.dtype != torch.uint8):
-            raise ValueError(f"int4 weight: qweight must be int32 and zeros uint8, got {qweight.dtype}, {offset.dtype}.")
+            raise ValueError(f"int4 weight: qweight must be int32 and zeros uint8, got {qweight.dtype}, "
+                             f"{offset.dtype}.")
         if scales.shape != offset.shape or scales.shape[1] != n:
             raise ValueError(f"int4 weight: scales {tuple(scales.shape)} and zeros {tuple(offset.shape)} must both "
                              f"be [groups, {n}].")

@@ -87,6 +87,7 @@ def int4_gemm_triton(x: torch.Tensor,  # [..., K]
         x2, w.qweight, w.scales, offset, w.g_idx if w.g_idx is not None else w.qweight,
         bias if bias is not None else out, out,
         m, n, k, x2.stride(0), out.stride(0), w.group_size,
-        HAS_G_IDX=w.g_idx is not None, HAS_MIN=w.mins is not None, HAS_BIAS=bias is not None, IEEE_FP32=x.dtype == torch.float32,
+        HAS_G_IDX=w.g_idx is not None, HAS_MIN=w.mins is not None, HAS_BIAS=bias is not None,
+        IEEE_FP32=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out.reshape(*x.shape[:-1], n)
