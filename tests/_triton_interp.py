@@ -59,3 +59,18 @@ def aot_compiled(flag: str) -> int:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout.count("OK ")
+
+
+def gemm_cases_within_rounding(script: str, cases: dict) -> dict:
+    """A weight-only GEMM's interpreter cases (``{"err", "scale", "dtype"}`` each, their names
+    saying fp32 or fp16): every case ran, and its max error is within the activations'
+    rounding of the output's scale. Returns the results."""
+    import pytest
+
+    pytest.importorskip("triton")
+    results = interpreter_results(script, timeout=300)
+    assert set(results) == set(cases)
+    for name, r in results.items():
+        tol = 1e-5 if "fp32" in name else 2e-3  # fp16: the tile and the output rounded to fp16
+        assert r["err"] <= tol * max(1.0, r["scale"]), (name, r)
+    return results
