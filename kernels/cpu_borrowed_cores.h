@@ -82,13 +82,16 @@ class Pool {
   }
 
   // Helpers on `cores` (one thread each); policy "idle" (SCHED_IDLE) or a nice value.
-  // An empty list stops them. Returns how many run.
+  // An empty list stops them. Returns how many run, once each has placed itself (its core
+  // and policy set: a caller that looks at them next sees them placed).
   int64_t configure(const std::vector<int64_t>& cores, bool idle, int64_t nice, int64_t spin_us) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
     stop_all();
     stop_.store(false);
     spin_us_ = spin_us;
+    placed_.store(0);
     for (int64_t core : cores) threads_.emplace_back([this, core, idle, nice] { loop(core, idle, nice); });
+    while (placed_.load() < static_cast<int64_t>(threads_.size())) std::this_thread::yield();
     cores_ = cores;
     return static_cast<int64_t>(threads_.size());
   }
@@ -177,6 +180,7 @@ class Pool {
 
   void loop(int64_t core, bool idle, int64_t nice) {
     place(core, idle, nice);
+    placed_.fetch_add(1);
     std::vector<float> scratch;
     uint64_t seen = gen_.load();
     using clock = std::chrono::steady_clock;
@@ -231,7 +235,7 @@ class Pool {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> gen_{0};
   std::atomic<int> sleeping_{0};
-  std::atomic<int64_t> stolen_{0}, helped_{0};
+  std::atomic<int64_t> stolen_{0}, helped_{0}, placed_{0};
   std::mutex run_mu_, job_mu_, sleep_mu_;
   std::condition_variable sleep_cv_;
   std::shared_ptr<Job> job_;

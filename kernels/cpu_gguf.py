@@ -41,6 +41,10 @@ where the fp32 path converts and multiplies each weight), times d_w dx (the K-qu
 sub-block, d sc dx); a min (Q4_1's m, the K-quants' dmin mn) multiplies the fp32 sum of x. For every number of rows of x (the weight bytes of a group, shuffled
 so that each row's pairs of weights sit side by side, are reused by 4 rows at a time). The error
 is x's rounding: ~1e-3 of sum |w x| (tests/test_gguf_int8.py measures the model's next-token KL).
+On a CPU with AVX-512 VNNI (and VL, VBMI: Intel Ice Lake and later servers, AMD Zen 4 and later)
+the int8 kernels are kernels/cpu_gguf_vnni.h's instead: ``dpbusd`` sums four u8 x s8 products into
+int32 in one instruction, on the same packed bytes (one byte permutation a 32-byte load), with
+bit-identical results; ``isa()`` says which (``loadtest.kernel_checks.cpu_gguf`` times both).
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The vector path the extension was built with: "avx2" or "scalar"."""
+    """The vector path the extension was built with: "avx512vnni" (the int8 kernels on AVX-512
+    VNNI, the fp32 ones on AVX2), "avx2" or "scalar"."""
     return _EXT.get().isa()
 
 

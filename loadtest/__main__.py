@@ -103,7 +103,8 @@ BENCHMARKS = (
     "loadtest.serving.bench_spec", "loadtest.serving.bench_router_decision",
     "loadtest.peers.bench_vs_vllm", "loadtest.peers.bench_vs_llama_cpp", "loadtest.peers.vllm_api_smollm2",
     "loadtest.multinode.cluster_check",
-    "loadtest.kernel_checks.cpu_attention", "loadtest.kernel_checks.gpu_kernels", "loadtest.kernel_checks.aot",
+    "loadtest.kernel_checks.cpu_attention", "loadtest.kernel_checks.cpu_gguf", "loadtest.kernel_checks.gpu_kernels",
+    "loadtest.kernel_checks.aot",
     "loadtest.gpu_check",
 )
 

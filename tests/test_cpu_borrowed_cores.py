@@ -78,7 +78,7 @@ def test_helpers_run_at_sched_idle_on_their_core(helper_core):
     x = torch.randn(1, 576)
     w = cpu_gguf.GGUFWeight([cpu_gguf.pack(torch.from_numpy(quantize(np.ones((64, 576), np.float32), "Q8_0")),
                                            "Q8_0", 576)])
-    cpu_gguf.linear(x, w)  # the thread has placed itself by the time it takes a job
+    cpu_gguf.linear(x, w)  # (borrow_cores returned with the helper placed; a job does not move it)
     new = [int(t) for t in set(os.listdir("/proc/self/task")) - before]
     policies = {}
     for tid in new:
