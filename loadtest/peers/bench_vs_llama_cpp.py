@@ -19,13 +19,18 @@ server on the same file, in one run (issue 57):
                  given that run's 20th logprob; the tail beyond them as one outcome): an
                  approximation of llama.cpp's full-vocabulary KL
 
+    rounds       with ``--rounds N``: all of the above N times, each server started afresh each
+                 round, and the median of the rounds' ratios (on a shared machine one server's
+                 speed drifts by tens of percent from one minute to the next)
+
     python -m pagedserve.loadtest.peers.bench_vs_llama_cpp [--model PATH.gguf] [--requests-c1 6]
-        [--requests-c8 32] [--max-tokens 128] [--no-llama-cpp] [--no-dequantized] [--int8]
+        [--requests-c8 32] [--max-tokens 128] [--no-llama-cpp] [--no-dequantized] [--int8] [--rounds 1]
 
 The last line is one JSON object: ``offline`` {native, dequantized: {tok_s, weight_bytes}},
 ``http`` {server: {"1": {...}, "8": {...}}}, the ratios ``c1_vs_llama_cpp``,
 ``c8_vs_llama_cpp`` (> 1: pagedserve native faster) and ``serving_share_c1`` (native HTTP
-tok/s at c=1 over its offline batch-1 tok/s).
+tok/s at c=1 over its offline batch-1 tok/s); with ``--rounds`` > 1 also ``rounds`` (each
+round's) and ``median`` (of each ratio).
 """
 
 from __future__ import annotations
@@ -169,6 +174,42 @@ def serve_and_measure(server, model_name: str | None, a) -> dict:
     return out
 
 
+def one_round(gguf: str, kinds: list[tuple[str, str, bool]], a, index: int) -> dict:
+    """Offline batch 1, then each server started, measured at c=1 and c=8 and stopped, one
+    after the other; the ratios against llama-server and the serving share."""
+    out: dict = {"offline": {}, "http": {}}
+    if a.rounds > 1:
+        print(f"  round {index + 1} of {a.rounds}", flush=True)
+    if not a.no_offline:
+        for name, q, int8 in kinds:
+            r = out["offline"][name] = offline_b1(gguf, q, a.max_tokens, int8)
+            print(f"  offline b1 {name:12s}: {r['tok_s']:.1f} tok/s, {r['weight_bytes'] / 1e6:.0f} MB read a step",
+                  flush=True)
+    for name, q, int8 in kinds:
+        server = pagedserve_server(gguf, quantization=q, max_num_seqs=a.max_num_seqs, max_model_len=2048,
+                                   log_dir=a.log_dir, **({"cpu_int8_activations": True} if int8 else {}))
+        server.name = f"pagedserve-{name}"
+        out["http"][server.name] = serve_and_measure(server, None, a)
+    if not a.no_llama_cpp:
+        from pagedserve.loadtest.peers.llama_cpp import llama_server, setup_llama_server
+
+        setup_llama_server()
+        server = llama_server(gguf, alias="model", parallel=8, ctx_size=8 * 2048, log_dir=a.log_dir)
+        out["http"]["llama-server"] = serve_and_measure(server, "model", a)
+        native, llama = out["http"]["pagedserve-native"], out["http"]["llama-server"]
+        for c in ("1", "8"):
+            out[f"c{c}_vs_llama_cpp"] = native[c]["output_tok_s"] / llama[c]["output_tok_s"]
+            print(f"  c={c}: pagedserve native / llama-server = {out[f'c{c}_vs_llama_cpp']:.2f}x", flush=True)
+            if "pagedserve-native-int8" in out["http"]:
+                r = out[f"c{c}_int8_vs_llama_cpp"] = (out["http"]["pagedserve-native-int8"][c]["output_tok_s"]
+                                                      / llama[c]["output_tok_s"])
+                print(f"  c={c}: pagedserve native-int8 / llama-server = {r:.2f}x", flush=True)
+    if "native" in out["offline"]:
+        out["serving_share_c1"] = out["http"]["pagedserve-native"]["1"]["output_tok_s"] / out["offline"]["native"]["tok_s"]
+        print(f"  serving share at c=1 (HTTP / offline b1): {out['serving_share_c1']:.2f}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.loadtest.peers.bench_vs_vllm import cpu_name
 
@@ -183,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-offline", action="store_true")
     p.add_argument("--int8", action="store_true", help="also pagedserve native with --cpu-int8-activations")
     p.add_argument("--text", default=None, help="text for --int8's agreement figures (default: README.md)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run everything this many times, servers started afresh each round; report each "
+                        "round's ratios and their median (a shared machine's speed drifts between servers)")
     p.add_argument("--log-dir", default=None)
     a = p.parse_args(argv)
     gguf = a.model or default_gguf()
@@ -197,35 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         text = Path(a.text).read_text() if a.text else (Path(__file__).resolve().parents[2] / "README.md").read_text()
         r = report["int8_agreement"] = int8_agreement(gguf, text)
         print(f"  int8 vs fp32 activations over {r['positions']} positions: top-1 agreement {r['top1_agreement']:.4f}, "
-              f"mean |d logprob| {r['mean_abs_dlogprob']:.4f}, KL (top-20) {r['kl_top20']:.4f}", flush=True)
-    if not a.no_offline:
-        for name, q, int8 in kinds:
-            r = report["offline"][name] = offline_b1(gguf, q, a.max_tokens, int8)
-            print(f"  offline b1 {name:12s}: {r['tok_s']:.1f} tok/s, {r['weight_bytes'] / 1e6:.0f} MB read a step",
-                  flush=True)
-    for name, q, int8 in kinds:
-        server = pagedserve_server(gguf, quantization=q, max_num_seqs=a.max_num_seqs, max_model_len=2048,
-                                   log_dir=a.log_dir, **({"cpu_int8_activations": True} if int8 else {}))
-        server.name = f"pagedserve-{name}"
-        report["http"][server.name] = serve_and_measure(server, None, a)
-    if not a.no_llama_cpp:
-        from pagedserve.loadtest.peers.llama_cpp import llama_server, setup_llama_server
-
-        setup_llama_server()
-        server = llama_server(gguf, alias="model", parallel=8, ctx_size=8 * 2048, log_dir=a.log_dir)
-        report["http"]["llama-server"] = serve_and_measure(server, "model", a)
-        native, llama = report["http"]["pagedserve-native"], report["http"]["llama-server"]
-        for c in ("1", "8"):
-            report[f"c{c}_vs_llama_cpp"] = native[c]["output_tok_s"] / llama[c]["output_tok_s"]
-            print(f"  c={c}: pagedserve native / llama-server = {report[f'c{c}_vs_llama_cpp']:.2f}x", flush=True)
-            if "pagedserve-native-int8" in report["http"]:
-                r = report[f"c{c}_int8_vs_llama_cpp"] = (report["http"]["pagedserve-native-int8"][c]["output_tok_s"]
-                                                         / llama[c]["output_tok_s"])
-                print(f"  c={c}: pagedserve native-int8 / llama-server = {r:.2f}x", flush=True)
-    if "native" in report["offline"]:
-        report["serving_share_c1"] = (report["http"]["pagedserve-native"]["1"]["output_tok_s"]
-                                      / report["offline"]["native"]["tok_s"])
-        print(f"  serving share at c=1 (HTTP / offline b1): {report['serving_share_c1']:.2f}", flush=True)
+              f"mean |d logprob| {r['mean_abs_dlogprob']:.4f}, KL (top-20) {r['kl_top20']:.5f}", flush=True)
+    rounds = [one_round(gguf, kinds, a, i) for i in range(a.rounds)]
+    report.update(rounds[0])  # "offline", "http" and the ratios: the first round's, as one round reports them
+    if a.rounds > 1:
+        report["rounds"] = rounds
+        ratio_keys = [k for k in rounds[0] if k.endswith("_vs_llama_cpp") or k == "serving_share_c1"]
+        report["median"] = {k: statistics.median(r[k] for r in rounds) for k in ratio_keys}
+        print(f"  over {a.rounds} rounds (median, then each round's):", flush=True)
+        for k in ratio_keys:
+            each = ", ".join(f"{r[k]:.2f}" for r in rounds)
+            print(f"    {k:28s} {report['median'][k]:.2f}x  ({each})", flush=True)
     print(json.dumps(report))
     return 0
 
