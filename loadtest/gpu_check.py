@@ -4,9 +4,9 @@
     python -m pagedserve.loadtest.gpu_check --cpu-smoke --image-packages-only   # the script itself, on a CPU
 
 On this workplace's GPU machine (no network): first, here, ``bash loadtest/gpu_check_setup.sh
-prepare`` (the wheels the GPU image lacks into .whl/; today none: the script says why), then
-the device tool's ``run`` with ``timeout_s`` 480 and this command (no ``carry`` while .whl/ is
-empty, ``carry: [".whl"]`` otherwise):
+prepare`` (the wheels the GPU image lacks into .whl/: today gguf's, for section 15; the script
+says why), then the device tool's ``run`` with ``timeout_s`` 480, ``carry: [".whl"]`` and this
+command:
 
     set -o pipefail; . loadtest/gpu_check_setup.sh offline && cd /tmp && PYTHONUNBUFFERED=1 python3 -m pagedserve.loadtest.gpu_check --json $OUT/latest.json --budget-s 420 2>&1 | tee $OUT/gpu_check.log
 
@@ -16,7 +16,7 @@ docs/gpu/latest.json. The sections run in this order, the order of their value; 
 skipped, with a row saying so, when its estimate (an H100 guess, in gpu/cli.py's ``sections()``) would
 end it past ``--budget-s``, and the hard stop (``--hard-stop-s``, default budget + 30 s)
 ends the one running then, so the table and the JSON (rewritten after every section) come
-back inside the call. The estimates add up to ~410 s, the 8B section ~75 s of it:
+back inside the call. The estimates add up to ~440 s, the 8B section ~75 s of it:
 
  1-4. kernels (pagedserve.loadtest.kernel_checks.gpu_kernels): attention and cache-write correctness vs the
       torch reference; decode attention GB/s against a device-to-device copy at 64 x 2048
@@ -53,11 +53,14 @@ back inside the call. The estimates add up to ~410 s, the 8B section ~75 s of it
 13. ttft: prefill time to first token of a 2k- and an 8k-token prompt (default chunked
     prefill budget).
 14. imports: that the single-GPU sections loaded no ray, zmq, xgrammar, pydantic, ...
-15. tp2: TensorParallel 2 over NCCL, fp32 tokens equal to HF's (section 5), when two GPUs
+15. gguf: the random Llama (8 layers) written as a Q4_1 GGUF, served natively (the Triton
+    int4 GEMM with the file's mins) and dequantized: fp32 greedy tokens equal, bf16 batch-1
+    step and device memory each (loadtest/gpu/checks_gguf.py; the gguf wheel is carried).
+16. tp2: TensorParallel 2 over NCCL, fp32 tokens equal to HF's (section 5), when two GPUs
     and ray are there; a row says why not otherwise (ray's wheel is over the carry limit).
-16. hf_generate: transformers ``generate()`` tok/s at the same batches, as the ratio x HF.
-17. spec_decode: prompt-lookup speculation on vs off at batch 1 and 8.
-18. attention_sweep: the decode kernel's tile / warps / splits sweep (kernels).
+17. hf_generate: transformers ``generate()`` tok/s at the same batches, as the ratio x HF.
+18. spec_decode: prompt-lookup speculation on vs off at batch 1 and 8.
+19. attention_sweep: the decode kernel's tile / warps / splits sweep (kernels).
 
 vLLM does not run in this workplace (its wheel is far over the carry limit), so
 ``vllm_b1_tok_s`` and ``vllm_throughput_tok_s`` are null with a note. Every LLM(...) in gpu/

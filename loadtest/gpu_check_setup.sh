@@ -16,8 +16,8 @@
 # What the single-GPU check needs. `from pagedserve import LLM` at tensor_parallel_size 1
 # runs the engine in-process (UniProcExecutor): torch, triton, transformers, tokenizers,
 # safetensors, numpy, tqdm, and, for loadtest/'s own imports, httpx and prometheus-client.
-# The image has all of them (loadtest/gpu_image_packages.txt), so CARRY is empty: nothing
-# travels. The packages the image lacks are each needed by one feature only, and imported
+# The image has all of them (loadtest/gpu_image_packages.txt). The packages the image lacks
+# are each needed by one feature only, and imported
 # where that feature starts: ray and pyzmq by tensor_parallel_size > 1 (cluster/executors/
 # ray_executor.py, zmq_dispatch.py), xgrammar by structured outputs (cluster/engine/
 # structured_output.py, worker/sampler.py), gguf by .gguf checkpoints (worker/loading/gguf_loader.py),
@@ -31,8 +31,10 @@
 # workplace's machines (one GPU each) the check's TP row says so and is skipped. `pypi --tp`
 # installs them on a multi-GPU machine that reaches PyPI.
 
-# Wheels to carry (NAME==VERSION, Python 3.12 manylinux x86_64), beyond the image: none.
-CARRY=""
+# Wheels to carry (NAME==VERSION, Python 3.12 manylinux x86_64), beyond the image: gguf, for the
+# check's gguf section (pure Python, ~100 KB; its numpy, pyyaml, requests and tqdm are in the
+# image). loadtest/gpu/image.py reads this line: a name here is importable under --image-packages-only.
+CARRY="gguf==0.19.0"
 TP_CARRY="ray==2.60.0 pyzmq==27.3.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
 # What `pypi` installs: the image's versions, the combination the GPU rows were measured on.
 # PyPI's Linux x86_64 torch wheel is the CUDA build (it pulls the nvidia-* runtime wheels and

@@ -1,5 +1,5 @@
 """GGUF files of the newer families, written here from small random Hugging Face checkpoints as
-llama.cpp's converter writes them (tests/_gguf_helpers.py: its tensor names, stacked experts,
+llama.cpp's converter writes them (loadtest/gguf_writer.py: its tensor names, stacked experts,
 fused Phi-3 tensors, LongRoPE factor tensors), load and decode as the Hugging Face model does:
 
     qwen3      blk.N.attn_q_norm / attn_k_norm, head_dim 32 != hidden / heads

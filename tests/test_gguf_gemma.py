@@ -1,5 +1,5 @@
 """Gemma 2 and Gemma 3 from GGUF, written here from small random Hugging Face checkpoints as
-llama.cpp's convert_hf_to_gguf.py writes them (tests/_gguf_helpers.py): arch "gemma2" /
+llama.cpp's convert_hf_to_gguf.py writes them (loadtest/gguf_writer.py): arch "gemma2" /
 "gemma3", four norms a layer (attn_norm, post_attention_norm, ffn_norm for the
 pre-feedforward one, post_ffw_norm; Gemma 3's attn_q_norm / attn_k_norm), every norm weight
 stored as 1 + w, tied embeddings, the soft-caps and the window as metadata, Gemma 3's global

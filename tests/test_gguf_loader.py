@@ -1,4 +1,4 @@
-"""GGUF checkpoints on small files the gguf writer makes here (tests/_gguf_helpers.py, laid
+"""GGUF checkpoints on small files the gguf writer makes here (loadtest/gguf_writer.py, laid
 out as llama.cpp's converter lays them out): our dequantized weights equal transformers' own
 GGUF load bit for bit, greedy equals its generate(), TP=2 over gloo equals TP=1 (dequantizing
 on load, or from the cached copy), the prepared directory is keyed by the file's hash, model names resolve, and every bad --model is one clear

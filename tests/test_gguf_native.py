@@ -12,7 +12,7 @@ same weights dequantized (the gguf package's ``dequantize``; ``--quantization no
                 README's example; greedy native against dequantized on eight chat prompts
     refusals    a type the kernel lacks is a startup error naming it and the supported list
 
-The K-quants have no quantizer in the gguf package: tests/_gguf_helpers.quantize_k writes them.
+The K-quants have no quantizer in the gguf package: loadtest/gguf_writer.quantize_k writes them.
 """
 
 from __future__ import annotations

@@ -175,6 +175,10 @@ def test_gpu_check_cpu_smoke(runs):
     assert all(v["ttft_ms_median"] > 0 for v in res["ttft"].values())
     imports = res["imports"]
     assert imports["ok"] and imports["image_packages_only"] and imports["loaded_before_block"] == [], imports
+    # a Q4_1 GGUF served natively against dequantized: fp32 tokens equal, both timed at batch 1
+    gguf = res["gguf"]
+    assert gguf["ok"] and gguf["qtype"] == "Q4_1" and gguf["fp32"]["seqs_equal"] == 8, gguf
+    assert gguf["b1_native"]["step_ms"] > 0 and gguf["b1_dequantized"]["step_ms"] > 0
     assert "skipped" in res["tp2"]
     assert all(res["hf_generate"][b]["hf_tok_s"] > 0 for b in ("batch 1", "batch 8"))
     # speculative decoding on vs off: both ran, greedy tokens equal, drafts accepted

@@ -10,6 +10,7 @@ import shutil
 import torch
 
 from pagedserve.loadtest.gpu.checks_correctness import check_exact, check_imports, check_long_context, check_tp2
+from pagedserve.loadtest.gpu.checks_gguf import check_gguf
 from pagedserve.loadtest.gpu.checks_memory import check_memory_profile
 from pagedserve.loadtest.gpu.checks_roofline import check_b1, check_b1_8b
 from pagedserve.loadtest.gpu.checks_speed import (check_fp8_kv, check_hf_generate, check_spec, check_throughput,
@@ -48,6 +49,7 @@ def sections(args) -> list[Section]:
            Section("top_p", 12, with_ctx(check_top_p)),
            Section("ttft", 12, with_ctx(check_ttft)),
            Section("imports", 0, with_ctx(check_imports)),
+           Section("gguf", 30, with_ctx(check_gguf)),  # after imports: it loads the gguf package
            # Only with two GPUs does it start engines; else it is a row saying why.
            Section("tp2", 60 if not args.cpu_smoke and torch.cuda.device_count() >= 2 else 0, with_ctx(check_tp2)),
            Section("hf_generate", 20, with_ctx(check_hf_generate)),

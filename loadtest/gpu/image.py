@@ -25,9 +25,9 @@ def block_packages_outside_image() -> tuple[list[str], list[str]]:
     carried wheel brings (``sys.modules[name] = None``: ``import`` raises ImportError and
     ``importlib.util.find_spec`` says absent). Allowed: the image's list, what those
     distributions require as installed here (another version's needs may differ), the wheels
-    in .whl/, and pagedserve itself; pagedserve's own requirements the image lacks are blocked
-    even where some allowed distribution here requires them. Returns (blocked, already
-    imported before the block: a violation)."""
+    in .whl/ or named by gpu_check_setup.sh's CARRY, and pagedserve itself; pagedserve's own
+    requirements the image lacks are blocked even where some allowed distribution here
+    requires them. Returns (blocked, already imported before the block: a violation)."""
     import glob
     import importlib.metadata as md
     import re
@@ -45,6 +45,10 @@ def block_packages_outside_image() -> tuple[list[str], list[str]]:
         image = {norm(s.strip()) for s in f if s.strip() and not s.startswith("#")}
     carried = {norm(os.path.basename(p).split("-")[0])
                for p in glob.glob(os.path.join(_ROOT, ".whl", "*.whl"))}
+    # and the wheels gpu_check_setup.sh's CARRY names (what `prepare` puts in .whl/ for the GPU)
+    with open(os.path.join(_LOADTEST, "gpu_check_setup.sh")) as f:
+        line = next((ln for ln in f if ln.startswith("CARRY=")), 'CARRY=""')
+    carried |= {norm(w.split("==")[0]) for w in line.split("=", 1)[1].strip().strip('"').split()}
     dists = {}
     for d in md.distributions():
         if d.metadata["Name"]:
