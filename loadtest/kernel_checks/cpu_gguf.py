@@ -36,7 +36,8 @@ def layer_parts(path: str, layer: int) -> list[cpu_gguf.GGUFPart]:
 
     parts = []
     for t in GGUFReader(path).tensors:
-        if t.name.rsplit(".", 1)[0] in {f"blk.{layer}.{p}" for p in PROJECTIONS} and t.tensor_type.name in cpu_gguf.QTYPES:
+        wanted = t.name.rsplit(".", 1)[0] in {f"blk.{layer}.{p}" for p in PROJECTIONS}
+        if wanted and t.tensor_type.name in cpu_gguf.QTYPES:
             k, n = int(t.shape[0]), int(t.shape[1])
             raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8).reshape(n, -1))
             parts.append(cpu_gguf.pack(raw, t.tensor_type.name, k))
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         line.append(f"fp32/int8 {best['fp32'] / best[f'int8 {isa}']:.2f}x")
         if other:
             same = all(torch.equal(a, b) for a, b in zip(outs[f"int8 {isa}"], outs["int8 avx2"]))
-            line.append(f"avx2/vnni {best['int8 avx2'] / best[f'int8 {isa}']:.2f}x ({'bit-identical' if same else 'DIFFER'})")
+            line.append(f"avx2/vnni {best['int8 avx2'] / best[f'int8 {isa}']:.2f}x "
+                        f"({'bit-identical' if same else 'DIFFER'})")
         print("  ".join(line))
 
 

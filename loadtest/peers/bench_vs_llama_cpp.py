@@ -205,7 +205,8 @@ def one_round(gguf: str, kinds: list[tuple[str, str, bool]], a, index: int) -> d
                                                       / llama[c]["output_tok_s"])
                 print(f"  c={c}: pagedserve native-int8 / llama-server = {r:.2f}x", flush=True)
     if "native" in out["offline"]:
-        out["serving_share_c1"] = out["http"]["pagedserve-native"]["1"]["output_tok_s"] / out["offline"]["native"]["tok_s"]
+        out["serving_share_c1"] = (out["http"]["pagedserve-native"]["1"]["output_tok_s"]
+                                   / out["offline"]["native"]["tok_s"])
         print(f"  serving share at c=1 (HTTP / offline b1): {out['serving_share_c1']:.2f}", flush=True)
     return out
 
