@@ -638,9 +638,10 @@ void run_groups(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int6
 // y = x W^T (+ bias) with x's rows quantized to int8, when the path takes this call.
 bool gemm_int8(int64_t qtype, const uint8_t* w, int64_t nb, int64_t bytes, int64_t groups, int64_t M,
                const float* x, int64_t ldx, float* y, int64_t ldy, const float* bias, int64_t N) {
-  // Q5_K's and Q6_K's high bits cost more to unpack than a row tile of 4 saves over the fp32
-  // strip, which decodes a group once for all rows: theirs take int8 at decode's few rows only.
-  if (M > kDirectRows && (qtype == kQ5_K || qtype == kQ6_K)) return false;
+  // On AVX2, Q5_K's and Q6_K's high bits cost more to unpack than a row tile of 4 saves over
+  // the fp32 strip, which decodes a group once for all rows: theirs take int8 at decode's few
+  // rows only. VNNI's tile of 8 rows and cheaper sums turn that around.
+  if (std::is_same_v<Int8Isa, Avx2Int8> && M > kDirectRows && (qtype == kQ5_K || qtype == kQ6_K)) return false;
   auto xq = std::make_shared<XQuant>(x, ldx, M, nb * format_of(qtype).block / 32);  // blocks of 32 whatever the type's
   if (borrowed::Pool::get().helpers()) {
     struct Int8Job : borrowed::Job {

@@ -3,8 +3,8 @@
 // dx = max|x| / 127, qx = round(x / dx), and a weight block's dot with it is an integer sum
 // of q_w qx, times d_w dx; Q4_0's q - 8 subtracts 8 times the sum of qx, Q4_1's min m adds m
 // times the block's fp32 sum of x (not of qx: one rounding fewer). Every type here (the
-// K-quants per sub-block: d sc, dmin mn); any number of rows, but Q5_K and Q6_K up to
-// kDirectRows (gemm_int8 says why). x is quantized once a call.
+// K-quants per sub-block: d sc, dmin mn); any number of rows, but on AVX2 Q5_K and Q6_K up
+// to kDirectRows (gemm_int8 says why). x is quantized once a call.
 //
 // The weights stay in the packed layout (8 rows' bytes side by side per weight position):
 // one 32-byte load holds 4 positions of 8 rows, rearranged so that each row's weights sit
