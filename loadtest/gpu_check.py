@@ -16,7 +16,7 @@ docs/gpu/latest.json. The sections run in this order, the order of their value; 
 skipped, with a row saying so, when its estimate (an H100 guess, in gpu/cli.py's ``sections()``) would
 end it past ``--budget-s``, and the hard stop (``--hard-stop-s``, default budget + 30 s)
 ends the one running then, so the table and the JSON (rewritten after every section) come
-back inside the call. The estimates add up to ~440 s, the 8B section ~75 s of it:
+back inside the call. The estimates add up to ~450 s, the 8B section ~75 s of it:
 
  1-4. kernels (pagedserve.loadtest.kernel_checks.gpu_kernels): attention and cache-write correctness vs the
       torch reference; decode attention GB/s against a device-to-device copy at 64 x 2048
@@ -53,7 +53,7 @@ back inside the call. The estimates add up to ~440 s, the 8B section ~75 s of it
 13. ttft: prefill time to first token of a 2k- and an 8k-token prompt (default chunked
     prefill budget).
 14. imports: that the single-GPU sections loaded no ray, zmq, xgrammar, pydantic, ...
-15. gguf: the random Llama (8 layers) written as a Q4_1 GGUF, served natively (the Triton
+15. gguf: the random Llama (4 layers) written as a Q4_1 GGUF, served natively (the Triton
     int4 GEMM with the file's mins) and dequantized: fp32 greedy tokens equal, bf16 batch-1
     step and device memory each (loadtest/gpu/checks_gguf.py; the gguf wheel is carried).
 16. tp2: TensorParallel 2 over NCCL, fp32 tokens equal to HF's (section 5), when two GPUs

@@ -49,7 +49,7 @@ def sections(args) -> list[Section]:
            Section("top_p", 12, with_ctx(check_top_p)),
            Section("ttft", 12, with_ctx(check_ttft)),
            Section("imports", 0, with_ctx(check_imports)),
-           Section("gguf", 30, with_ctx(check_gguf)),  # after imports: it loads the gguf package
+           Section("gguf", 40, with_ctx(check_gguf)),  # after imports: it loads the gguf package
            # Only with two GPUs does it start engines; else it is a row saying why.
            Section("tp2", 60 if not args.cpu_smoke and torch.cuda.device_count() >= 2 else 0, with_ctx(check_tp2)),
            Section("hf_generate", 20, with_ctx(check_hf_generate)),
