@@ -32,7 +32,7 @@
 # installs them on a multi-GPU machine that reaches PyPI.
 
 # Wheels to carry (NAME==VERSION, Python 3.12 manylinux x86_64), beyond the image: gguf, for the
-# check's gguf section (pure Python, ~100 KB; its numpy, pyyaml, requests and tqdm are in the
+# check's gguf section (pure Python, small; its numpy, pyyaml, requests and tqdm are in the
 # image). loadtest/gpu/image.py reads this line: a name here is importable under --image-packages-only.
 CARRY="gguf==0.19.0"
 TP_CARRY="ray==2.60.0 pyzmq==27.3.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"

@@ -28,7 +28,7 @@ import torch
 from pagedserve.loadtest.gpu.harness import PROMPT_LEN, Ctx, StepTimer, agreement, generate, greedy, run_engine
 from pagedserve.loadtest.kernel_checks.gpu_kernels import RESULTS, row
 
-GGUF_LAYERS = 4  # of the small model's 16 (~0.3B weights): HF's init and the numpy quantizer stay ~30 s
+GGUF_LAYERS = 4  # of the small model's 16 (~0.3B weights): a short write (HF's init, the numpy quantizer)
 QTYPE = "Q4_1"
 
 
