@@ -99,36 +99,6 @@ PS_INLINE __m256i widen_rows(__m256i s16) {
                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s16, 1)));
 }
 
-// Q8_0 on AVX2: s8 q against s8 qx, as |q| (u8) times qx with q's sign. A pair's sum (at most
-// 2 x 128 x 127) leaves no room in int16: two positions' pairs are interleaved per row and
-// widened to int32 at once (madd with ones), rows 0-3 in `lo`, 4-7 in `hi`.
-template <int MR>
-PS_INLINE void q8_avx2(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b, w += 272) {
-    prefetch_ahead(w, 272);
-    const __m256 dw = f16x8(w);
-    __m256i q[8], a[8];
-    for (int u = 0; u < 8; ++u) {
-      q[u] = row_pairs(w + 16 + 32 * u);
-      a[u] = _mm256_abs_epi8(q[u]);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const XPairs p(xq[m].q + 32 * b);
-      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-      for (int u = 0; u < 8; u += 2) {
-        const __m256i m0 = _mm256_maddubs_epi16(a[u], _mm256_sign_epi8(p(u), q[u]));
-        const __m256i m1 = _mm256_maddubs_epi16(a[u + 1], _mm256_sign_epi8(p(u + 1), q[u + 1]));
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(m0, m1), ones));
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(m0, m1), ones));
-      }
-      const __m256i s32 = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
-                                           _mm256_permute2x128_si256(lo, hi, 0x31));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xq[m].d[b])), acc[m]);
-    }
-  }
-}
-
 struct Avx2Int8 {
   static constexpr int kRows = 4;  // rows of x a pass over a group's weights takes (16 ymm registers)
   static PS_INLINE __m256i load(const uint8_t* p) { return row_pairs(p); }
@@ -160,9 +130,34 @@ struct Avx2Int8 {
     lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel_lo), sel_lo), bit4));
     hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel_hi), sel_hi), bit4));
   }
+  // Q8_0: s8 q against s8 qx, as |q| (u8) times qx with q's sign. A pair's sum (at most
+  // 2 x 128 x 127) leaves no room in int16: two positions' pairs are interleaved per row and
+  // widened to int32 at once (madd with ones), rows 0-3 in `lo`, 4-7 in `hi`.
   template <int MR>
   static PS_INLINE void q8(const uint8_t* w, int64_t nb, const XQRow* xq, __m256 (&acc)[MR]) {
-    q8_avx2<MR>(w, nb, xq, acc);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b, w += 272) {
+      prefetch_ahead(w, 272);
+      const __m256 dw = f16x8(w);
+      __m256i q[8], a[8];
+      for (int u = 0; u < 8; ++u) {
+        q[u] = row_pairs(w + 16 + 32 * u);
+        a[u] = _mm256_abs_epi8(q[u]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const XPairs p(xq[m].q + 32 * b);
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        for (int u = 0; u < 8; u += 2) {
+          const __m256i m0 = _mm256_maddubs_epi16(a[u], _mm256_sign_epi8(p(u), q[u]));
+          const __m256i m1 = _mm256_maddubs_epi16(a[u + 1], _mm256_sign_epi8(p(u + 1), q[u + 1]));
+          lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(m0, m1), ones));
+          hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(m0, m1), ones));
+        }
+        const __m256i s32 = _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20),
+                                             _mm256_permute2x128_si256(lo, hi, 0x31));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(dw, _mm256_set1_ps(xq[m].d[b])), acc[m]);
+      }
+    }
   }
 };
 

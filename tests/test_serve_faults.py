@@ -187,9 +187,9 @@ def test_huge_prompts_are_4xx_within_1s_and_do_not_delay_others(base, client, mo
         err, took, ttfts = asyncio.run(scenario("a" * size))
         assert err.status_code == status, err
         assert took < 1.0, (size, took)  # tokenizing 20 MB took ~25 s, 3 MB ~4 s
-        # <= 2x, with 1 s of slack: on a busy 2-core box the 3 MB body itself, parsed and
-        # passed from the proxy to the ingress beside the probes, delayed them ~0.5 s once;
-        # a stall behind its tokenization would be ~4 s.
+        # <= 2x, with 1 s of slack: on a busy 2-core box the body itself, parsed and passed
+        # from the proxy to the ingress beside the probes, can delay them a little; a stall
+        # behind its tokenization would be several times the slack (the line above's figure).
         assert max(ttfts) <= 2 * baseline + 1.0, (size, baseline, ttfts)
 
 

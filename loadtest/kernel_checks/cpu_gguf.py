@@ -22,17 +22,10 @@ import torch
 
 from pagedserve.kernels import cpu_gguf
 from pagedserve.kernels.cpu_build import LazyExtension, read_source
+from pagedserve.loadtest.peers.llama_cpp import cpu_model
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 RANDOM_SHAPES = ((1536, 768), (768, 1536), (2048, 512))  # (N, K) of --random's GEMMs
-
-
-def cpu_name() -> str:
-    fields: dict[str, str] = {}
-    for line in open("/proc/cpuinfo"):
-        k, _, v = line.partition(":")
-        fields.setdefault(k.strip(), v.strip())
-    return f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
 
 
 def layer_parts(path: str, layer: int) -> list[cpu_gguf.GGUFPart]:
@@ -90,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     mod = cpu_gguf._EXT.get()
     isa = mod.isa()
     parts = random_parts(args.random) if args.random else layer_parts(args.gguf, args.layer)
-    print(f"{cpu_name()}; {args.threads} thread(s); build {isa}; "
+    print(f"{cpu_model()}; {args.threads} thread(s); build {isa}; "
           + (f"random {args.random}" if args.random else f"layer {args.layer}") + ": "
           + ", ".join(f"{p.qtype} {p.n}x{p.k}" for p in parts))
     other = avx2_module() if isa == "avx512vnni" else None

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     # (name, --quantization, --cpu-int8-activations)
     kinds = [("native", "gguf", False)] + ([("native-int8", "gguf", True)] if a.int8 else []) \
         + ([] if a.no_dequantized else [("dequantized", "none", False)])
-    report: dict = {"model": gguf, "cpu": cpu_name(), "offline": {}, "http": {}}
+    report: dict = {"model": gguf, "cpu": cpu_name()}
     if a.int8:
         from pathlib import Path
 

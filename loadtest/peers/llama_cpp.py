@@ -29,7 +29,7 @@ BINARY = HOME / "build" / "bin" / "llama-server"
 STAMP = HOME / "built-for-cpu.txt"
 
 
-def _cpu_name() -> str:
+def cpu_model() -> str:
     try:
         fields = {}
         for line in open("/proc/cpuinfo"):
@@ -41,7 +41,7 @@ def _cpu_name() -> str:
 
 
 def llama_server_available() -> bool:
-    return BINARY.exists() and STAMP.exists() and STAMP.read_text().strip() == _cpu_name()
+    return BINARY.exists() and STAMP.exists() and STAMP.read_text().strip() == cpu_model()
 
 
 def setup_llama_server(log=print, jobs: int = 2) -> Path:
@@ -74,7 +74,7 @@ def setup_llama_server(log=print, jobs: int = 2) -> Path:
                    stdout=subprocess.DEVNULL)
     if not BINARY.exists():
         raise RuntimeError(f"llama.cpp built but {BINARY} is missing")
-    STAMP.write_text(_cpu_name())
+    STAMP.write_text(cpu_model())
     return BINARY
 
 
