@@ -73,6 +73,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--proxy-location", default=None, choices=["HeadOnly", "EveryNode", "Disabled"],
                    help="where Serve runs HTTP proxies (default: HeadOnly on a loopback --host, whose "
                         "proxies elsewhere no client could reach; EveryNode otherwise)")
+    s.add_argument("--http-ingress", default=None, choices=["proxy", "haproxy"],
+                   help="the private Ray's HTTP ingress: proxy (Serve's Python proxy actor; default) or "
+                        "haproxy (Ray Serve's HAProxy ingress, the ingress replica serving HTTP itself: less "
+                        "CPU a streamed token, but an unstreamed request whose client leaves mostly runs to "
+                        "its end). RAY_SERVE_ENABLE_HA_PROXY=1 in the environment also chooses haproxy")
     s.add_argument("--serving-nice", type=int, default=int(os.environ.get("PAGEDSERVE_SERVING_NICE", "19")),
                    help="with the CPU split of --cpu-omp-threads-bind auto, the serving path may also use "
                         "the model's cores at this nice value, i.e. when the model leaves them idle "
@@ -162,9 +167,13 @@ def run_serve(args: argparse.Namespace) -> int:
     max_replicas = args.max_replicas if args.max_replicas is not None else args.min_replicas
     if max_replicas < args.min_replicas:
         raise SystemExit(f"--max-replicas ({max_replicas}) must be >= --min-replicas ({args.min_replicas}).")
+    from pagedserve.cluster.cli.http_ingress import configure as configure_ingress
+    from pagedserve.cluster.ray_utils import gcs_probe, init_ray, is_loopback
+
+    # Before Ray Serve is imported: its constants read the environment once.
+    ingress = configure_ingress(args.http_ingress, private=args.ray_address is None, loopback=is_loopback(args.host))
     from ray import serve
 
-    from pagedserve.cluster.ray_utils import gcs_probe, init_ray, is_loopback
     from pagedserve.cluster.cli.serving_cpu import ServingCPU
     from pagedserve.cluster.app import build_app, drain_timeout_s, resolve_cpu_bind
     from pagedserve.platforms import decide_here
@@ -223,6 +232,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     "%.1f sequences of max_model_len)", info["num_gpu_blocks"], info["block_size"],
                     info["num_gpu_blocks"] * info["block_size"], kv.get("kv_gib_per_rank", 0.0),
                     kv.get("max_concurrency_at_max_model_len", 0.0))
+        logger.info("HTTP ingress: %s", ingress)
         logger.info("ready in %.1f s: %s/v1  (try: curl %s/v1/models)  Ctrl-C to stop",
                     time.monotonic() - t0, url, url)
         while True:

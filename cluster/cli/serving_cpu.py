@@ -34,8 +34,8 @@ SERVING_NICE = 19
 # file name); anything else, the model workers ("ray::RayWorkerWrapper") and Ray's idle
 # workers ("ray::IDLE") among them, is left alone.
 SERVING_TITLES = ("ray::ProxyActor", "ray::ServeController", "ray::ServeReplica", "ray::DashboardAgent",
-                  "ray::RuntimeEnvAgent")
-SERVING_PROGRAMS = ("gcs_server", "dashboard.py", "log_monitor.py", "monitor.py")
+                  "ray::RuntimeEnvAgent", "ray::HAProxyManager")
+SERVING_PROGRAMS = ("gcs_server", "dashboard.py", "log_monitor.py", "monitor.py", "haproxy")
 
 
 def is_serving(argv: list[str]) -> bool:

@@ -48,8 +48,10 @@ import httpx
 from pagedserve.loadtest.harness.servers import pagedserve_server, session_pids
 from pagedserve.loadtest.workloads import patterned_ids
 
-# Process role by what its command line contains (Ray sets actor titles: ray::<Class>...).
-ROLES = (("ProxyActor", "proxy"), ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
+# Process role by what its command line contains (Ray sets actor titles: ray::<Class>...). "proxy" is
+# the HTTP ingress in front of the ingress replica: Serve's proxy actor, or HAProxy and its manager.
+ROLES = (("ProxyActor", "proxy"), ("HAProxyManager", "proxy"), ("bin/haproxy", "proxy"),
+         ("OpenAIIngress", "ingress"), ("EngineDeployment", "engine replica"),
          ("StatsAggregator", "stats"), ("RayWorkerWrapper", "model worker"), ("ServeController", "controller"),
          ("cli.main serve", "serve cli"), ("gcs_server", "ray"), ("raylet", "ray"), ("dashboard", "ray"),
          ("DashboardAgent", "ray"), ("RuntimeEnvAgent", "ray"), ("log_monitor", "ray"),
