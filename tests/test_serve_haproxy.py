@@ -6,8 +6,8 @@ replica (cluster/cli/http_ingress.py), as a user meets it, on one server on loop
   configuration binds on every interface, on fixed ports a second server would collide on.
 - A dropped stream aborts its request and frees its KV blocks, while the others finish
   (tests/test_serve_cancel.py's scenario, against this server). An unstreamed request whose
-  client leaves is not tested: HAProxy mostly does not pass that close on (the module says
-  why), which is why Serve's proxy stays the default.
+  client leaves is not tested: HAProxy passes that close on mostly but not always (the
+  module has the counts), which is why Serve's proxy stays the default.
 - Errors keep OpenAI's shape, a body over the limit is a 413.
 - Ctrl-C stops it within its bound, HAProxy included, and leaves nothing behind.
 Serve's proxy, the default, is what every other server of the tests runs."""

@@ -10,12 +10,12 @@ streamed token no longer crosses the Python proxy as a Ray stream item: less CPU
 serving path a token, which on a CPU node the model's borrowed cores get back
 (BENCHMARKS.md, "HTTP ingress").
 
-Not the default, for one thing the proxy does and HAProxy does not: when a client leaves
-while its answer is not streamed (a client timeout), Serve's proxy cancels the request, and
-the engine aborts it. HAProxy takes a client's close after the request went on as a
-half-close and waits for the answer, unless the close comes before it has passed the
-request on; so such a request mostly runs to its end in the engine. A dropped stream is
-seen either way (the next chunk's write fails). tests/test_serve_haproxy.py has both.
+Not the default, for one thing the proxy does and HAProxy does not always: when a client
+leaves while its answer is not streamed (a client timeout), Serve's proxy cancels the request,
+and the engine aborts it. Behind HAProxy the ingress replica learns of the leave only if
+HAProxy closes its connection to it, which it mostly but not always does (BENCHMARKS.md has
+the counts); the others run to their end in the engine. A dropped stream is seen either way
+(the next chunk's write fails). tests/test_serve_haproxy.py has the stream.
 
 Ray reads these settings when its processes start, so they are set here, before the
 private Ray starts. A joined cluster (``--ray-address``) runs whatever its nodes were
@@ -26,7 +26,7 @@ Ray runs HAProxy through a small shell script written at start (``write_wrapper`
 ``RAY_SERVE_HAPROXY_BINARY_PATH``), which edits the configuration Ray writes, then runs the
 real binary:
 - connections to an ingress replica are not shared between clients ("http-reuse never"),
-  which passes on more of those closes (those that come before the request went on);
+  which passes on more of those closes;
 - on a loopback ``--host``, the stats page and the Prometheus endpoint, which Ray binds on
   every interface, bind to 127.0.0.1: a server the user kept on loopback opens nothing to
   the network. They also get free ports (Ray's are fixed: 8404, 9101), so two servers on

@@ -76,8 +76,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--http-ingress", default=None, choices=["proxy", "haproxy"],
                    help="the private Ray's HTTP ingress: proxy (Serve's Python proxy actor; default) or "
                         "haproxy (Ray Serve's HAProxy ingress, the ingress replica serving HTTP itself: less "
-                        "CPU a streamed token, but an unstreamed request whose client leaves mostly runs to "
-                        "its end). RAY_SERVE_ENABLE_HA_PROXY=1 in the environment also chooses haproxy")
+                        "CPU a streamed token, but an unstreamed request whose client leaves is not always "
+                        "aborted). RAY_SERVE_ENABLE_HA_PROXY=1 in the environment also chooses haproxy")
     s.add_argument("--serving-nice", type=int, default=int(os.environ.get("PAGEDSERVE_SERVING_NICE", "19")),
                    help="with the CPU split of --cpu-omp-threads-bind auto, the serving path may also use "
                         "the model's cores at this nice value, i.e. when the model leaves them idle "
