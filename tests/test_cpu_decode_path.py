@@ -5,6 +5,8 @@ what ran the decode steps, and it stays off where it does not fit (a quantised K
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from _gguf_helpers import write_gguf_from_hf
@@ -95,6 +97,26 @@ def test_it_stays_off_for_a_quantised_cache(models):
               kv_cache_dtype="int8")
     try:
         assert _graph_runner(llm).cpu_path is None
+        assert len(_run(llm, 1)) == len(PROMPTS)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", "bfloat16"), ("gguf-q4_1", "bfloat16"), ("llama", "float32")])
+def test_another_dtype_says_what_it_costs_and_names_float32(models, name, dtype, caplog):
+    """bfloat16 on a CPU runs torch's reference ops between the GEMMs (the kernels there
+    take float32): the start-up warns once and names --dtype float32, and for GGUF weights
+    that they compute in float32 anyway. float32 warns nothing."""
+    with caplog.at_level(logging.WARNING, logger="pagedserve.worker.cuda_graphs"):
+        llm = LLM(model=models[name], dtype=dtype, max_model_len=256, num_gpu_blocks_override=64)
+    try:
+        warned = [r.getMessage() for r in caplog.records if "--dtype float32" in r.getMessage()]
+        if dtype == "float32":
+            assert warned == [] and _graph_runner(llm).cpu_path is not None
+        else:
+            assert len(warned) == 1 and f"runs in {dtype} on the CPU" in warned[0], warned
+            assert ("GGUF weights compute in float32" in warned[0]) == name.startswith("gguf")
+            assert _graph_runner(llm).cpu_path is None
         assert len(_run(llm, 1)) == len(PROMPTS)
     finally:
         llm.shutdown()

@@ -248,6 +248,7 @@ def _serve_cli(tmp_path: Path) -> None:
         assert f"http://127.0.0.1:{port}/v1" in text
         assert "KV cache per replica: 64 blocks x 16 tokens = 1024 tokens" in text
         assert "HTTP ingress: proxy" in text  # Serve's proxy by default (cluster/cli/http_ingress.py)
+        assert "--dtype float32 is the CPU's fast path" not in text  # the default model runs in float32
         tree = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in p.name() for p in tree)  # it started its own Ray
         _check_placement(proc, tree, text)

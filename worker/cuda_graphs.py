@@ -57,6 +57,19 @@ def graphs_disabled_reason(device: torch.device, attention_backend: str, enforce
     return None
 
 
+def cpu_dtype_warning(dtype: str, gguf: bool) -> str | None:
+    """What a CPU model in ``dtype`` other than float32 costs, and the fix (None for
+    float32): the CPU kernels between the GEMMs (decode attention, norms, rotary, the bound
+    decode path) take float32, so its steps run torch's reference ops there (BENCHMARKS.md
+    has the cost). GGUF weights compute in float32 whatever the dtype. The worker logs it,
+    and ``pagedserve serve`` too (a worker's log is not on its console)."""
+    if dtype in ("float32", "torch.float32"):
+        return None
+    return (f"the model runs in {dtype.removeprefix('torch.')} on the CPU, whose kernels between the GEMMs take "
+            "float32: they run as torch's reference ops, several times slower. --dtype float32 is the CPU's fast "
+            "path" + (", and GGUF weights compute in float32 whatever --dtype says." if gguf else "."))
+
+
 class CudaGraphRunner:
     def __init__(self, model: torch.nn.Module, buffers: StepBuffers, sizes: list[int], *, use_graphs: bool,
                  pad_eager: bool = False) -> None:
@@ -86,6 +99,12 @@ class CudaGraphRunner:
 
             self.cpu_path, why = CPUDecodePath.build(self.model, kv_caches)
             logger.info("CPU decode path: %s", "bound" if why is None else f"off ({why})")
+            from pagedserve.kernels.cpu_gguf import GGUFWeight
+
+            gguf = any(type(getattr(m, "_packed", None)) is GGUFWeight for m in self.model.modules())
+            warning = cpu_dtype_warning(str(self.model.config.dtype), gguf)
+            if warning is not None:
+                logger.warning("%s", warning)
         if not self.use_graphs:
             return
         t0 = time.perf_counter()

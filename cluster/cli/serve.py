@@ -233,6 +233,12 @@ def run_serve(args: argparse.Namespace) -> int:
                     info["num_gpu_blocks"] * info["block_size"], kv.get("kv_gib_per_rank", 0.0),
                     kv.get("max_concurrency_at_max_model_len", 0.0))
         logger.info("HTTP ingress: %s", ingress)
+        if info.get("device") == "cpu":
+            from pagedserve.worker.cuda_graphs import cpu_dtype_warning
+
+            warning = cpu_dtype_warning(info["dtype"], info.get("quantization") == "gguf")
+            if warning is not None:
+                logger.warning("%s", warning)
         logger.info("ready in %.1f s: %s/v1  (try: curl %s/v1/models)  Ctrl-C to stop",
                     time.monotonic() - t0, url, url)
         while True:
