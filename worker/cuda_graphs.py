@@ -95,14 +95,14 @@ class CudaGraphRunner:
         Triton compiles and cuBLAS picks its kernels outside the graph. On a CPU: the bound
         decode path instead, where the model fits it."""
         if self.buffers.device.type == "cpu":
+            from pagedserve.kernels.cpu_gguf import GGUFWeight
             from pagedserve.worker.cpu_decode_path import CPUDecodePath
 
             self.cpu_path, why = CPUDecodePath.build(self.model, kv_caches)
             logger.info("CPU decode path: %s", "bound" if why is None else f"off ({why})")
-            from pagedserve.kernels.cpu_gguf import GGUFWeight
-
             gguf = any(type(getattr(m, "_packed", None)) is GGUFWeight for m in self.model.modules())
-            warning = cpu_dtype_warning(str(self.model.config.dtype), gguf)
+            dtype = getattr(getattr(self.model, "config", None), "dtype", torch.float32)  # a test's bare module: none
+            warning = cpu_dtype_warning(str(dtype), gguf)
             if warning is not None:
                 logger.warning("%s", warning)
         if not self.use_graphs:
