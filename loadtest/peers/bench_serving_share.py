@@ -1,6 +1,6 @@
 """The serving path's share at one user, pagedserve's beside vLLM's, on the same weights.
 
-Issue 57's "serving share" is HTTP tok/s at c=1 over offline batch-1 tok/s, each engine on
+Issue 57's "serving share" is the output rate over HTTP at c=1 over the offline batch-1 rate, each engine on
 the same cores:
 
     offline b1   one request at a time through the engine's own ``LLM.generate`` (one fresh
@@ -109,7 +109,7 @@ if __name__ == "__main__":
 
 
 def offline_b1(engine: str, model: str, prompts: list[list[int]], max_tokens: int) -> float:
-    """Mean tok/s of ``prompts`` sent one at a time, each a batch of one, in one fresh
+    """The mean output rate of ``prompts`` sent one at a time, each a batch of one, in one fresh
     process of the engine's (vLLM: its defaults, compiled; fp32 as the server)."""
     import os
     import sys
