@@ -100,11 +100,10 @@ class CudaGraphRunner:
 
             self.cpu_path, why = CPUDecodePath.build(self.model, kv_caches)
             logger.info("CPU decode path: %s", "bound" if why is None else f"off ({why})")
-            gguf = any(type(getattr(m, "_packed", None)) is GGUFWeight for m in self.model.modules())
             dtype = getattr(getattr(self.model, "config", None), "dtype", torch.float32)  # a test's bare module: none
-            warning = cpu_dtype_warning(str(dtype), gguf)
-            if warning is not None:
-                logger.warning("%s", warning)
+            if dtype != torch.float32:  # only then is the model's weight kind worth a walk over its modules
+                gguf = any(type(getattr(m, "_packed", None)) is GGUFWeight for m in self.model.modules())
+                logger.warning("%s", cpu_dtype_warning(str(dtype), gguf))
         if not self.use_graphs:
             return
         t0 = time.perf_counter()
